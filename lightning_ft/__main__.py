@@ -1,0 +1,50 @@
+"""Command line: ``python -m lightning_ft fit [hydra overrides]`` (or the ``lightning-ft`` script).
+
+Examples::
+
+    python -m lightning_ft fit                                   # built-in default (tiny model, CPU)
+    python -m lightning_ft fit +experiment=qwen3_moe            # Qwen3-30B-A3B shape on a GPU
+    python -m lightning_ft fit data.path=train.jsonl lora.rank=8
+    python -m lightning_ft fit -m lora.rank=4,8                 # a Hydra sweep
+    python -m lightning_ft fit --cfg job                         # print the composed config
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = ("fit",)
+USAGE = f"usage: python -m lightning_ft {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]"
+
+
+def _fit_task(cfg) -> None:
+    from lightning_ft.fit import fit
+
+    fit(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``argv[0]`` (a command; ``fit`` when omitted) to its Hydra app with the other arguments."""
+    import hydra
+
+    from lightning_ft.config import register_configs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if argv and argv[0] in COMMANDS:
+        command, overrides = argv[0], argv[1:]
+    elif not argv or "=" in argv[0] or argv[0].startswith(("-", "+")):
+        # no command: `fit` (this is also how Lightning relaunches the other ranks under DDP)
+        command, overrides = "fit", argv
+    else:
+        raise SystemExit(f"unknown command {argv[0]!r}; expected one of {COMMANDS}\n{USAGE}")
+    register_configs()
+    sys.argv = [sys.argv[0], *overrides]
+    app = hydra.main(version_base="1.3", config_path="pkg://lightning_ft.configs", config_name=command)(_fit_task)
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Lightning callbacks: throughput, and the end-of-run summary (summary.json, adapter export, loss plot)."""

@@ -1,0 +1,114 @@
+"""End of a run: export the adapter, write ``summary.json`` and plot the loss curve (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lightning_ft.callbacks.throughput import TokenThroughput
+
+log = logging.getLogger(__name__)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Peak memory of this process: allocated on the CUDA device, else the resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_loss_curve(losses: list[float], path: Path, title: str = "training loss") -> None:
+    """Save a PNG of the per-step training loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(range(1, len(losses) + 1), losses, lw=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / target token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class RunSummary(L.Callback):
+    """Writes the run's results into ``run_dir`` when fitting ends.
+
+    - ``adapter/``: the PEFT adapter (``save_pretrained``; loads with ``PeftModel.from_pretrained``)
+      or, for full fine-tuning, the whole model; plus the tokenizer.
+    - ``summary.json``: ``initial_loss``, ``final_loss`` (first and last optimizer step),
+      ``steps``, ``train_tokens``, ``tokens_per_s``, ``peak_memory_bytes``, ``adapter_dir``,
+      ``checkpoint_path``, the data statistics, and the resolved ``config``.
+    - ``loss_curve.png``.
+
+    Args:
+        run_dir: the Hydra run directory.
+        config: the resolved config, stored in summary.json.
+    """
+
+    def __init__(self, run_dir: str | Path, config: dict[str, Any] | None = None):
+        self.run_dir = Path(run_dir)
+        self.config = config or {}
+        self.summary: dict[str, Any] = {}
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, pl_module)
+
+    @rank_zero_only
+    def _write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        adapter_dir = self.run_dir / "adapter"
+        pl_module.model.save_pretrained(adapter_dir)
+        datamodule = trainer.datamodule
+        if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
+            datamodule.tokenizer.save_pretrained(adapter_dir)
+        throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
+        losses = pl_module.step_losses
+        peak, peak_kind = peak_memory_bytes(pl_module.device)
+        ckpt = trainer.checkpoint_callback
+        self.summary = {
+            "initial_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "steps": trainer.global_step,
+            "train_tokens": throughput.train_tokens if throughput else None,
+            "tokens_per_s": throughput.tokens_per_s if throughput else None,
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": peak_kind,
+            "adapter_dir": str(adapter_dir),
+            "checkpoint_path": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt else None,
+            "val_loss": _float(trainer.callback_metrics.get("val/loss")),
+            "data": asdict(datamodule.stats) if datamodule is not None and hasattr(datamodule, "stats") else None,
+            "world_size": trainer.world_size,
+            "device": str(pl_module.device),
+            "config": self.config,
+        }
+        write_json_atomic(self.run_dir / "summary.json", self.summary)
+        if losses:
+            plot_loss_curve(losses, self.run_dir / "loss_curve.png")
+        log.info("summary: %s", self.run_dir / "summary.json")
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)

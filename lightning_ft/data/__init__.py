@@ -1,0 +1,1 @@
+"""Data: formats, tokenization, packing (`PackedBatch`) and the Lightning data module."""

@@ -1,0 +1,215 @@
+"""Reading training rows and turning them into conversations.
+
+Every supported row shape becomes an `Example`: either a conversation (a list of
+``{"role", "content"}`` messages, rendered later with the tokenizer's chat template, where
+only the assistant turns are targets) or a plain ``text`` (every token is a target).
+
+=============  ====================================================  ==========================
+format         row fields                                            becomes
+=============  ====================================================  ==========================
+``qa``         ``question``, ``answer``                              user → assistant
+``instruction`` ``instruction``, ``output`` (``input`` optional), or  user → assistant, one
+               ``instruction`` + ``instances: [{input, output}]``    example per instance
+``chat``       ``messages: [{role, content}, ...]``                  the messages as they are
+``text``       ``text``                                              plain text
+=============  ====================================================  ==========================
+
+Rows come from a local ``.jsonl``/``.json``/``.parquet`` file or a Hugging Face ``datasets``
+name (read with `datasets.load_dataset`), or from a built-in generator (``builtin:<name>``,
+see `lightning_ft.data.builtin`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("qa", "instruction", "chat", "text")
+ROLES = ("system", "user", "assistant")
+_REQUIRED = {
+    "qa": ("question", "answer"),
+    "instruction": ("instruction", "output | instances"),
+    "chat": ("messages",),
+    "text": ("text",),
+}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training document before tokenization: a conversation or a plain text.
+
+    Attributes:
+        messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` or None.
+        text: the document for the ``text`` format, or None.
+        source: where it came from (``file row N``), used in error messages.
+    """
+
+    messages: tuple[dict[str, str], ...] | None = None
+    text: str | None = None
+    source: str = ""
+
+
+def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
+    """Read all rows of a local file or a `datasets` name.
+
+    Args:
+        path: ``.jsonl``/``.json``/``.parquet`` file, or a dataset name for `datasets.load_dataset`.
+        split: the split to read from a dataset name.
+
+    Raises:
+        ValueError: malformed JSON (names the file and line), an unreadable file, or no rows.
+        FileNotFoundError: ``path`` looks like a local file and does not exist.
+    """
+    import datasets
+
+    local = Path(path).expanduser()
+    suffix = local.suffix.lower()
+    if local.exists():
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
+        if builder is None:
+            raise ValueError(f"{local}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
+        if local.stat().st_size == 0 or suffix == ".jsonl" and _check_jsonl(local) == 0:
+            raise ValueError(f"{local}: the file has no rows")
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+        except Exception as err:  # datasets wraps parser errors in its own types
+            raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
+    elif suffix in (".jsonl", ".json", ".parquet"):
+        raise FileNotFoundError(f"data.path={path!r}: no such file")
+    else:
+        try:
+            ds = datasets.load_dataset(path, split=split)
+        except Exception as err:
+            raise ValueError(
+                f"data.path={path!r} is not a local file and could not be loaded as a `datasets` name "
+                f"(split {split!r}): {err}"
+            ) from err
+    rows = ds.to_list()
+    if not rows:
+        raise ValueError(f"{path}: the file has no rows")
+    return rows
+
+
+def _check_jsonl(path: Path) -> int:
+    """Count the rows; raise a ValueError naming ``path:line`` for the first line that is not a JSON object."""
+    rows = 0
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            rows += 1
+    return rows
+
+
+def detect_format(row: dict[str, Any], source: str = "") -> str:
+    """Name the format of a row from its fields (see the module table).
+
+    Raises:
+        ValueError: no known field set is present (names the fields found and the ones expected).
+    """
+    if "messages" in row:
+        return "chat"
+    if "instruction" in row and ("output" in row or "instances" in row):
+        return "instruction"
+    if "question" in row and "answer" in row:
+        return "qa"
+    if "text" in row:
+        return "text"
+    expected = "; ".join(f"{fmt}: {', '.join(fields)}" for fmt, fields in _REQUIRED.items())
+    raise ValueError(f"{source}: cannot tell the data format from the fields {sorted(row)}; expected one of: {expected}")
+
+
+def to_examples(
+    rows: Sequence[dict[str, Any]], fmt: str = "auto", source: str = "data", system_prompt: str | None = None
+) -> list[Example]:
+    """Convert rows to `Example`s.
+
+    Args:
+        rows: dicts as read by `read_rows`.
+        fmt: one of `FORMATS`, or ``auto`` to detect it from the first row (logged).
+        source: a name for error messages (usually the file path).
+        system_prompt: if given, a system message put first in every conversation that has none.
+
+    Raises:
+        ValueError: unknown format, a row missing the fields of its format, a non-string field,
+            or a chat message with an unknown role (each names the row).
+    """
+    if not rows:
+        raise ValueError(f"{source}: no rows")
+    if fmt == "auto":
+        fmt = detect_format(rows[0], f"{source} row 1")
+        log.info("data.format=auto: %s looks like the %r format", source, fmt)
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format={fmt!r}: expected auto or one of {FORMATS}")
+    examples: list[Example] = []
+    for i, row in enumerate(rows, start=1):
+        where = f"{source} row {i}"
+        for messages in _row_to_conversations(row, fmt, where):
+            if messages is None:
+                examples.append(Example(text=_string(row, "text", where), source=where))
+                continue
+            if system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": system_prompt}, *messages]
+            examples.append(Example(messages=tuple(messages), source=where))
+    return examples
+
+
+def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable[list[dict[str, str]] | None]:
+    missing = [f for f in _REQUIRED[fmt] if "|" not in f and row.get(f) is None]
+    if fmt == "instruction" and row.get("output") is None and row.get("instances") is None:
+        missing.append("output (or instances)")
+    if missing:
+        raise ValueError(
+            f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing {missing} "
+            f"(the row has {sorted(row)})"
+        )
+    if fmt == "text":
+        yield None
+    elif fmt == "qa":
+        yield [_msg("user", _string(row, "question", where)), _msg("assistant", _string(row, "answer", where))]
+    elif fmt == "instruction":
+        instruction = _string(row, "instruction", where)
+        instances = row.get("instances")
+        if instances is None:
+            instances = [{"input": row.get("input") or "", "output": row["output"]}]
+        if not isinstance(instances, list) or not instances:
+            raise ValueError(f"{where}: 'instances' must be a non-empty list of {{input, output}}")
+        for j, inst in enumerate(instances):
+            if not isinstance(inst, dict) or inst.get("output") is None:
+                raise ValueError(f"{where}: instances[{j}] needs an 'output' field")
+            prompt = instruction if not inst.get("input") else f"{instruction}\n\n{inst['input']}"
+            yield [_msg("user", prompt), _msg("assistant", _string(inst, "output", f"{where} instances[{j}]"))]
+    else:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        out = []
+        for j, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"{where}: messages[{j}] must have 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise ValueError(f"{where}: messages[{j}] has the unknown role {m['role']!r}; expected one of {ROLES}")
+            out.append(_msg(m["role"], _string(m, "content", f"{where} messages[{j}]")))
+        yield out
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+def _string(row: dict[str, Any], key: str, where: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value

@@ -1,0 +1,170 @@
+"""Packing tokenized documents into sequences of a token budget, and the `PackedBatch` contract.
+
+Three documents of 3, 2 and 4 tokens packed into one row of T = 9 tokens::
+
+    input_ids     a0 a1 a2 | b0 b1 | c0 c1 c2 c3
+    position_ids   0  1  2 |  0  1 |  0  1  2  3      restart at 0 in every document
+    labels        -- a1 a2 | -- b1 | -- c1 c2 c3      (-- = -100; prompt tokens are -100 too)
+    cu_seqlens    [0, 3, 5, 9]                        int32, num_docs + 1 offsets
+    max_seqlen    4                                   Python int
+
+The first token of every document is never a target: the loss shifts labels by one, so the
+logits at ``a2`` would otherwise be trained to predict ``b0`` across the boundary.
+
+Attention sees the block-diagonal causal mask (row = query, column = key, ``x`` = attends)::
+
+    a0 x
+    a1 x x
+    a2 x x x
+    b0       x
+    b1       x x
+    c0           x
+    c1           x x
+    c2           x x x
+    c3           x x x x
+
+Everything here is built on the host in the collator (no device sync); `PackedBatch.cached`
+holds the attention structures derived from it (per device), built once per batch and reused by
+every layer.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from lightning_ft.data.tokenization import IGNORE_INDEX
+
+
+@dataclass
+class PackedBatch:
+    """One packed micro-batch: documents concatenated into a single row.
+
+    Attributes:
+        input_ids: [1, T] int64.
+        labels: [1, T] int64, unshifted (HF convention), ``-100`` where not trained on.
+        position_ids: [1, T] int64, restarting at 0 in every document.
+        cu_seqlens: [num_docs + 1] int32 cumulative document lengths; always kept on the host.
+        max_seqlen: the longest document, a Python int.
+        num_target_tokens: how many labels are not ``-100`` (a Python int).
+        step_tokens: tokens in the whole optimizer step this micro-batch belongs to, over all its
+            micro-batches and all ranks (a Python int, known on the host, so normalising needs no
+            collective and no device sync).
+        step_target_tokens: likewise for target tokens: the divisor of the step's summed loss.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_target_tokens: int
+    step_tokens: int = 0
+    step_target_tokens: int = 0
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of tokens in the row."""
+        return self.input_ids.shape[1]
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """The batch with its token tensors on ``device`` (``cu_seqlens`` stays on the host) and a fresh cache.
+
+        Lightning calls this to move the batch (any object with ``.to`` is moved that way).
+        """
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            labels=move(self.labels),
+            position_ids=move(self.position_ids),
+            _cache={},
+        )
+
+    def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """Return ``build()`` computed once per batch for ``key`` (include the device in the key)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+
+def pack_sequences(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group documents into bins of at most ``max_tokens`` tokens, best-fit decreasing.
+
+    Documents are placed longest first into the fullest bin that still has room (O(n log n) with
+    a sorted list of free capacities), which packs at least as tightly as first-fit decreasing.
+
+    Args:
+        lengths: token count of each document; every one must be in 1..max_tokens.
+        max_tokens: the token budget of a packed row.
+
+    Returns:
+        Lists of document indices, one list per packed row, in a deterministic order.
+
+    Raises:
+        ValueError: a document is empty or longer than ``max_tokens``.
+    """
+    bad = [i for i, n in enumerate(lengths) if not 0 < n <= max_tokens]
+    if bad:
+        raise ValueError(f"document {bad[0]} has {lengths[bad[0]]} tokens; each must have 1..{max_tokens} (data.max_tokens)")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (remaining capacity, bin index), sorted
+    for i in order:
+        n = lengths[i]
+        pos = bisect.bisect_left(free, (n, -1))
+        if pos < len(free):
+            room, b = free.pop(pos)
+            bins[b].append(i)
+            bisect.insort(free, (room - n, b))
+        else:
+            bins.append([i])
+            bisect.insort(free, (max_tokens - n, len(bins) - 1))
+    return bins
+
+
+def collate_packed(
+    docs: Sequence[tuple[Sequence[int], Sequence[int]]], step_tokens: int = 0, step_target_tokens: int = 0
+) -> PackedBatch:
+    """Build a `PackedBatch` from ``(input_ids, labels)`` documents (see the module picture).
+
+    ``step_tokens``/``step_target_tokens`` are stored as given (see `PackedBatch`); 0 means "this
+    micro-batch alone" and is replaced by its own counts.
+
+    Raises:
+        ValueError: no documents, or a document whose ids and labels differ in length.
+    """
+    if not docs:
+        raise ValueError("cannot pack zero documents")
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    cu_seqlens = [0]
+    for ids, labs in docs:
+        if len(ids) != len(labs) or not ids:
+            raise ValueError(f"a document has {len(ids)} input ids and {len(labs)} labels")
+        input_ids.extend(ids)
+        labels.append(IGNORE_INDEX)  # the first token is never predicted from the previous document
+        labels.extend(labs[1:])
+        positions.extend(range(len(ids)))
+        cu_seqlens.append(cu_seqlens[-1] + len(ids))
+    labels_t = torch.tensor(labels, dtype=torch.long)
+    num_target_tokens = int((labels_t != IGNORE_INDEX).sum())
+    return PackedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long)[None],
+        labels=labels_t[None],
+        position_ids=torch.tensor(positions, dtype=torch.long)[None],
+        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
+        max_seqlen=max(len(ids) for ids, _ in docs),
+        num_target_tokens=num_target_tokens,
+        step_tokens=step_tokens or len(input_ids),
+        step_target_tokens=step_target_tokens or num_target_tokens,
+    )

@@ -1,0 +1,1 @@
+"""The LightningModule and the model-side hot path (attention, patching)."""

@@ -1,0 +1,1 @@
+"""Lightning plugins and strategies of lightning_ft."""

@@ -1,0 +1,30 @@
+"""Atomic checkpoint writes: a crash while writing leaves the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` that writes to ``<path>.tmp`` then renames it over ``<path>``.
+
+    `os.replace` is atomic on POSIX file systems, so readers see either the old file or the whole
+    new one (Lightning's own writer streams into the final path).
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from lightning_ft.data.formats import detect_format, read_rows, to_examples
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_detects_each_format():
+    assert detect_format({"question": "q", "answer": "a"}) == "qa"
+    assert detect_format({"instruction": "i", "input": "", "output": "o"}) == "instruction"
+    assert detect_format({"instruction": "i", "instances": []}) == "instruction"
+    assert detect_format({"messages": []}) == "chat"
+    assert detect_format({"text": "t"}) == "text"
+    with pytest.raises(ValueError, match="cannot tell the data format.*prompt"):
+        detect_format({"prompt": "x"}, "f.jsonl row 1")
+
+
+def test_qa_and_instruction_become_conversations():
+    (qa,) = to_examples([{"question": "2+2?", "answer": "4"}])
+    assert qa.messages == ({"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"})
+    ex = to_examples([{"instruction": "Add.", "instances": [{"input": "1 1", "output": "2"}, {"input": "", "output": "0"}]}])
+    assert [m[0]["content"] for m in (e.messages for e in ex)] == ["Add.\n\n1 1", "Add."]
+    assert [e.messages[1]["content"] for e in ex] == ["2", "0"]
+
+
+def test_system_prompt_is_prepended_once():
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    (ex,) = to_examples(rows, system_prompt="Be brief.")
+    assert ex.messages[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_missing_fields_name_the_row_and_the_fields():
+    with pytest.raises(ValueError, match=r"data row 2: the 'qa' format needs .*missing \['answer'\]"):
+        to_examples([{"question": "a", "answer": "b"}, {"question": "c"}], fmt="qa")
+
+
+def test_unknown_role_names_the_row():
+    rows = [{"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}]
+    with pytest.raises(ValueError, match=r"row 1: messages\[1\] has the unknown role 'robot'"):
+        to_examples(rows)
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "broken"\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_rows(str(path))
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no rows"):
+        read_rows(str(empty))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+
+
+def test_reads_jsonl_and_parquet(tmp_path):
+    rows = [{"question": "q1", "answer": "a1"}, {"question": "q2", "answer": "a2"}]
+    assert read_rows(_jsonl(tmp_path / "d.jsonl", rows)) == rows
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert read_rows(str(tmp_path / "d.parquet")) == rows

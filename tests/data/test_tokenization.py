@@ -1,0 +1,33 @@
+from lightning_ft.data.formats import Example
+from lightning_ft.data.tokenization import IGNORE_INDEX, load_tokenizer, tokenize_example
+
+
+def test_builtin_tokenizer_round_trips_text():
+    tok = load_tokenizer("builtin")
+    text = "What is 37 + 48? Natalia sold 48/2 = 24 clips. ünïcode ✓"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_only_assistant_replies_are_targets():
+    tok = load_tokenizer("builtin")
+    messages = (
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "1 + 2 = 3"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+    )
+    ids, labels = tokenize_example(Example(messages=messages), tok)
+    assert len(ids) == len(labels)
+    assert tok.decode(ids) == tok.apply_chat_template(list(messages), tokenize=False)
+    targets = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+    assert targets == "1 + 2 = 3<|im_end|>\n4<|im_end|>\n"
+    ids2, labels2 = tokenize_example(Example(messages=messages), tok, train_on_prompt=True)
+    assert ids2 == ids and labels2 == ids
+
+
+def test_text_is_all_target_and_ends_with_eos():
+    tok = load_tokenizer("builtin")
+    ids, labels = tokenize_example(Example(text="hello"), tok)
+    assert ids == labels and ids[-1] == tok.eos_token_id
