@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     """Dispatch ``argv[0]`` (a command; ``fit`` when omitted) to its Hydra app with the other arguments."""
     import hydra
 
-    from lightning_ft.config import register_configs
+    from lightning_ft.config import config_dir, register_configs
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown command {argv[0]!r}; expected one of {COMMANDS}\n{USAGE}")
     register_configs()
     sys.argv = [sys.argv[0], *overrides]
-    app = hydra.main(version_base="1.3", config_path="pkg://lightning_ft.configs", config_name=command)(_fit_task)
+    app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=command)(_fit_task)
     app()
 
 

@@ -7,7 +7,9 @@ wrong type fails at composition with Hydra's error naming the key. Group options
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -56,12 +58,23 @@ class LoraConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """``kernels=``: fused Triton kernels patched into the model (``none``: stock transformers)."""
+
+    rms_norm: bool = False
+    rope: bool = False
+    swiglu: bool = False
+    fused_linear_cross_entropy: bool = False  # never materialises the [T, vocab] logits
+
+
+@dataclass
 class FitConfig:
     """The whole config of ``python -m lightning_ft fit``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     optimizer: Any = None  # a `_partial_` optimizer
     scheduler: Any = None  # a `_partial_` LR scheduler taking (optimizer, num_training_steps), or null
     trainer: dict[str, Any] = field(default_factory=dict)  # lightning.Trainer arguments
@@ -70,6 +83,15 @@ class FitConfig:
     seed: int = 42
     ckpt_path: Optional[str] = None  # resume: `last` or a checkpoint file
     run_dir: str = "."  # where outputs go: the Hydra run directory
+
+
+def config_dir() -> str:
+    """Absolute path of the Hydra configs: the installed ``lightning_ft.configs`` package data, or
+    ``configs/`` beside the package in a source checkout used through ``PYTHONPATH``."""
+    spec = importlib.util.find_spec("lightning_ft.configs")
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(list(spec.submodule_search_locations)[0]).resolve())
+    return str(Path(__file__).resolve().parent.parent / "configs")
 
 
 def register_configs() -> None:

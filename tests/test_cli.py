@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 
-from lightning_ft.config import register_configs
+from lightning_ft.config import config_dir, register_configs
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -19,7 +19,7 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.y
 
 def _compose(overrides):
     register_configs()
-    with initialize_config_module("lightning_ft.configs", version_base="1.3"):
+    with initialize_config_dir(config_dir(), version_base="1.3"):
         return compose("fit", overrides=overrides)
 
 

@@ -53,7 +53,7 @@ def plot_loss_curve(losses: list[float], path: Path, title: str = "training loss
 
 
 class RunSummary(L.Callback):
-    """Writes the run's results into ``run_dir`` when fitting ends.
+    """Writes the run's results into ``run_dir`` when training ends.
 
     - ``adapter/``: the PEFT adapter (``save_pretrained``; loads with ``PeftModel.from_pretrained``)
       or, for full fine-tuning, the whole model; plus the tokenizer.
@@ -73,7 +73,8 @@ class RunSummary(L.Callback):
         self.summary: dict[str, Any] = {}
 
     @override
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # before teardown, which moves the model back to the CPU (tens of GB for big models)
         self._write(trainer, pl_module)
 
     @rank_zero_only

@@ -26,7 +26,9 @@ from typing_extensions import override
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
+from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention
+from lightning_ft.modules.patching import apply_kernels
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +133,14 @@ class FinetuneModule(L.LightningModule):
 
     The model is built in `configure_model` (on the target device), with the packed attention
     function registered, optional gradient checkpointing, then LoRA through PEFT (or every weight
-    trainable with ``lora.enabled=false``). Checkpoints hold only the trainable weights.
+    trainable with ``lora.enabled=false``), then the fused kernels switched on in ``kernels``
+    (`lightning_ft.modules.patching`). Checkpoints hold only the trainable weights.
 
     Args:
         model: the ``model`` config group (see `lightning_ft.config.ModelConfig`).
         lora: the ``lora`` config group.
+        kernels: the ``kernels`` config group: ``rms_norm``, ``rope``, ``swiglu``,
+            ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
         scheduler: a partial LR scheduler taking the optimizer and ``num_training_steps``, or None.
         vocab_size: the tokenizer's size (for random-init models).
@@ -145,6 +150,7 @@ class FinetuneModule(L.LightningModule):
         self,
         model: dict[str, Any],
         lora: dict[str, Any],
+        kernels: dict[str, bool] | None = None,
         optimizer: Callable[..., torch.optim.Optimizer] = partial(torch.optim.AdamW, lr=2e-4),
         scheduler: Callable[..., Any] | None = None,
         vocab_size: int | None = None,
@@ -152,6 +158,7 @@ class FinetuneModule(L.LightningModule):
         super().__init__()
         self.model_cfg = dict(model)
         self.lora_cfg = dict(lora)
+        self.kernels_cfg = dict(kernels or {})
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.vocab_size = vocab_size
@@ -182,6 +189,8 @@ class FinetuneModule(L.LightningModule):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_cfg.get("enabled", True):
             model = add_lora(model, self.lora_cfg)
+        for line in apply_kernels(model, self.kernels_cfg):
+            rank_zero_info(f"kernel {line}")
         self.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
@@ -193,13 +202,23 @@ class FinetuneModule(L.LightningModule):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     def loss_sum(self, batch: PackedBatch) -> torch.Tensor:
-        """Sum of the next-token cross-entropy over the target tokens of ``batch`` (fp32 scalar)."""
+        """Sum of the next-token cross-entropy over the target tokens of ``batch`` (fp32 scalar).
+
+        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head) the logits are
+        never materialised (`lightning_ft.kernels.linear_cross_entropy`).
+        """
         hf = self.hf_model
         backbone = getattr(hf, hf.base_model_prefix)
-        hidden = backbone(
+        hidden_1TH = backbone(
             input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
         ).last_hidden_state
-        logits = hf.get_output_embeddings()(hidden[:, :-1]).float()
+        head = hf.get_output_embeddings()
+        if self.kernels_cfg.get("fused_linear_cross_entropy") and type(head) is torch.nn.Linear and head.bias is None:
+            # targets of position t are labels[t + 1]; the last position has none
+            targets_1T = F.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            loss_sum, _ = fused_linear_cross_entropy(hidden_1TH.flatten(0, 1), head.weight, targets_1T.flatten())
+            return loss_sum
+        logits = head(hidden_1TH[:, :-1]).float()
         return F.cross_entropy(
             logits.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )

@@ -4,6 +4,7 @@ import torch
 
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.modules.finetune_module import FinetuneModule
+from lightning_ft.modules.patching import revert_kernels
 
 TINY_MODEL = {
     "init": "random",
@@ -86,3 +87,24 @@ def test_exported_adapter_loads_with_peft_and_reproduces_logits(tmp_path):
             [peft_model(input_ids=batch.input_ids[:, a:b]).logits for a, b in zip(offsets[:-1], offsets[1:])], dim=1
         )
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_all_gives_the_stock_loss_and_lora_gradients():
+    """fp32: the fused kernels compute the same math, so 1e-5 holds (bf16 tolerances: tests/modules/test_patching.py)."""
+    batch = collate_packed(_docs([9, 1, 14], 5))
+    results = []
+    for kernels in ({}, {"rms_norm": True, "rope": True, "swiglu": True, "fused_linear_cross_entropy": True}):
+        torch.manual_seed(0)
+        module = FinetuneModule(model=TINY_MODEL, lora=LORA, kernels=kernels)
+        module.configure_model()
+        for i, (name, p) in enumerate(module.model.named_parameters()):
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(i))
+        loss = module.loss_sum(batch)
+        loss.backward()
+        revert_kernels(module.model)  # the RoPE patch is process-wide
+        results.append((loss.detach(), _grads(module)))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,180 @@
+"""RMSNorm, forward and backward in one pass each (Llama / Qwen3 / Qwen3-MoE, q/k norms included).
+
+Math, per row x of length N (the last dim), exactly as HF's LlamaRMSNorm / Qwen3RMSNorm:
+
+    rstd = 1 / sqrt(mean(x.float() ** 2) + eps)
+    n    = (x.float() * rstd).to(x.dtype)               # rounded to the input dtype, as HF does
+    y    = weight * n                                   # in promote(x.dtype, weight.dtype)
+
+Gradients, with n32 = x.float() * rstd (unrounded) and dn = dy * weight:
+
+    dx = rstd * (dn - n32 * mean(dn * n32))
+    dW = sum over rows of dy * n
+
+Accumulation: everything in fp32 in registers. dW is reduced without atomics: a persistent grid of
+P programs (4 per SM) each walks its own contiguous range of rows and writes one fp32 partial row,
+then a [P, N] -> [N] sum gives dW, cast to weight.dtype. dW is skipped when weight does not require
+grad (LoRA). Saved for backward: x (input dtype) and rstd (fp32 [M]), nothing else.
+
+Shapes: x [..., N] with any leading dims (flattened to M rows), weight [N]; N need not be a power of
+two (2880, 5120, 128 for the q/k norms all work). Tiles are [BLOCK_M, BLOCK_N] with BLOCK_N the
+next power of two of N and BLOCK_M > 1 rows per program when N is small.
+
+Source: the RMSNorm of Zhang & Sennrich (2019) with HF transformers' rounding order; the
+persistent-grid dW reduction is the usual one (Triton's layer-norm tutorial, Liger Kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_ft.kernels._utils import num_warps_for, persistent_programs, triton_can_run, warn_fallback
+
+_TILE_ELEMS = 4096  # values per tensor per program: BLOCK_M * BLOCK_N
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD,
+    stride_x, stride_y,
+    M, N, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = w[None, :] * n
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DW_PARTIAL,
+    stride_dy, stride_x, stride_dx,
+    M, N, rows_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+
+        n = x * rstd[:, None]
+        dn = dy * w[None, :]
+        dx = rstd[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / N)[:, None])
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
+
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+
+
+def _tile(n_cols: int) -> tuple[int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    return max(1, _TILE_ELEMS // block_n), block_n
+
+
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns (y, x as [M, N] rows, rstd fp32 [M])."""
+    n_cols = x.shape[-1]
+    x2d = x.reshape(-1, n_cols)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    n_rows = x2d.shape[0]
+    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows > 0:
+        block_m, block_n = _tile(n_cols)
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2d, weight, y, rstd,
+            x2d.stride(0), y.stride(0),
+            n_rows, n_cols, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n),
+        )
+    return y.view(*x.shape[:-1], n_cols), x2d, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the backward kernel. Returns (dx [M, N] in x's dtype, dW in weight's dtype or None)."""
+    n_rows, n_cols = x2d.shape
+    dy2d = dy.reshape(-1, n_cols)
+    if dy2d.stride(-1) != 1:
+        dy2d = dy2d.contiguous()
+    dx = torch.empty_like(x2d)
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight) if compute_dw else None
+    block_m, block_n = _tile(n_cols)
+    row_blocks = triton.cdiv(n_rows, block_m)
+    rows_per_program = triton.cdiv(row_blocks, min(row_blocks, persistent_programs(x2d.device))) * block_m
+    programs = triton.cdiv(n_rows, rows_per_program)
+    # Without dW the kernel never touches DW_PARTIAL; rstd stands in for the pointer.
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else rstd
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2d, x2d, weight, rstd, dx, dw_partial,
+        dy2d.stride(0), x2d.stride(0), dx.stride(0),
+        n_rows, n_cols, rows_per_program,
+        BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE_DW=compute_dw, num_warps=num_warps_for(block_m * block_n),
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = weight * (x * rstd).to(x.dtype); saves x and rstd, computes dx and (when needed) dW."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, x2d, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2d, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x2d, weight, rstd, compute_dw=ctx.needs_input_grad[1])
+        return dx.view(ctx.x_shape), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fused RMSNorm over the last dim of `x` (see the module docstring for the math)."""
+    if not triton_can_run(x):
+        warn_fallback("rms_norm", x.device)
+        return rms_norm_reference(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain-torch RMSNorm, op for op as HF's LlamaRMSNorm.forward."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)

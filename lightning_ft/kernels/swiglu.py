@@ -1,0 +1,109 @@
+"""SwiGLU product of a gated MLP: y = silu(gate) * up, forward and backward fused.
+
+The projections stay outside (they are LoRA-wrapped nn.Linear layers in our models); this op fuses
+only the elementwise middle of `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
+
+Math, elementwise, with s = sigmoid(g):
+
+    y  = g * s * u
+    dg = dy * u * s * (1 + g * (1 - s))
+    du = dy * g * s
+
+Everything is computed in fp32 registers and rounded once to the input dtype (HF rounds twice in
+bf16: after silu and after the product, so bf16 results differ by about one ulp). Only gate and up
+are saved for backward; silu and sigmoid are recomputed there. dg and du are fresh tensors: gate
+and up are left intact for anything else that holds them.
+
+Shapes: gate and up of any identical shape (flattened; made contiguous if they are not), e.g.
+[B, T, intermediate] with intermediate = 14336 or 3072 or any odd size.
+
+Source: Shazeer, "GLU Variants Improve Transformer" (2020); fused forward/backward as in Liger Kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_ft.kernels._utils import num_warps_for, triton_can_run, warn_fallback
+
+_BLOCK = 2048
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    silu = g * s
+    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
+
+
+def _grid(n_elements: int) -> tuple[int]:
+    return (triton.cdiv(n_elements, _BLOCK),)
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Launch the forward kernel on contiguous gate/up of one shape and dtype."""
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n > 0:
+        _swiglu_fwd_kernel[_grid(n)](gate, up, y, n, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK))
+    return y
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns (d gate, d up)."""
+    dy = dy.contiguous()
+    dg = torch.empty_like(gate)
+    du = torch.empty_like(up)
+    n = gate.numel()
+    if n > 0:
+        _swiglu_bwd_kernel[_grid(n)](dy, gate, up, dg, du, n, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK))
+    return dg, du
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up; saves gate and up only."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        y = swiglu_forward(gate, up)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(dy, gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Fused silu(gate) * up (see the module docstring). gate and up must have the same shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    if not triton_can_run(gate):
+        warn_fallback("swiglu", gate.device)
+        return swiglu_reference(gate, up)
+    dtype = torch.promote_types(gate.dtype, up.dtype)
+    return SwiGLUFunction.apply(gate.to(dtype).contiguous(), up.to(dtype).contiguous())
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain-torch silu(gate) * up, as HF's MLP computes it."""
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,176 @@
+"""Per-architecture patch tables: which HF module gets which fused forward, and how to undo it.
+
+`apply_kernels(model, kernels)` swaps in the fused ops of `lightning_ft.kernels` where the table for
+`model.config.model_type` says so; `revert_kernels(model)` puts stock HF back. With every kernel off
+nothing is touched, so the model is stock HF + PEFT: the reference every speed-up is measured against.
+
+What gets patched, per kernel switch:
+
+    rms_norm  every instance of the table's RMSNorm classes (decoder norms, final norm, Qwen3's q/k
+              norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`.
+    swiglu    every instance of the table's dense MLP classes: `forward` becomes
+              `down_proj(swiglu(gate_proj(x), up_proj(x)))`. The projections are called as they are,
+              so PEFT's LoRA layers on gate/up/down still apply. Qwen3-MoE's experts
+              (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in modules/moe.py.
+    rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
+              attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
+
+Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
+model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
+`revert_kernels`. The RoPE patch is process-wide for that architecture (a module attribute):
+it is reference-counted across patched models and the stock function comes back when the last of
+them is reverted. The `fused_linear_cross_entropy` switch is read by the LightningModule, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from lightning_ft.kernels.rms_norm import rms_norm
+from lightning_ft.kernels.rope import apply_rope
+from lightning_ft.kernels.swiglu import swiglu
+
+KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+_SILU_ACTS = ("silu", "swish")
+_RECORD_ATTR = "_lightning_ft_kernel_undo"
+
+
+@dataclass(frozen=True)
+class PatchTable:
+    """Where one architecture keeps the pieces the kernels replace."""
+
+    modeling_module: str  # defines the classes below and `apply_rotary_pos_emb`
+    rms_norm: tuple[str, ...]
+    mlp: tuple[str, ...]  # gated MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x))
+
+
+PATCH_TABLES: dict[str, PatchTable] = {
+    "llama": PatchTable("transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",)),
+    "qwen3": PatchTable("transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",)),
+    "qwen3_moe": PatchTable(
+        "transformers.models.qwen3_moe.modeling_qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeMLP",)
+    ),
+}
+
+
+def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Drop-in for HF's apply_rotary_pos_emb: unsqueeze_dim=1 for [B, H, T, D], 2 for [B, T, H, D]."""
+    if unsqueeze_dim == 1:
+        return apply_rope(q, k, cos, sin)
+    if unsqueeze_dim == 2:
+        q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2)
+    raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+
+
+# modeling module name -> (stock apply_rotary_pos_emb, number of models that patched it)
+_ROPE_PATCHES: dict[str, tuple[Callable, int]] = {}
+_ABSENT = object()
+
+
+def _hf_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The HF model inside `model` (itself, or the one a PeftModel wraps)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"no transformers PreTrainedModel inside {type(model).__name__}")
+
+
+def _restore_forward(module: torch.nn.Module, previous: object) -> None:
+    if previous is _ABSENT:
+        del module.forward
+    else:
+        module.forward = previous
+
+
+def _patch_forwards(
+    model: torch.nn.Module, classes: tuple[type, ...], fused: Callable, undo: list[Callable[[], None]]
+) -> int:
+    count = 0
+    for module in model.modules():
+        if isinstance(module, classes):
+            undo.append(functools.partial(_restore_forward, module, module.__dict__.get("forward", _ABSENT)))
+            module.forward = types.MethodType(fused, module)
+            count += 1
+    return count
+
+
+def _unpatch_rope(modeling: types.ModuleType) -> None:
+    stock, users = _ROPE_PATCHES[modeling.__name__]
+    if users == 1:
+        modeling.apply_rotary_pos_emb = stock
+        del _ROPE_PATCHES[modeling.__name__]
+    else:
+        _ROPE_PATCHES[modeling.__name__] = (stock, users - 1)
+
+
+def _patch_rope(modeling: types.ModuleType, undo: list[Callable[[], None]]) -> None:
+    stock, users = _ROPE_PATCHES.get(modeling.__name__, (modeling.apply_rotary_pos_emb, 0))
+    _ROPE_PATCHES[modeling.__name__] = (stock, users + 1)
+    modeling.apply_rotary_pos_emb = _fused_apply_rotary_pos_emb
+    undo.append(functools.partial(_unpatch_rope, modeling))
+
+
+def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[str]:
+    """Patch the fused kernels switched on in `kernels` into `model` (HF or PEFT-wrapped).
+
+    `kernels` maps `rms_norm`, `rope`, `swiglu` (and `fused_linear_cross_entropy`, ignored here) to
+    bools; other keys are an error. A model patched before is reverted first. Returns one line per
+    kernel applied, e.g. "rms_norm: 9 x LlamaRMSNorm".
+    """
+    unknown = sorted(set(kernels) - set(KERNEL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown kernel switches {unknown}; the known ones are {list(KERNEL_KEYS)}")
+    revert_kernels(model)
+    wanted = {name for name in ("rms_norm", "rope", "swiglu") if kernels.get(name, False)}
+    if not wanted:
+        return []
+
+    hf_model = _hf_model(model)
+    config = hf_model.config
+    table = PATCH_TABLES.get(config.model_type)
+    if table is None:
+        raise ValueError(
+            f"no kernel patch table for model_type {config.model_type!r} (have {sorted(PATCH_TABLES)}); "
+            "set every kernel switch to false (kernels=none) for this model"
+        )
+    if "swiglu" in wanted and config.hidden_act not in _SILU_ACTS:
+        raise ValueError(f"the swiglu kernel needs hidden_act silu, {config.model_type} uses {config.hidden_act!r}")
+
+    modeling = importlib.import_module(table.modeling_module)
+    undo: list[Callable[[], None]] = []
+    applied = []
+    for name, class_names, fused in (
+        ("rms_norm", table.rms_norm, _fused_rms_norm_forward),
+        ("swiglu", table.mlp, _fused_swiglu_mlp_forward),
+    ):
+        if name in wanted:
+            count = _patch_forwards(hf_model, tuple(getattr(modeling, c) for c in class_names), fused, undo)
+            applied.append(f"{name}: {count} x {', '.join(class_names)}")
+    if "rope" in wanted:
+        _patch_rope(modeling, undo)
+        applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")
+    setattr(hf_model, _RECORD_ATTR, undo)
+    return applied
+
+
+def revert_kernels(model: torch.nn.Module) -> None:
+    """Undo `apply_kernels` on `model` (HF or PEFT-wrapped); a no-op for a model never patched."""
+    hf_model = _hf_model(model)
+    for undo in reversed(hf_model.__dict__.pop(_RECORD_ATTR, [])):
+        undo()

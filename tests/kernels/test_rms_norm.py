@@ -1,0 +1,105 @@
+"""RMSNorm kernel vs its plain-torch reference (HF's math), forward and backward.
+
+Tolerances (atol = rtol), kernel vs reference in the same dtype:
+    fp32  1e-5 for y and dx; dW (a sum over rows, in another order) 1e-4 of its largest value
+    bf16  2e-2 for y and dx, and dW within 2e-2 of its largest value: about 4 bf16 ulps; the
+          reference rounds dy * weight and each dW product to bf16, the kernel keeps them in fp32,
+          and a 1-ulp difference in the rounded n can move y by an ulp
+Under the CPU interpreter bf16 sits up to an ulp further: it truncates fp32 -> bf16 where the GPU
+rounds to nearest even.
+"""
+
+import pytest
+import torch
+
+import lightning_ft.kernels.rms_norm as rms_norm_module
+from lightning_ft.kernels.rms_norm import rms_norm, rms_norm_reference
+
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}  # dtype -> (y/dx tol, dW tol)
+EPS = 1e-6
+
+
+def _run(fn, x, weight, dy):
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    weight = weight.detach().clone().requires_grad_(weight.requires_grad)
+    y = fn(x, weight, EPS)
+    y.backward(dy)
+    return y, x.grad, weight.grad
+
+
+def _check(x, weight):
+    torch.manual_seed(1)
+    dy = torch.randn(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y, dx, dw = _run(rms_norm, x, weight, dy)
+    y_ref, dx_ref, dw_ref = _run(rms_norm_reference, x, weight, dy)
+    tol, tol_dw = TOL[x.dtype]
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
+    if x.requires_grad:
+        torch.testing.assert_close(dx, dx_ref, atol=tol, rtol=tol)
+    if weight.requires_grad:
+        assert dw.dtype == weight.dtype
+        torch.testing.assert_close(dw, dw_ref, atol=tol_dw * dw_ref.abs().max().item(), rtol=tol_dw)
+    else:
+        assert dw is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 5, 200),  # hidden not a power of two
+        (1, 1, 64),  # T=1
+        (2, 3, 4, 128),  # Qwen3 q/k norm: [B, T, H, head_dim]
+        (3, 2880),
+        (2, 5120),  # BLOCK_N = 8192 > one tile: one row per program
+        (67, 96),  # many rows per program, a ragged last row block
+    ],
+)
+def test_matches_reference(device, dtype, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
+    _check(x, weight)
+
+
+def test_frozen_weight_skips_dw(device):
+    x = torch.randn(4, 3, 96, device=device, requires_grad=True)
+    _check(x, torch.rand(96, device=device) + 0.5)
+
+
+def test_bf16_input_fp32_weight_promotes_like_hf(device):
+    # Under autocast with fp32 master weights HF's RMSNorm returns fp32 for a bf16 input.
+    x = torch.randn(3, 7, 160, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.rand(160, device=device) + 0.5).requires_grad_()
+    y = rms_norm(x, weight, EPS)
+    assert y.dtype == torch.float32
+    _check(x, weight)
+
+
+def test_non_contiguous_input(device):
+    base = torch.randn(6, 4, 200, device=device)
+    x = base.transpose(0, 1).requires_grad_()  # [4, 6, 200], rows not evenly strided
+    _check(x, (torch.rand(200, device=device) + 0.5).requires_grad_())
+
+
+def test_falls_back_to_reference_where_triton_cannot_run(monkeypatch):
+    monkeypatch.setattr(rms_norm_module, "triton_can_run", lambda t: False)
+    rms_norm_module.warn_fallback.cache_clear()
+    x, weight = torch.randn(3, 32), torch.rand(32)
+    with pytest.warns(UserWarning, match="Triton cannot run"):
+        y = rms_norm(x, weight, EPS)
+    torch.testing.assert_close(y, rms_norm_reference(x, weight, EPS), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_no_host_sync():
+    x = torch.randn(8, 256, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rms_norm(x, weight, EPS).sum().backward()  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rms_norm(x, weight, EPS).backward(torch.ones_like(x))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,65 @@
+"""SwiGLU kernel vs silu(gate) * up in plain torch, forward and backward.
+
+Tolerances (atol = rtol), kernel vs reference in the same dtype:
+    fp32  1e-5
+    bf16  2e-2  (the reference rounds silu(gate) to bf16 before the product, the kernel rounds once)
+Under the CPU interpreter bf16 sits up to an ulp further: it truncates fp32 -> bf16 where the GPU
+rounds to nearest even.
+"""
+
+import pytest
+import torch
+
+from lightning_ft.kernels.swiglu import swiglu, swiglu_reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _run(fn, gate, up, dy):
+    gate = gate.detach().clone().requires_grad_()
+    up = up.detach().clone().requires_grad_()
+    y = fn(gate, up)
+    y.backward(dy)
+    return y, gate.grad, up.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 7, 300), (1, 1, 96), (3, 2880), (1, 2, 14336)])
+def test_matches_reference(device, dtype, shape):
+    torch.manual_seed(0)
+    gate = 3 * torch.randn(shape, dtype=dtype, device=device)
+    up = torch.randn(shape, dtype=dtype, device=device)
+    dy = torch.randn(shape, dtype=dtype, device=device)
+    outs = _run(swiglu, gate, up, dy)
+    refs = _run(swiglu_reference, gate, up, dy)
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_keeps_inputs_intact(device):
+    gate, up = torch.randn(4, 50, device=device), torch.randn(4, 50, device=device)
+    saved = gate.clone(), up.clone()
+    _run(swiglu, gate, up, torch.randn(4, 50, device=device))
+    assert torch.equal(gate, saved[0]) and torch.equal(up, saved[1])
+
+
+def test_non_contiguous_inputs(device):
+    gate_up = torch.randn(3, 5, 2 * 40, device=device)
+    gate, up = gate_up.chunk(2, dim=-1)
+    dy = torch.randn(3, 5, 40, device=device)
+    for out, ref in zip(_run(swiglu, gate, up, dy), _run(swiglu_reference, gate, up, dy), strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_no_host_sync():
+    gate = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn_like(gate, requires_grad=True)
+    swiglu(gate, up).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        swiglu(gate, up).backward(torch.ones_like(gate))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
