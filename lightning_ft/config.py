@@ -68,6 +68,14 @@ class KernelsConfig:
 
 
 @dataclass
+class MoeConfig:
+    """``moe=``: how Mixture-of-Experts layers run (``hf``: stock transformers experts)."""
+
+    backend: str = "hf"  # hf | auto | native_torch | grouped_mm | triton (lightning_ft.modules.moe)
+    train_router: bool = False
+
+
+@dataclass
 class FitConfig:
     """The whole config of ``python -m lightning_ft fit``."""
 
@@ -75,6 +83,7 @@ class FitConfig:
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     optimizer: Any = None  # a `_partial_` optimizer
     scheduler: Any = None  # a `_partial_` LR scheduler taking (optimizer, num_training_steps), or null
     trainer: dict[str, Any] = field(default_factory=dict)  # lightning.Trainer arguments

@@ -47,6 +47,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         model=OmegaConf.to_container(cfg.model, resolve=True),
         lora=OmegaConf.to_container(cfg.lora, resolve=True),
         kernels=OmegaConf.to_container(cfg.kernels, resolve=True),
+        moe=OmegaConf.to_container(cfg.moe, resolve=True),
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.scheduler else None,
         vocab_size=len(tokenizer),

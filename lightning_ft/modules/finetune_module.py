@@ -28,6 +28,7 @@ from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention
+from lightning_ft.modules.moe import apply_moe
 from lightning_ft.modules.patching import apply_kernels
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ class FinetuneModule(L.LightningModule):
         lora: the ``lora`` config group.
         kernels: the ``kernels`` config group: ``rms_norm``, ``rope``, ``swiglu``,
             ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
+        moe: the ``moe`` config group: ``backend`` (``hf`` = stock transformers experts, or
+            ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.modules.moe`)
+            and ``train_router``.
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
         scheduler: a partial LR scheduler taking the optimizer and ``num_training_steps``, or None.
         vocab_size: the tokenizer's size (for random-init models).
@@ -151,6 +155,7 @@ class FinetuneModule(L.LightningModule):
         model: dict[str, Any],
         lora: dict[str, Any],
         kernels: dict[str, bool] | None = None,
+        moe: dict[str, Any] | None = None,
         optimizer: Callable[..., torch.optim.Optimizer] = partial(torch.optim.AdamW, lr=2e-4),
         scheduler: Callable[..., Any] | None = None,
         vocab_size: int | None = None,
@@ -159,6 +164,7 @@ class FinetuneModule(L.LightningModule):
         self.model_cfg = dict(model)
         self.lora_cfg = dict(lora)
         self.kernels_cfg = dict(kernels or {})
+        self.moe_cfg = dict(moe or {})
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.vocab_size = vocab_size
@@ -189,6 +195,9 @@ class FinetuneModule(L.LightningModule):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_cfg.get("enabled", True):
             model = add_lora(model, self.lora_cfg)
+        if self.moe_cfg.get("backend", "hf") != "hf":
+            backend = apply_moe(model, backend=self.moe_cfg["backend"], train_router=self.moe_cfg.get("train_router", False))
+            rank_zero_info(f"moe: {backend} experts backend")
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
         self.model = model

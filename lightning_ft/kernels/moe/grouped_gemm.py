@@ -1,0 +1,830 @@
+"""Grouped expert GEMMs with split LoRA: three backends behind one function, `moe_experts`.
+
+Shape suffixes: T tokens, K top_k, E experts, S = T*K routed (token, expert) pairs in expert-sorted
+order (see `routing.py`), D hidden size, I expert intermediate size, F = 2*I (gate and up rows
+stacked, transformers' ``is_concatenated`` layout), R LoRA rank; for a single projection C is the
+contracted (input) size and N the output size. Weights follow transformers v5: ``gate_up_proj``
+w_gate_up_EFD [E, F, D] and ``down_proj`` w_down_EDI [E, D, I], i.e. [E, N, C] (``nn.Linear``-like).
+
+Math of one expert e on its rows x_e (all backends; act is the experts' ``act_fn``, SiLU here):
+
+    h_e   = x_e W1_e^T + s1 (x_e A1_e^T) B1_e^T          [n_e, F]   (gate_up, + split LoRA)
+    a_e   = act(h_e[:, :I]) * h_e[:, I:]                  [n_e, I]
+    y_e   = a_e W2_e^T + s2 (a_e A2_e^T) B2_e^T           [n_e, D]   (down, + split LoRA)
+    out_t = sum_k topk_weight[t, k] * y[(t, k)]           [T, D]
+
+Split LoRA never forms B·A: the two thin GEMMs per projection reuse the base GEMM's grouping
+(offsets). A_e [R, C] and B_e [N, R] are read straight from PEFT's ``target_parameters`` tensors
+(`ExpertLoRA`), so gradients land in PEFT's parameters and the adapter file stays PEFT's.
+
+Gradients (every backend; the triton backend computes them in its own kernels), per projection
+with input X, output gradient dH and (for the down projection) routing weights folded into dH:
+
+    dX_e = dH_e W_e + s (dH_e B_e) A_e          dW_e = dH_e^T X_e       (full fine-tuning only)
+    dA_e = s (dH_e B_e)^T X_e                   dB_e = s dH_e^T (X_e A_e^T)
+    d topk_weight[(t, k)] = <dOut_t, y_(t,k)> = <dOut_t (W2_e + s B2_e A2_e), a_(t,k)>   (router input)
+
+Backends (what they do on each device):
+
+* ``native_torch``: a Python loop over experts slicing the sorted rows by ``offsets_E``. It reads
+  the offsets back to the host once per call (one device-to-host sync per MoE layer forward, none in
+  backward); it is the plain-torch reference of this math and the fallback on any device.
+* ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) on the sorted rows,
+  with the frozen expert weights passed as transposed views (no per-step copy). A one-time probe per
+  (device, dtype) checks that the view path is correct; if only the contiguous layout is, it copies
+  and logs; if grouped_mm fails, or a size is not a multiple of 16 bytes, it runs ``native_torch``
+  and logs. Sync-free on CUDA only where torch has a native grouped kernel for the dtype (bf16 on
+  sm90/sm100 in torch 2.10's sources); elsewhere torch itself loops over a host copy of ``offs``.
+* ``triton``: our grouped GEMM kernels. The gather x[token_idx] is fused into the first GEMM's loads,
+  the routing-weight multiply and un-permute store into the second GEMM's epilogue (the final sum
+  over K is a deterministic reduction, no atomics), split LoRA is added in the epilogue of the base
+  GEMM (its thin [S, R] middle comes from one more launch of the same kernel), and the backward runs
+  on the same kernels plus a ragged per-expert weight-gradient kernel. Neither the gathered [S, D]
+  input nor the [S, D] expert outputs are kept for backward. Each program maps its row tile to an
+  expert from the device offsets (the grid is the host bound ceil(S / BLOCK_M) + min(E, S) - 1 row
+  tiles; idle ones skip the loop), so it is sync-free. Autotuned once per (sizes, dtypes, flags) key
+  and cached by Triton (on disk where supported). On the CPU only under ``TRITON_INTERPRET=1``
+  (how the tests run it).
+
+Every backend runs with autocast off, in the expert weights' dtype (inputs and LoRA factors are cast
+to it): train with bf16 weights (``bf16-true``) to avoid casting the [E, ...] weights each step.
+
+Sources: transformers ``integrations/moe.py`` (``grouped_mm_experts_forward``, the eager experts
+loop) and ``models/qwen3_moe``; PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper`` layout);
+``torch._grouped_mm`` stride rules (``GroupedMMUtils.h``); the Triton matmul tutorial for tiling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
+
+__all__ = [
+    "BACKENDS",
+    "ExpertLoRA",
+    "grouped_gemm",
+    "grouped_mm_mode",
+    "grouped_wgrad",
+    "moe_experts",
+    "select_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("native_torch", "grouped_mm", "triton")
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_GROUPED_MM_MODES: dict[tuple[str, int | None, torch.dtype], str] = {}
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, level: int, message: str) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, message)
+
+
+class ExpertLoRA(NamedTuple):
+    """PEFT's LoRA on one 3-D expert weight [E, N, C] (``LoraConfig(target_parameters=...)``).
+
+    PEFT 0.21's ``ParamWrapper`` keeps two ``nn.Linear`` layers for all experts at once; expert e's
+    factors are A_e [R, C] and B_e [N, R], and its weight delta is ``scaling * B_e @ A_e``:
+
+    Attributes:
+        lora_A: [E*R, C] (``lora_A[adapter].weight``); row ``e*R + j`` is row j of A_e.
+        lora_B: [N, R*E] (``lora_B[adapter].weight``); column ``j*E + e`` is column j of B_e.
+        scaling: ``alpha / R`` (``alpha / sqrt(R)`` with rsLoRA), PEFT's ``scaling[adapter]``.
+        num_experts: E.
+    """
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+    num_experts: int
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(a_ERC, b_ENR, scaling)``: views of PEFT's tensors (a cast copy when dtype differs)."""
+        num_experts = self.num_experts
+        a_ERC = self.lora_A.view(num_experts, -1, self.lora_A.shape[-1])
+        b_ENR = self.lora_B.view(self.lora_B.shape[0], -1, num_experts).permute(2, 0, 1)
+        return a_ERC.to(dtype), b_ENR.to(dtype), self.scaling
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def _clamped(configs, caps: dict[str, int]) -> list:
+    """``configs`` with each named block size capped (thin dims are R or small), duplicates removed."""
+    seen, clamped = set(), []
+    for config in configs:
+        meta = {name: min(size, caps.get(name, size)) for name, size in config.kwargs.items()}
+        key = (tuple(sorted(meta.items())), config.num_warps, config.num_stages)
+        if key not in seen:
+            seen.add(key)
+            clamped.append(triton.Config(meta, num_warps=config.num_warps, num_stages=config.num_stages))
+    return clamped
+
+
+def _cap(size: int) -> int:
+    return max(16, triton.next_power_of_2(size))  # tl.dot needs every block dim >= 16
+
+
+def _prune_gemm_configs(configs, named_args, **kwargs):
+    """Fit BLOCK_N / BLOCK_C to the problem; thin LoRA GEMMs (N = R) try only the first two configs."""
+    n_cap = _cap(named_args["N"])
+    return _clamped(configs[:2] if n_cap <= 32 else configs, {"BLOCK_N": n_cap, "BLOCK_C": _cap(named_args["C"])})
+
+
+def _prune_wgrad_configs(configs, named_args, **kwargs):
+    """Fit BLOCK_M / BLOCK_N to the problem (one of them is R for LoRA gradients)."""
+    return _clamped(configs, {"BLOCK_M": _cap(named_args["M"]), "BLOCK_N": _cap(named_args["N"])})
+
+
+def _configs(names: tuple[str, str, str], gpu: list[tuple[int, ...]], interpret: tuple[int, int, int]) -> list:
+    """Autotune configs from (block sizes..., num_warps, num_stages) rows; one small config when interpreted."""
+    if _INTERPRET:
+        return [triton.Config(dict(zip(names, interpret)), num_warps=4, num_stages=1)]
+    return [triton.Config(dict(zip(names, (a, b, c))), num_warps=w, num_stages=s) for a, b, c, w, s in gpu]
+
+
+# Autotune choices persist on disk where this Triton can (``cache_results``), else per process.
+_AUTOTUNE_KW = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
+@triton.autotune(
+    configs=_configs(
+        ("BLOCK_M", "BLOCK_N", "BLOCK_C"),
+        gpu=[
+            (64, 128, 64, 4, 3),
+            (128, 64, 64, 4, 4),
+            (128, 128, 64, 8, 3),
+            (64, 64, 64, 4, 4),
+        ],
+        interpret=(16, 64, 64),
+    ),
+    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA"],
+    prune_configs_by={"early_config_prune": _prune_gemm_configs},
+    **_AUTOTUNE_KW,
+)
+@triton.jit
+def _grouped_gemm_kernel(
+    src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr,
+    N, C, R, E, scaling,
+    stride_src_m, stride_src_c,
+    stride_w_e, stride_w_c, stride_w_n,
+    stride_out_m, stride_out_n,
+    stride_mid_m, stride_mid_r,
+    stride_lb_e, stride_lb_r, stride_lb_n,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[orow(p)] = scale[p] * (src[irow(p)] @ w[e(p)] + scaling * mid[p] @ lora_b[e(p)]).
+
+    p runs over expert-sorted rows; irow(p) = src_idx[p] if GATHER else p; orow(p) = out_idx[p] if
+    SCATTER else p; scale = row_scale if ROW_SCALE else 1; w is [E, C, N], lora_b [E, R, N], mid
+    [S, R]; fp32 accumulation, stored in out's dtype.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # Row tile -> (expert, rows) from the device offsets, no host sync: expert e owns
+    # ceil(n_e / BLOCK_M) consecutive tiles; tiles past the last expert's are idle (expert >= E).
+    e = tl.arange(0, BLOCK_E)
+    in_range = e < E
+    ends = tl.load(offsets_ptr + e, mask=in_range, other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=in_range & (e > 0), other=0)
+    n_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(n_tiles, axis=0)
+    expert = tl.sum((tiles_end <= pid_m).to(tl.int32), axis=0)
+    is_expert = e == expert
+    first_tile = tl.sum(tl.where(is_expert, tiles_end - n_tiles, 0), axis=0)
+    row_start = tl.sum(tl.where(is_expert, starts, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(is_expert, ends, 0), axis=0)
+    active = expert < E
+    expert = tl.minimum(expert, E - 1).to(tl.int64)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    if GATHER:
+        src_rows = tl.load(src_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        src_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_C)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + expert * stride_w_e
+    num_k_tiles = tl.where(active, tl.cdiv(C, BLOCK_C), 0)
+    for k_tile in range(0, num_k_tiles):
+        k = k_tile * BLOCK_C + ks
+        k_mask = k < C
+        a = tl.load(
+            src_ptr + src_rows[:, None] * stride_src_m + k[None, :] * stride_src_c,
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + k[:, None] * stride_w_c + cols[None, :] * stride_w_n,
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    if HAS_LORA:
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < R
+        mid = tl.load(
+            mid_ptr + rows.to(tl.int64)[:, None] * stride_mid_m + r[None, :] * stride_mid_r,
+            mask=row_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        lora_b = tl.load(
+            lora_b_ptr + expert * stride_lb_e + r[:, None] * stride_lb_r + cols[None, :] * stride_lb_n,
+            mask=r_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if DOT_UPCAST:
+            mid = mid.to(tl.float32)
+            lora_b = lora_b.to(tl.float32)
+        acc += scaling * tl.dot(mid, lora_b, input_precision=INPUT_PRECISION)
+
+    if ROW_SCALE:
+        scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+    if SCATTER:
+        out_rows = tl.load(out_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        out_rows = rows.to(tl.int64)
+    tl.store(
+        out_ptr + out_rows[:, None] * stride_out_m + cols[None, :] * stride_out_n,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+@triton.autotune(
+    configs=_configs(
+        ("BLOCK_M", "BLOCK_N", "BLOCK_S"),
+        gpu=[
+            (64, 64, 64, 4, 3),
+            (128, 64, 32, 4, 3),
+            (64, 128, 32, 4, 3),
+        ],
+        interpret=(16, 64, 64),
+    ),
+    key=["M", "N", "L_GATHER", "R_GATHER", "ROW_SCALE"],
+    prune_configs_by={"early_config_prune": _prune_wgrad_configs},
+    **_AUTOTUNE_KW,
+)
+@triton.jit
+def _grouped_wgrad_kernel(
+    l_ptr, l_idx_ptr, r_ptr, r_idx_ptr, row_scale_ptr, out_ptr, offsets_ptr,
+    M, N, scaling,
+    stride_l_s, stride_l_m,
+    stride_r_s, stride_r_n,
+    stride_out_e, stride_out_m, stride_out_n,
+    L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, ROW_SCALE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out[e] = scaling * sum over expert e's rows p of scale[p] * l[lrow(p)]^T r[rrow(p)].
+
+    One program per (expert, output tile); the loop runs over the expert's ragged row range read
+    from the device offsets, so an expert with no rows stores zeros. fp32 accumulation.
+    """
+    expert = tl.program_id(0)
+    pid = tl.program_id(1)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n_tiles
+    pid_n = pid % num_n_tiles
+    end = tl.load(offsets_ptr + expert)
+    start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = ms < M
+    n_mask = ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < end
+        if L_GATHER:
+            l_rows = tl.load(l_idx_ptr + s, mask=s_mask, other=0).to(tl.int64)
+        else:
+            l_rows = s.to(tl.int64)
+        if R_GATHER:
+            r_rows = tl.load(r_idx_ptr + s, mask=s_mask, other=0).to(tl.int64)
+        else:
+            r_rows = s.to(tl.int64)
+        lhs = tl.load(
+            l_ptr + l_rows[:, None] * stride_l_s + ms[None, :] * stride_l_m,
+            mask=s_mask[:, None] & m_mask[None, :],
+            other=0.0,
+        )
+        if ROW_SCALE:
+            scale = tl.load(row_scale_ptr + s, mask=s_mask, other=0.0).to(tl.float32)
+            lhs = (lhs.to(tl.float32) * scale[:, None]).to(l_ptr.dtype.element_ty)
+        rhs = tl.load(
+            r_ptr + r_rows[:, None] * stride_r_s + ns[None, :] * stride_r_n,
+            mask=s_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        if DOT_UPCAST:
+            lhs = lhs.to(tl.float32)
+            rhs = rhs.to(tl.float32)
+        acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=INPUT_PRECISION)
+    tl.store(
+        out_ptr + expert * stride_out_e + ms[:, None] * stride_out_m + ns[None, :] * stride_out_n,
+        (acc * scaling).to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    """``INPUT_PRECISION`` and ``DOT_UPCAST`` for the kernels' ``tl.dot`` at ``dtype``.
+
+    fp32 stays fp32 ("ieee"): tf32 would break the fp32 equality with the eager reference. Note: the
+    Triton CPU interpreter multiplies bf16/fp16 ``tl.dot`` operands as raw integers (garbage, seen
+    with triton 3.9), so under ``TRITON_INTERPRET=1`` half operands are upcast to fp32 first; the
+    products of two half values are exact in fp32, so this is the GPU's half MMA with fp32
+    accumulation.
+    """
+    upcast = _INTERPRET and dtype != torch.float32
+    precision = "ieee" if dtype == torch.float32 or upcast else "tf32"
+    return {"INPUT_PRECISION": precision, "DOT_UPCAST": upcast}
+
+
+def grouped_gemm(
+    src: torch.Tensor,
+    w_ECN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    num_rows: int,
+    *,
+    src_idx_S: torch.Tensor | None = None,
+    out_idx_S: torch.Tensor | None = None,
+    row_scale_S: torch.Tensor | None = None,
+    lora_mid_SR: torch.Tensor | None = None,
+    lora_b_ERN: torch.Tensor | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, scale, scatter.
+
+    ``out[orow(p)] = row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e])``
+    for the S = ``num_rows`` sorted rows p, e the expert owning row p (from ``offsets_E``),
+    ``irow(p) = src_idx_S[p]`` (else p) and ``orow(p) = out_idx_S[p]`` (else p).
+
+    Args:
+        src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given.
+        w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy).
+        offsets_E: [E] int32 cumulative row ends; ``offsets_E[-1] == num_rows``.
+        num_rows: S, the number of sorted rows (a host int from the tensors' shapes).
+        src_idx_S: [S] int64 source row of each sorted row (the fused gather).
+        out_idx_S: [S] int64 output row of each sorted row (the fused scatter, a permutation).
+        row_scale_S: [S] per-row factor applied in the epilogue (routing weights).
+        lora_mid_SR / lora_b_ERN: [S, R] and [E, R, N] LoRA terms added in the epilogue.
+        scaling: LoRA scaling.
+
+    Returns:
+        [S, N] tensor in ``src``'s dtype (fp32 accumulation).
+
+    Raises:
+        ValueError: on mismatched sizes or dtypes.
+    """
+    num_experts, c_dim, n_dim = w_ECN.shape
+    if src.shape[-1] != c_dim or src.dtype != w_ECN.dtype:
+        raise ValueError(
+            f"src {tuple(src.shape)} {src.dtype} does not match w_ECN {tuple(w_ECN.shape)} {w_ECN.dtype}"
+        )
+    has_lora = lora_mid_SR is not None
+    if has_lora and (lora_b_ERN is None or lora_mid_SR.shape[1] != lora_b_ERN.shape[1]):
+        raise ValueError("lora_mid_SR [S, R] and lora_b_ERN [E, R, N] must be given together with equal R")
+    out = torch.empty(num_rows, n_dim, device=src.device, dtype=src.dtype)
+    rank = lora_mid_SR.shape[1] if has_lora else 0
+    mid = lora_mid_SR if has_lora else src
+    lora_b = lora_b_ERN if has_lora else w_ECN
+
+    def grid(meta):
+        # Σ_e ceil(n_e / BLOCK_M) <= ceil(S / BLOCK_M) + min(E, S) - 1: a host-side bound, no sync.
+        max_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + min(num_experts, num_rows) - 1
+        return max(1, max_tiles), triton.cdiv(n_dim, meta["BLOCK_N"])
+
+    _grouped_gemm_kernel[grid](
+        src, src_idx_S if src_idx_S is not None else offsets_E, w_ECN, out,
+        out_idx_S if out_idx_S is not None else offsets_E,
+        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E,
+        n_dim, c_dim, rank, num_experts, float(scaling),
+        src.stride(0), src.stride(1),
+        w_ECN.stride(0), w_ECN.stride(1), w_ECN.stride(2),
+        out.stride(0), out.stride(1),
+        mid.stride(0), mid.stride(1),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
+        HAS_LORA=has_lora, **_dot_options(src.dtype),
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
+    )
+    return out
+
+
+def grouped_wgrad(
+    lhs_SM: torch.Tensor,
+    rhs_SN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    lhs_idx_S: torch.Tensor | None = None,
+    rhs_idx_S: torch.Tensor | None = None,
+    row_scale_S: torch.Tensor | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """Per-expert ragged sum ``out[e] = scaling * Σ_{p in e} scale[p] lhs[lrow(p)]^T rhs[rrow(p)]``.
+
+    Args:
+        lhs_SM: [rows, M], read at rows ``lhs_idx_S[p]`` (else p).
+        rhs_SN: [rows, N], read at rows ``rhs_idx_S[p]`` (else p).
+        offsets_E: [E] int32 cumulative row ends of the sorted rows p.
+        row_scale_S: [S] factor applied to lhs rows (routing weights).
+        scaling: overall factor (LoRA scaling).
+
+    Returns:
+        [E, M, N] in ``lhs_SM``'s dtype (fp32 accumulation); zeros for experts with no rows.
+
+    Raises:
+        ValueError: if the dtypes differ.
+    """
+    if lhs_SM.dtype != rhs_SN.dtype:
+        raise ValueError(f"lhs {lhs_SM.dtype} and rhs {rhs_SN.dtype} must share a dtype")
+    num_experts = offsets_E.numel()
+    m_dim, n_dim = lhs_SM.shape[1], rhs_SN.shape[1]
+    out = torch.empty(num_experts, m_dim, n_dim, device=lhs_SM.device, dtype=lhs_SM.dtype)
+
+    def grid(meta):
+        return num_experts, triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"])
+
+    _grouped_wgrad_kernel[grid](
+        lhs_SM, lhs_idx_S if lhs_idx_S is not None else offsets_E,
+        rhs_SN, rhs_idx_S if rhs_idx_S is not None else offsets_E,
+        row_scale_S if row_scale_S is not None else lhs_SM, out, offsets_E,
+        m_dim, n_dim, float(scaling),
+        lhs_SM.stride(0), lhs_SM.stride(1),
+        rhs_SN.stride(0), rhs_SN.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        L_GATHER=lhs_idx_S is not None, R_GATHER=rhs_idx_S is not None, ROW_SCALE=row_scale_S is not None,
+        **_dot_options(lhs_SM.dtype),
+    )
+    return out
+
+
+class _GatherGroupedLinear(torch.autograd.Function):
+    """h_SN = x[token_idx_S] W_e^T + s (x[token_idx_S] A_e^T) B_e^T, the gather fused into the loads.
+
+    Saves x_TC (not the gathered [S, C] copy) and the thin xa_SR = x A_e^T for the LoRA B gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TC, w_ENC, lora_a_ERC, lora_b_ENR, scaling, token_idx_S, pair_idx_S, offsets_E, top_k):
+        num_rows = token_idx_S.numel()
+        xa_SR = None
+        lora_b_ERN = None
+        if lora_a_ERC is not None:
+            xa_SR = grouped_gemm(
+                x_TC, lora_a_ERC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S
+            )
+            lora_b_ERN = lora_b_ENR.transpose(1, 2)
+        h_SN = grouped_gemm(
+            x_TC, w_ENC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S,
+            lora_mid_SR=xa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling,
+        )
+        ctx.save_for_backward(x_TC, w_ENC, lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E)
+        ctx.scaling = scaling
+        ctx.top_k = top_k
+        return h_SN
+
+    @staticmethod
+    def backward(ctx, dh_SN):
+        x_TC, w_ENC, lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E = ctx.saved_tensors
+        needs_x, needs_w, needs_a, needs_b = ctx.needs_input_grad[:4]
+        num_rows = token_idx_S.numel()
+        mid_SR = None
+        if lora_a_ERC is not None and (needs_x or needs_a):
+            mid_SR = grouped_gemm(dh_SN, lora_b_ENR, offsets_E, num_rows)  # dH B_e: [S, R]
+        dx_TC = dw_ENC = da_ERC = db_ENR = None
+        if needs_w:  # full fine-tuning of the experts
+            dw_ENC = grouped_wgrad(dh_SN, x_TC, offsets_E, rhs_idx_S=token_idx_S)
+        if needs_x:
+            dx_pairs = grouped_gemm(
+                dh_SN, w_ENC, offsets_E, num_rows, out_idx_S=pair_idx_S,
+                lora_mid_SR=mid_SR, lora_b_ERN=lora_a_ERC if mid_SR is not None else None, scaling=ctx.scaling,
+            )
+            dx_TC = dx_pairs.view(-1, ctx.top_k, dx_pairs.shape[-1]).sum(dim=1)
+        if needs_a:
+            da_ERC = grouped_wgrad(mid_SR, x_TC, offsets_E, rhs_idx_S=token_idx_S, scaling=ctx.scaling)
+        if needs_b:
+            db_ENR = grouped_wgrad(dh_SN, xa_SR, offsets_E, scaling=ctx.scaling)
+        return dx_TC, dw_ENC, da_ERC, db_ENR, None, None, None, None, None
+
+
+class _ScatterGroupedLinear(torch.autograd.Function):
+    """out_TN = Σ_k w_(t,k) (a W_e^T + s (a A_e^T) B_e^T)[(t, k)]; weight and un-permute in the epilogue.
+
+    The epilogue stores each weighted row at its (t, k) position; the sum over K is a plain
+    deterministic reduction. Backward: u = dOut[token] W2eff_e gives both d a = w u and
+    d w = <u, a> (the router-input gradient) without keeping the [S, N] expert outputs.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, scaling, token_idx_S, pair_idx_S, offsets_E, top_k
+    ):
+        num_rows = a_SC.shape[0]
+        aa_SR = None
+        lora_b_ERN = None
+        if lora_a_ERC is not None:
+            aa_SR = grouped_gemm(a_SC, lora_a_ERC.transpose(1, 2), offsets_E, num_rows)
+            lora_b_ERN = lora_b_ENR.transpose(1, 2)
+        y_pairs = grouped_gemm(
+            a_SC, w_ENC.transpose(1, 2), offsets_E, num_rows, out_idx_S=pair_idx_S, row_scale_S=weight_S,
+            lora_mid_SR=aa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling,
+        )
+        ctx.save_for_backward(a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E)
+        ctx.scaling = scaling
+        return y_pairs.view(-1, top_k, y_pairs.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, dout_TN):
+        a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E = ctx.saved_tensors
+        needs_a, needs_weight, needs_w, needs_la, needs_lb = ctx.needs_input_grad[:5]
+        num_rows = a_SC.shape[0]
+        gb_SR = None
+        if lora_a_ERC is not None and (needs_a or needs_weight or needs_la):
+            # dOut[token] B_e: [S, R]
+            gb_SR = grouped_gemm(dout_TN, lora_b_ENR, offsets_E, num_rows, src_idx_S=token_idx_S)
+        d_a = d_weight = dw_ENC = da_ERC = db_ENR = None
+        if needs_w:  # full fine-tuning of the experts
+            dw_ENC = grouped_wgrad(dout_TN, a_SC, offsets_E, lhs_idx_S=token_idx_S, row_scale_S=weight_S)
+        if needs_a or needs_weight:
+            u_SC = grouped_gemm(
+                dout_TN, w_ENC, offsets_E, num_rows, src_idx_S=token_idx_S,
+                lora_mid_SR=gb_SR, lora_b_ERN=lora_a_ERC if gb_SR is not None else None, scaling=ctx.scaling,
+            )
+            if needs_weight:
+                d_weight = (u_SC.float() * a_SC.float()).sum(dim=-1).to(weight_S.dtype)
+            if needs_a:
+                d_a = u_SC * weight_S[:, None]
+        if needs_la:
+            da_ERC = grouped_wgrad(gb_SR, a_SC, offsets_E, row_scale_S=weight_S, scaling=ctx.scaling)
+        if needs_lb:
+            db_ENR = grouped_wgrad(
+                dout_TN, aa_SR, offsets_E, lhs_idx_S=token_idx_S, row_scale_S=weight_S, scaling=ctx.scaling
+            )
+        return d_a, d_weight, dw_ENC, da_ERC, db_ENR, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.grouped_mm: availability, the one-time view probe, alignment
+# --------------------------------------------------------------------------------------------------
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
+    """Forward and input-gradient of a tiny grouped_mm (one expert empty) against fp32 matmuls."""
+    if _GROUPED_MM is None:
+        return "unsupported"
+    gen = torch.Generator().manual_seed(0)
+    num_experts, c_dim, n_dim = 3, 32, 48
+    x = torch.randn(16, c_dim, generator=gen).to(device, dtype).requires_grad_()
+    w_ENC = torch.randn(num_experts, n_dim, c_dim, generator=gen).to(device, dtype)
+    grad = torch.randn(16, n_dim, generator=gen).to(device, dtype)
+    offsets = torch.tensor([5, 5, 16], device=device, dtype=torch.int32)  # expert 1 gets no rows
+    xf, wf, gf = x.detach().float(), w_ENC.float(), grad.float()
+    ref_y = torch.cat([xf[:5] @ wf[0].T, xf[5:] @ wf[2].T])
+    ref_dx = torch.cat([gf[:5] @ wf[0], gf[5:] @ wf[2]])
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 1e-1}
+
+    def correct(w_ECN: torch.Tensor) -> bool:
+        x.grad = None
+        y = _GROUPED_MM(x, w_ECN, offs=offsets)
+        y.backward(grad)
+        return torch.allclose(y.float(), ref_y, **tol) and torch.allclose(x.grad.float(), ref_dx, **tol)
+
+    try:
+        if correct(w_ENC.transpose(1, 2)):
+            return "views"
+        if correct(w_ENC.transpose(1, 2).contiguous()):
+            return "copies"
+    except (RuntimeError, NotImplementedError) as error:
+        logger.info("grouped_mm probe on %s %s failed: %s", device, dtype, error)
+    return "unsupported"
+
+
+def grouped_mm_mode(device: torch.device, dtype: torch.dtype) -> str:
+    """How `moe_experts` runs grouped_mm on ``device`` at ``dtype``, probed once and cached.
+
+    Returns:
+        ``"views"`` (frozen weights passed as transposed views, no copy), ``"copies"`` (the view path
+        gave wrong results on this torch, so weights are copied contiguous each call), or
+        ``"unsupported"`` (no grouped_mm, or it raised: the native_torch loop runs instead).
+    """
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM_MODES:
+        with torch.enable_grad():
+            mode = _probe_grouped_mm(device, dtype)
+        _GROUPED_MM_MODES[key] = mode
+        level = logging.INFO if mode == "views" else logging.WARNING
+        logger.log(level, "grouped_mm on %s %s (torch %s): %s", device, dtype, torch.__version__, mode)
+    return _GROUPED_MM_MODES[key]
+
+
+def _grouped_mm_aligned(dtype: torch.dtype, sizes: tuple[int, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
+    # grouped_mm needs 16-byte aligned data pointers and row strides (GroupedMMUtils.h).
+    align = 16 * 8 // torch.finfo(dtype).bits
+    return all(size % align == 0 for size in sizes) and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def select_backend(requested: str) -> str:
+    """Resolve ``moe.backend`` to a backend name, checking it can run here.
+
+    ``auto`` is ``grouped_mm`` when CUDA is present with a native grouped kernel (sm90/sm100) and the
+    bf16 probe passes, else ``native_torch``.
+
+    Raises:
+        ValueError: for an unknown name.
+        RuntimeError: ``grouped_mm`` on a torch without it; ``triton`` without CUDA or
+            ``TRITON_INTERPRET=1``.
+    """
+    if requested == "auto":
+        if (
+            _GROUPED_MM is not None
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] in (9, 10)
+            and grouped_mm_mode(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16) != "unsupported"
+        ):
+            return "grouped_mm"
+        return "native_torch"
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {requested!r}; choose one of {('auto', *BACKENDS)}")
+    if requested == "grouped_mm" and _GROUPED_MM is None:
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm; set moe.backend=triton or native_torch")
+    if requested == "triton" and not (torch.cuda.is_available() or _INTERPRET):
+        raise RuntimeError("moe.backend=triton needs CUDA (or TRITON_INTERPRET=1 on the CPU); use native_torch")
+    return requested
+
+
+# --------------------------------------------------------------------------------------------------
+# The three backends
+# --------------------------------------------------------------------------------------------------
+
+_LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _swiglu(h_SF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    gate_SI, up_SI = h_SF.chunk(2, dim=-1)
+    return act_fn(gate_SI) * up_SI
+
+
+def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | None, expert: int) -> torch.Tensor:
+    y = x @ w_NC.T
+    if lora is not None:
+        a_ERC, b_ENR, scaling = lora
+        y = y + scaling * ((x @ a_ERC[expert].T) @ b_ENR[expert].T)
+    return y
+
+
+def _experts_native(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+    # Note: the one host sync of this backend (offsets read back once per call); backward has none.
+    ends = routing.offsets_E.tolist()
+    outputs, start = [], 0
+    for expert, end in enumerate(ends):
+        if end > start:
+            h = _linear_native(x_SD[start:end], w_gate_up_EFD[expert], lora_gate_up, expert)
+            outputs.append(_linear_native(_swiglu(h, act_fn), w_down_EDI[expert], lora_down, expert))
+        start = end
+    if not outputs:
+        return x_SD.new_zeros(0, w_down_EDI.shape[1])
+    return torch.cat(outputs)
+
+
+def _linear_grouped_mm(x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_weights: bool):
+    w_ECN = w_ENC.transpose(1, 2)
+    y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
+    if lora is None:
+        return y_SN
+    a_ERC, b_ENR, scaling = lora
+    b_ERN = b_ENR.transpose(1, 2)
+    # The thin [S, R] middle needs 16-byte rows: pad R with zero factors when it is not (exact).
+    pad = -a_ERC.shape[1] % (16 * 8 // torch.finfo(x_SC.dtype).bits)
+    if pad:
+        a_ERC = F.pad(a_ERC, (0, 0, 0, pad))
+        b_ERN = F.pad(b_ERN, (0, 0, 0, pad))
+    xa_SR = _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E)
+    return y_SN + scaling * _GROUPED_MM(xa_SR, b_ERN.contiguous(), offs=offsets_E)
+
+
+def _experts_grouped_mm(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights):
+    offsets_E = routing.offsets_E
+    h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, lora_gate_up, copy_weights)
+    return _linear_grouped_mm(_swiglu(h_SF, act_fn), w_down_EDI, offsets_E, lora_down, copy_weights)
+
+
+def _lora_args(lora: _LoRAFactors | None) -> tuple:
+    return (None, None, 1.0) if lora is None else lora
+
+
+def _experts_triton(x_TD, weight_S, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+    h_SF = _GatherGroupedLinear.apply(
+        x_TD, w_gate_up_EFD, *_lora_args(lora_gate_up),
+        routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k,
+    )
+    return _ScatterGroupedLinear.apply(
+        _swiglu(h_SF, act_fn), weight_S, w_down_EDI, *_lora_args(lora_down),
+        routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k,
+    )
+
+
+def moe_experts(
+    x_TD: torch.Tensor,
+    topk_weight_TK: torch.Tensor,
+    routing: ExpertRouting,
+    w_gate_up_EFD: torch.Tensor,
+    w_down_EDI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
+    backend: str = "grouped_mm",
+) -> torch.Tensor:
+    """The routed experts of one MoE layer: gated MLP per (token, expert) pair, weighted sum over k.
+
+    Args:
+        x_TD: [T, D] hidden states.
+        topk_weight_TK: [T, K] routing weights (differentiable: the router-input gradient flows).
+        routing: `ExpertRouting` from ``sort_by_expert(topk_idx_TK, E)``.
+        w_gate_up_EFD: [E, 2I, D] gate and up weights (frozen or not).
+        w_down_EDI: [E, D, I] down weights.
+        act_fn: the gate activation (transformers' ``experts.act_fn``).
+        gate_up_lora / down_lora: PEFT's split LoRA of each projection, or None.
+        backend: ``native_torch``, ``grouped_mm`` or ``triton`` (see the module docstring).
+
+    Returns:
+        [T, D] in ``x_TD``'s dtype; computed in the weights' dtype with autocast off.
+
+    Raises:
+        ValueError: for an unknown backend.
+        RuntimeError: ``triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "triton" and x_TD.device.type != "cuda" and not _INTERPRET:
+        raise RuntimeError(
+            f"the triton MoE backend got {x_TD.device.type} tensors; it runs on CUDA (or the CPU under "
+            "TRITON_INTERPRET=1): move the model to the GPU or use native_torch"
+        )
+    dtype = w_gate_up_EFD.dtype
+    with torch.autocast(x_TD.device.type, enabled=False):
+        x = x_TD.to(dtype)
+        weight_S = topk_weight_TK.to(dtype).reshape(-1).index_select(0, routing.pair_idx_S)
+        lora_gate_up = gate_up_lora.factors(dtype) if gate_up_lora is not None else None
+        lora_down = down_lora.factors(dtype) if down_lora is not None else None
+        weights = (w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down)
+        if backend == "triton":
+            out_TD = _experts_triton(x, weight_S, routing, *weights)
+        else:
+            x_SD = permute_tokens(x, routing)
+            if backend == "grouped_mm":
+                y_SD = _run_grouped_mm(x_SD, routing, *weights)
+            else:
+                y_SD = _experts_native(x_SD, routing, *weights)
+            out_TD = unpermute_tokens(y_SD * weight_S[:, None], routing)
+    return out_TD.to(x_TD.dtype)
+
+
+def _run_grouped_mm(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+    dtype = x_SD.dtype
+    mode = grouped_mm_mode(x_SD.device, dtype)
+    sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
+    if mode == "unsupported" or not _grouped_mm_aligned(dtype, sizes, (w_gate_up_EFD, w_down_EDI)):
+        _log_once(
+            f"grouped_mm-fallback-{x_SD.device.type}-{dtype}-{sizes}",
+            logging.WARNING,
+            f"grouped_mm cannot run experts of sizes {sizes} at {dtype} on {x_SD.device.type} (mode {mode}, "
+            "sizes must be multiples of 16 bytes); running the native_torch loop (one host sync per layer). "
+            "Use moe.backend=triton to stay sync-free.",
+        )
+        return _experts_native(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down)
+    return _experts_grouped_mm(
+        x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights=mode == "copies"
+    )

@@ -1,0 +1,176 @@
+"""Top-k routing and the expert-sorted order of (token, expert) pairs, built once per MoE layer.
+
+Shape suffixes: T tokens, K top_k, E num_experts, D hidden size, S = T*K routed (token, expert)
+pairs. A tensor ending in ``_S`` is in expert-sorted order: the pairs of expert 0 first, then those
+of expert 1, ..., each expert's pairs in (token, k) order because the sort is stable.
+
+Math (as transformers' ``Qwen3MoeTopKRouter``): ``probs = softmax(router_logits)`` in fp32,
+``topk_weight, topk_idx = topk(probs, K)``, divided by their sum when ``norm_topk_prob``, cast back to
+the logits' dtype.
+
+Grouping, with no device-to-host sync and no per-expert loop:
+
+    expert_of_pair  = topk_idx_TK.flatten()                  pair p = t*K + k
+    sorted, pair_idx_S = sort(expert_of_pair, stable=True)   S pairs grouped by expert
+    offsets_E       = searchsorted(sorted, [0..E-1], right)  int32 end of each expert's rows
+    tokens_per_expert_E = diff(offsets_E, prepend=0)         == bincount(topk_idx_TK, minlength=E)
+
+``offsets_E`` is what ``torch._grouped_mm`` calls ``offs``. Note: the counts come from
+``searchsorted`` on the already sorted ids and not from ``torch.bincount``, because CUDA's bincount
+reads the input's min and max back to the host (two syncs per call) and ``histc`` needs float input
+on the CPU; searchsorted is sync-free on every device, deterministic, and yields the cumulative
+offsets directly.
+
+Sources: transformers ``modeling_qwen3_moe.py`` (router) and ``integrations/moe.py`` (sort +
+histc grouping of its ``grouped_mm`` experts path); the offsets convention of ``torch._grouped_mm``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ExpertRouting", "permute_tokens", "sort_by_expert", "topk_routing", "unpermute_tokens"]
+
+
+def topk_routing(
+    router_logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, then the top-k experts of each token and their weights.
+
+    The math of transformers' ``Qwen3MoeTopKRouter`` (bit-identical, tested), for callers that own
+    their router: the benchmark's routing rows and model-free use of these kernels. The Qwen3-MoE
+    patch keeps HF's router module so that ``router_logits`` stay what transformers records.
+
+    Args:
+        router_logits_TE: [T, E] router logits, any float dtype.
+        top_k: experts per token, 1 <= top_k <= E.
+        norm_topk_prob: divide the k weights of a token by their sum (Qwen3-MoE's flag).
+
+    Returns:
+        ``topk_weight_TK`` [T, K] in the logits' dtype (computed in fp32) and ``topk_idx_TK``
+        [T, K] int64 expert ids, in descending weight order.
+
+    Raises:
+        ValueError: if the logits are not 2-D or ``top_k`` is out of range.
+    """
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
+    if not 1 <= top_k <= router_logits_TE.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
+    probs_TE = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
+    topk_weight_TK, topk_idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if norm_topk_prob:
+        topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(dim=-1, keepdim=True)
+    return topk_weight_TK.to(router_logits_TE.dtype), topk_idx_TK
+
+
+class ExpertRouting(NamedTuple):
+    """The expert-sorted order of one layer's (token, expert) pairs; built by `sort_by_expert`.
+
+    Attributes:
+        token_idx_S: [S] int64, the token each sorted pair reads (``pair_idx_S // top_k``).
+        pair_idx_S: [S] int64, the flat pair index ``t*K + k`` of each sorted pair.
+        inv_pair_S: [S] int64, inverse permutation: sorted position of flat pair ``t*K + k``.
+        tokens_per_expert_E: [E] int32, pairs routed to each expert (zero allowed).
+        offsets_E: [E] int32, cumulative ends of each expert's rows (``offs`` of grouped_mm).
+        num_tokens: T.
+        top_k: K.
+    """
+
+    token_idx_S: torch.Tensor
+    pair_idx_S: torch.Tensor
+    inv_pair_S: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    offsets_E: torch.Tensor
+    num_tokens: int
+    top_k: int
+
+
+@torch.no_grad()
+def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> ExpertRouting:
+    """Group the T*K (token, expert) pairs by expert with a stable sort; no host sync.
+
+    Args:
+        topk_idx_TK: [T, K] integer expert ids in ``[0, num_experts)``.
+        num_experts: E.
+
+    Returns:
+        `ExpertRouting` on the same device as ``topk_idx_TK``.
+
+    Raises:
+        ValueError: if ``topk_idx_TK`` is not 2-D or not an integer tensor.
+    """
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.is_floating_point():
+        raise ValueError(
+            f"topk_idx_TK must be a 2-D integer tensor, got {topk_idx_TK.dtype} {tuple(topk_idx_TK.shape)}"
+        )
+    num_tokens, top_k = topk_idx_TK.shape
+    device = topk_idx_TK.device
+    expert_of_pair = topk_idx_TK.reshape(-1).long()
+    sorted_expert_S, pair_idx_S = torch.sort(expert_of_pair, stable=True)
+    experts_E = torch.arange(num_experts, device=device, dtype=sorted_expert_S.dtype)
+    offsets_E = torch.searchsorted(sorted_expert_S, experts_E, right=True, out_int32=True)
+    tokens_per_expert_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    arange_S = torch.arange(pair_idx_S.numel(), device=device)
+    inv_pair_S = torch.empty_like(pair_idx_S).scatter_(0, pair_idx_S, arange_S)
+    return ExpertRouting(
+        token_idx_S=pair_idx_S // top_k,
+        pair_idx_S=pair_idx_S,
+        inv_pair_S=inv_pair_S,
+        tokens_per_expert_E=tokens_per_expert_E,
+        offsets_E=offsets_E,
+        num_tokens=num_tokens,
+        top_k=top_k,
+    )
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """x_SD = x_TD[token_idx_S]; the backward sums each token's K rows without atomics."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_idx_S, inv_pair_S, top_k):
+        ctx.save_for_backward(inv_pair_S)
+        ctx.top_k = top_k
+        return x_TD.index_select(0, token_idx_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (inv_pair_S,) = ctx.saved_tensors
+        grad_pairs = grad_SD.index_select(0, inv_pair_S)  # [T*K, D] in (t, k) order
+        grad_TD = grad_pairs.view(-1, ctx.top_k, grad_SD.shape[-1]).sum(dim=1)
+        return grad_TD, None, None, None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    """out_TD[t] = sum_k y_SD[sorted position of (t, k)]; the backward is a gather, no atomics."""
+
+    @staticmethod
+    def forward(ctx, y_SD, token_idx_S, inv_pair_S, top_k):
+        ctx.save_for_backward(token_idx_S)
+        y_pairs = y_SD.index_select(0, inv_pair_S)
+        return y_pairs.view(-1, top_k, y_SD.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        (token_idx_S,) = ctx.saved_tensors
+        return grad_TD.index_select(0, token_idx_S), None, None, None
+
+
+def permute_tokens(x_TD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
+    """Gather token rows into expert-sorted pair order: [T, D] -> [S, D], differentiable.
+
+    The backward adds each token's K pair gradients with a gather and a sum over K (fp32
+    accumulation for half types), so it is deterministic and needs no atomics or host sync.
+    """
+    return _PermuteTokens.apply(x_TD, routing.token_idx_S, routing.inv_pair_S, routing.top_k)
+
+
+def unpermute_tokens(y_SD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
+    """Sum each token's K expert outputs: [S, D] (expert-sorted) -> [T, D], differentiable.
+
+    The K rows of a token are summed in (t, k) order with fp32 accumulation for half types (as
+    transformers' grouped_mm experts path does), so the result is deterministic.
+    """
+    return _UnpermuteTokens.apply(y_SD, routing.token_idx_S, routing.inv_pair_S, routing.top_k)

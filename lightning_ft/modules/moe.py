@@ -1,0 +1,186 @@
+"""Patch transformers' Qwen3-MoE sparse blocks with sync-free routing, grouped experts and split LoRA.
+
+`apply_moe` replaces, per instance and reversibly (`revert_moe`), the forward of every
+``Qwen3MoeSparseMoeBlock``; the classes, the router and the weights are untouched. Shape suffixes as
+in `lightning_ft.kernels.moe`: T tokens, K top_k, E experts, D hidden.
+
+Patched block forward, once per layer:
+
+    router_logits_TE, topk_weight_TK, topk_idx_TK = self.gate(x_TD)   # HF's router, a module call
+    routing = sort_by_expert(topk_idx_TK, E)                          # stable sort, int32 offsets
+    out_TD  = moe_experts(x_TD, topk_weight_TK, routing, W_gate_up, W_down, act, LoRA..., backend)
+
+Router logits: transformers v5 collects ``output_router_logits`` with forward hooks that its
+``capture_outputs`` decorator installs on every ``Qwen3MoeTopKRouter`` (``OutputRecorder(index=0)``).
+The patched block calls ``self.gate`` as a module, exactly as the stock block does, so the hooks fire
+and the load-balancing loss (``router_aux_loss_coef``) sees what the installed transformers records.
+Note: the router itself is left stock on purpose. Its math (fp32 softmax, top-k, ``norm_topk_prob``)
+is `topk_routing`'s and is already sync-free, and what its first output holds has differed across
+transformers 5.x releases (some returned the softmax probabilities there), so keeping HF's module
+keeps the aux loss identical to stock on every version. The router is frozen unless ``train_router``.
+
+Split LoRA: with ``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])`` PEFT nests two ``ParamWrapper`` modules around the experts and, in its
+own forward, adds ``scaling * B_e A_e`` to every expert's weight each step. The patched block never
+calls those wrappers: it reads their ``lora_A``/``lora_B`` weights (`ExpertLoRA`) and applies LoRA per
+routed token, so the gradients land in PEFT's own parameters and ``save_pretrained`` writes PEFT's
+adapter file. PEFT's adapter state is honoured: disabled adapters (``disable_adapter()``) or merged
+weights mean no LoRA term, as in PEFT's forward.
+
+Order: call `apply_moe` after ``get_peft_model`` when ``train_router=True`` (PEFT freezes every
+non-adapter weight when it wraps); otherwise either order works, the LoRA is looked up per forward.
+
+Sources: transformers v5 ``models/qwen3_moe/modeling_qwen3_moe.py``, ``utils/output_capturing.py``;
+PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper``).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+from peft.tuners.lora.layer import ParamWrapper
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
+
+__all__ = ["apply_moe", "revert_moe"]
+
+logger = logging.getLogger(__name__)
+
+_BACKEND_ATTR = "_lightning_ft_moe_backend"
+_PREVIOUS_FORWARD_ATTR = "_lightning_ft_moe_previous_forward"  # the block's instance `forward`, or None
+_ROUTER_GRAD_ATTR = "_lightning_ft_moe_router_requires_grad"
+
+
+def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool = False) -> str:
+    """Patch every Qwen3-MoE sparse block of ``model`` (plain or PEFT-wrapped) to our MoE path.
+
+    Calling it again re-patches with the new settings.
+
+    Args:
+        model: a transformers model, a PEFT model around one, or a bare sparse block.
+        backend: ``auto``, ``native_torch``, ``grouped_mm`` or ``triton`` (``moe.backend``); ``auto``
+            is ``grouped_mm`` on a CUDA GPU with a native grouped kernel, else ``native_torch``.
+        train_router: leave the router weights trainable (frozen otherwise).
+
+    Returns:
+        The backend in use.
+
+    Raises:
+        ValueError: no Qwen3-MoE sparse block in ``model``, an unknown backend, or experts in a
+            layout other than transformers' default (concatenated gate/up, not transposed, no bias).
+        RuntimeError: the backend cannot run here (see `select_backend`).
+    """
+    blocks = [m for m in model.modules() if isinstance(m, Qwen3MoeSparseMoeBlock)]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no Qwen3MoeSparseMoeBlock; apply_moe patches Qwen3-MoE models only "
+            "(leave the MoE patch off for other architectures)"
+        )
+    for block in blocks:
+        experts, _ = _experts_and_lora(block.experts)
+        expected = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
+        layout = {name: getattr(experts, name, default) for name, default in expected.items()}
+        if layout != expected:
+            raise ValueError(f"unsupported experts layout {layout}; split LoRA and the backends expect {expected}")
+    chosen = select_backend(backend)
+    for block in blocks:
+        if not hasattr(block, _BACKEND_ATTR):  # a re-patch must not record our own forward
+            setattr(block, _PREVIOUS_FORWARD_ATTR, vars(block).get("forward"))
+        setattr(block, _BACKEND_ATTR, chosen)
+        block.forward = types.MethodType(_sparse_moe_block_forward, block)
+    for router in (m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)):
+        if not hasattr(router, _ROUTER_GRAD_ATTR):
+            setattr(router, _ROUTER_GRAD_ATTR, router.weight.requires_grad)
+        router.weight.requires_grad_(train_router)
+    logger.info(
+        "MoE: %d Qwen3-MoE blocks use backend %s (requested %s), router %s",
+        len(blocks), chosen, backend, "trained" if train_router else "frozen",
+    )
+    return chosen
+
+
+def revert_moe(model: torch.nn.Module) -> int:
+    """Undo `apply_moe`: the blocks' previous forwards, router ``requires_grad`` as it was.
+
+    Returns:
+        The number of blocks reverted (0 when nothing was patched).
+    """
+    reverted = 0
+    for module in model.modules():
+        if hasattr(module, _BACKEND_ATTR):
+            previous_forward = getattr(module, _PREVIOUS_FORWARD_ATTR)
+            del module.forward
+            if previous_forward is not None:
+                module.forward = previous_forward
+            delattr(module, _BACKEND_ATTR)
+            delattr(module, _PREVIOUS_FORWARD_ATTR)
+            reverted += 1
+        if hasattr(module, _ROUTER_GRAD_ATTR):
+            module.weight.requires_grad_(getattr(module, _ROUTER_GRAD_ATTR))
+            delattr(module, _ROUTER_GRAD_ATTR)
+    return reverted
+
+
+def _sparse_moe_block_forward(self: Qwen3MoeSparseMoeBlock, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Routed experts on [..., D] hidden states; same output as ``Qwen3MoeSparseMoeBlock.forward``."""
+    hidden_dim = hidden_states.shape[-1]
+    x_TD = hidden_states.reshape(-1, hidden_dim)
+    _, topk_weight_TK, topk_idx_TK = self.gate(x_TD)  # a module call: HF's router-logit hooks fire
+    experts, loras = _experts_and_lora(self.experts)
+    routing = sort_by_expert(topk_idx_TK, experts.num_experts)
+    out_TD = moe_experts(
+        x_TD,
+        topk_weight_TK,
+        routing,
+        experts.gate_up_proj,
+        experts.down_proj,
+        experts.act_fn,
+        gate_up_lora=loras.get("gate_up_proj"),
+        down_lora=loras.get("down_proj"),
+        backend=getattr(self, _BACKEND_ATTR),
+    )
+    return out_TD.view_as(hidden_states)
+
+
+def _experts_and_lora(experts: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, ExpertLoRA]]:
+    """Unwrap PEFT's nested ``ParamWrapper`` layers: the experts module and its active split LoRA.
+
+    Returns:
+        The innermost experts module and ``{parameter_name: ExpertLoRA}`` for each wrapped 3-D
+        parameter with an active, unmerged adapter.
+
+    Raises:
+        TypeError: a PEFT tuner other than LoRA ``target_parameters`` wraps the experts.
+        NotImplementedError: more than one adapter is active on the experts.
+    """
+    loras: dict[str, ExpertLoRA] = {}
+    module = experts
+    while isinstance(module, BaseTunerLayer):
+        if not isinstance(module, ParamWrapper):
+            raise TypeError(
+                f"{type(module).__name__} wraps the experts; the MoE patch supports PEFT LoRA through "
+                "target_parameters (ParamWrapper) only: use LoRA on the experts, or do not apply_moe"
+            )
+        if module.disable_adapters and module.merged:
+            module.unmerge()  # as ParamWrapper.forward does
+        if not module.disable_adapters and not module.merged:
+            active = [name for name in module.active_adapters if name in module.lora_A]
+            if len(active) > 1:
+                raise NotImplementedError(
+                    f"{len(active)} adapters active on the experts; split LoRA runs one: "
+                    "set_adapter() one of them, or merge the others"
+                )
+            if active:
+                name = active[0]
+                loras[module.parameter_name] = ExpertLoRA(
+                    lora_A=module.lora_A[name].weight,
+                    lora_B=module.lora_B[name].weight,
+                    scaling=module.scaling[name],
+                    num_experts=module.num_experts,
+                )
+        module = module.base_layer
+    return module, loras

@@ -1,0 +1,114 @@
+"""Routing: top-k weights against transformers' router, the expert-sorted order, permute/unpermute."""
+
+import pytest
+import torch
+
+from lightning_ft.kernels.moe.routing import permute_tokens, sort_by_expert, topk_routing, unpermute_tokens
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _distinct_topk(num_tokens: int, top_k: int, num_experts: int, empty: tuple[int, ...] = ()) -> torch.Tensor:
+    """[T, K] expert ids, distinct within each row (as top-k gives), never choosing ``empty``."""
+    scores = torch.rand(num_tokens, num_experts, generator=torch.Generator().manual_seed(0))
+    scores[:, list(empty)] = -1.0
+    return scores.argsort(dim=-1, descending=True)[:, :top_k]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "num_experts,top_k,norm_topk_prob", [(8, 2, True), (6, 1, False), (6, 3, False), (5, 5, True)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_routing_matches_transformers_router(device, num_experts, top_k, norm_topk_prob, dtype):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(
+        hidden_size=24, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob
+    )
+    torch.manual_seed(0)
+    router = Qwen3MoeTopKRouter(config).to(device, dtype)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(19, 24, device=device, dtype=dtype)
+    logits, hf_weight, hf_idx = router(x)
+    weight, idx = topk_routing(torch.nn.functional.linear(x, router.weight), top_k, norm_topk_prob)
+    assert weight.dtype == hf_weight.dtype and idx.dtype == torch.int64
+    torch.testing.assert_close(idx, hf_idx, rtol=0, atol=0)
+    torch.testing.assert_close(weight, hf_weight, rtol=0, atol=0)
+
+
+def test_topk_routing_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        topk_routing(torch.randn(3, 4), 5, True)
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        topk_routing(torch.randn(3), 1, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(17, 2, 6), (9, 1, 8), (40, 4, 7), (0, 2, 4)])
+def test_sort_by_expert_groups_pairs(device, num_tokens, top_k, num_experts):
+    topk_idx = _distinct_topk(num_tokens, top_k, num_experts, empty=(1,)).to(device)
+    routing = sort_by_expert(topk_idx, num_experts)
+    flat = topk_idx.reshape(-1)
+    num_pairs = flat.numel()
+
+    assert routing.offsets_E.dtype == torch.int32 and routing.tokens_per_expert_E.dtype == torch.int32
+    expected_counts = torch.bincount(flat, minlength=num_experts)
+    assert routing.tokens_per_expert_E.tolist() == expected_counts.tolist()
+    assert routing.tokens_per_expert_E[1] == 0
+    assert routing.offsets_E.tolist() == torch.cumsum(expected_counts, 0).tolist()
+    assert sorted(routing.pair_idx_S.tolist()) == list(range(num_pairs))
+    experts_sorted = flat[routing.pair_idx_S]
+    assert torch.all(experts_sorted[1:] >= experts_sorted[:-1])
+    same_expert = experts_sorted[1:] == experts_sorted[:-1]
+    assert torch.all(routing.pair_idx_S[1:][same_expert] > routing.pair_idx_S[:-1][same_expert])  # stable
+    assert torch.equal(routing.token_idx_S, routing.pair_idx_S // top_k)
+    assert torch.equal(routing.inv_pair_S[routing.pair_idx_S], torch.arange(num_pairs, device=device))
+    assert (routing.num_tokens, routing.top_k) == (num_tokens, top_k)
+
+
+def test_sort_by_expert_rejects_float_ids():
+    with pytest.raises(ValueError, match="integer"):
+        sort_by_expert(torch.zeros(3, 2), 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_unpermute_match_indexing(device, dtype):
+    num_tokens, top_k, num_experts, hidden = 13, 3, 5, 7
+    routing = sort_by_expert(_distinct_topk(num_tokens, top_k, num_experts).to(device), num_experts)
+    x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+
+    x_sorted = permute_tokens(x, routing)
+    expected = x_ref[routing.token_idx_S]
+    torch.testing.assert_close(x_sorted, expected, rtol=0, atol=0)
+    y = torch.randn_like(x_sorted)
+    out = unpermute_tokens(x_sorted * y, routing)
+    out_ref = torch.zeros_like(x_ref, dtype=torch.float32).index_add_(
+        0, routing.token_idx_S, (expected * y).float()
+    )
+    torch.testing.assert_close(out.float(), out_ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    out_ref.to(dtype).backward(grad)
+    torch.testing.assert_close(x.grad.float(), x_ref.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_routing_has_no_host_sync():
+    device = "cuda"
+    logits = torch.randn(4096, 128, device=device)
+    x = torch.randn(4096, 64, device=device, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        weight, idx = topk_routing(logits, 8, True)
+        routing = sort_by_expert(idx, 128)
+        weight_S = weight.reshape(-1).index_select(0, routing.pair_idx_S)
+        out = unpermute_tokens(permute_tokens(x, routing) * weight_S[:, None], routing)
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

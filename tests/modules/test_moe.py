@@ -1,0 +1,314 @@
+"""apply_moe on a tiny Qwen3-MoE + PEFT LoRA (attention and experts) against the stock HF + PEFT path.
+
+Stock = transformers' eager experts loop with PEFT's ``target_parameters`` LoRA, which adds the
+materialised B·A to every expert weight. Each test patches, compares, and reverts.
+"""
+
+import logging
+import os
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+from lightning_ft.kernels.moe import BACKENDS
+from lightning_ft.modules.moe import apply_moe, revert_moe
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _skip_unless_runnable(backend: str, device: str) -> None:
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton backend runs on the CPU only under TRITON_INTERPRET=1")
+
+
+def _config(**overrides) -> Qwen3MoeConfig:
+    values = dict(
+        vocab_size=64, hidden_size=40, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=8, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, router_aux_loss_coef=0.01,
+    )
+    return Qwen3MoeConfig(**(values | overrides))
+
+
+def _base_model(device="cpu", dtype=torch.float32, **overrides) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(_config(**overrides))
+    model.set_experts_implementation("eager")
+    return model.to(device, dtype)
+
+
+def _lora_config() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS)
+
+
+def _peft_model(device="cpu", dtype=torch.float32, **overrides):
+    model = get_peft_model(_base_model(device, dtype, **overrides), _lora_config())
+    gen = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # PEFT initialises B to zero: make LoRA change the output and A's gradient
+            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def _input_ids(device, batch=2, length=16):
+    return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(2)).to(device)
+
+
+def _step(model, input_ids, **kwargs):
+    """Forward with labels and backward; returns the output and the trainable parameters' grads."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=input_ids, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+def _rel_err(actual, expected) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_experts": 5, "num_experts_per_tok": 1, "norm_topk_prob": False}],
+    ids=["e6_top2", "e5_top1"],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_patched_model_matches_stock_fp32(backend, overrides, device):
+    _skip_unless_runnable(backend, device)
+    model = _peft_model(device, **overrides)
+    num_experts = model.config.num_experts
+    input_ids = _input_ids(device)
+    ref, ref_grads = _step(model, input_ids)
+    assert apply_moe(model, backend) == backend
+    out, grads = _step(model, input_ids)
+    revert_moe(model)
+
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name, grad in grads.items():  # every expert's slice of every expert LoRA tensor learns
+        if "experts" in name:  # lora_A rows e*R + j, lora_B columns j*E + e (PEFT's layout)
+            if "lora_A" in name:
+                per_expert = grad.view(num_experts, -1).abs().sum(dim=1)
+            else:
+                per_expert = grad.view(grad.shape[0], -1, num_experts).abs().sum(dim=(0, 1))
+            assert torch.all(per_expert > 0), f"{backend}: an expert of {name} got no gradient"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_patched_model_bf16_as_close_as_stock(backend, device):
+    """bf16: our error against the fp32 stock run is no worse than the bf16 stock run's (with slack).
+
+    PEFT keeps the adapters in fp32 on a bf16 base (``autocast_adapter_dtype``); the factors are
+    cast to bf16 for the expert GEMMs and the gradients flow back to the fp32 parameters.
+    """
+    _skip_unless_runnable(backend, device)
+    input_ids = _input_ids(device)
+    ref32, grads32 = _step(_peft_model(device), input_ids)
+    model = _peft_model(device, torch.bfloat16)
+    stock, stock_grads = _step(model, input_ids)
+    apply_moe(model, backend)
+    out, grads = _step(model, input_ids)
+    revert_moe(model)
+
+    assert _rel_err(out.logits, ref32.logits) <= 2 * _rel_err(stock.logits, ref32.logits) + 1e-2
+    for name, grad in grads.items():
+        limit = 2 * _rel_err(stock_grads[name], grads32[name]) + 2e-2
+        assert _rel_err(grad, grads32[name]) <= limit, name
+
+
+def _peft_block(top_k: int, device: str):
+    """A Qwen3-MoE block (hidden 36, 6 experts, eager experts) with PEFT LoRA on its experts.
+
+    Inputs are positive and expert 4's router row is strongly negative, so expert 4 gets no tokens.
+    """
+    from peft import inject_adapter_in_model
+
+    config = _config(
+        hidden_size=36, moe_intermediate_size=20, num_experts_per_tok=top_k, experts_implementation="eager"
+    )
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    block.gate.weight.data[4] = -5.0
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"]
+    )
+    block = inject_adapter_in_model(lora, block.requires_grad_(False))
+    for name, param in block.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    return block.to(device)
+
+
+def _block_step(block, x, grad):
+    """Block forward + backward; returns the output, the input grad and the LoRA grads."""
+    x = x.detach().clone().requires_grad_()
+    block.zero_grad(set_to_none=True)
+    out = block(x)
+    out.backward(grad)
+    return out, x.grad, {name: p.grad.clone() for name, p in block.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_patched_block_matches_hf_eager_experts_with_peft(backend, top_k, device):
+    """Block level, fp32 and bf16: output, input grad and every LoRA grad against HF eager + PEFT."""
+    _skip_unless_runnable(backend, device)
+    block = _peft_block(top_k, device)
+    x = torch.rand(3, 10, 36, generator=torch.Generator().manual_seed(3)).to(device)
+    grad = torch.randn(3, 10, 36, generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad():
+        assert not (block.gate(x.view(-1, 36))[2] == 4).any()  # expert 4 receives no tokens
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        block.to(dtype)
+        results["stock", dtype] = _block_step(block, x.to(dtype), grad.to(dtype))
+        apply_moe(block, backend)
+        results["ours", dtype] = _block_step(block, x.to(dtype), grad.to(dtype))
+        revert_moe(block)
+
+    ref_out, ref_dx, ref_grads = results["stock", torch.float32]
+    out, dx, grads = results["ours", torch.float32]
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 4
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    stock16, ours16 = results["stock", torch.bfloat16], results["ours", torch.bfloat16]
+    for i, reference in ((0, ref_out), (1, ref_dx)):
+        assert _rel_err(ours16[i], reference) <= 2 * _rel_err(stock16[i], reference) + 1e-2
+    for name, g in ours16[2].items():
+        assert _rel_err(g, ref_grads[name]) <= 2 * _rel_err(stock16[2][name], ref_grads[name]) + 2e-2, name
+
+
+def test_router_logits_aux_loss_and_gradient_checkpointing():
+    model = _peft_model()
+    input_ids = _input_ids("cpu")
+    ref, ref_grads = _step(model, input_ids, output_router_logits=True)
+    apply_moe(model, "native_torch")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    out, grads = _step(model, input_ids, output_router_logits=True)
+    revert_moe(model)
+
+    assert len(out.router_logits) == 2
+    for logits, ref_logits in zip(out.router_logits, ref.router_logits):
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss)
+    torch.testing.assert_close(out.loss, ref.loss)  # includes router_aux_loss_coef * aux_loss
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_router_frozen_by_default_and_trainable_on_request():
+    model = _peft_model()
+    input_ids = _input_ids("cpu")
+    routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+    for router in routers:
+        router.weight.requires_grad_(True)
+    ref, ref_grads = _step(model, input_ids, output_router_logits=True)
+    for router in routers:
+        router.weight.requires_grad_(False)
+
+    apply_moe(model, "native_torch")
+    assert not any(r.weight.requires_grad for r in routers)
+    apply_moe(model, "native_torch", train_router=True)
+    out, grads = _step(model, input_ids, output_router_logits=True)
+    router_grads = [name for name in grads if name.endswith("gate.weight")]
+    assert len(router_grads) == 2
+    for name in router_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7)
+    assert revert_moe(model) == 2
+    assert not any(r.weight.requires_grad for r in routers)  # as before apply_moe
+
+
+def test_revert_restores_stock_forward_and_apply_before_peft():
+    base = _base_model()
+    input_ids = _input_ids("cpu")
+    with torch.no_grad():
+        before = base(input_ids=input_ids).logits
+    apply_moe(base, "grouped_mm")
+    peft_model = get_peft_model(base, _lora_config())  # LoRA added after patching: found per forward
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    with torch.no_grad():
+        patched = peft_model(input_ids=input_ids).logits
+        with peft_model.disable_adapter():
+            disabled = peft_model(input_ids=input_ids).logits
+    assert revert_moe(peft_model) == 2
+    blocks = [m for m in peft_model.modules() if isinstance(m, (Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter))]
+    assert blocks and all("forward" not in vars(m) for m in blocks)
+    with torch.no_grad():
+        stock = peft_model(input_ids=input_ids).logits
+        with peft_model.disable_adapter():
+            stock_disabled = peft_model(input_ids=input_ids).logits
+    torch.testing.assert_close(patched, stock, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(disabled, stock_disabled, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stock_disabled, before, rtol=0, atol=0)
+    assert not torch.allclose(patched, before, atol=1e-3)  # the LoRA is live in the patched path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adapter_round_trip_loads_in_stock_peft(tmp_path, device):
+    """Adapters trained through the triton backend save as PEFT's file and load into stock HF + PEFT."""
+    _skip_unless_runnable("triton", device)
+    model = _peft_model(device)
+    input_ids = _input_ids(device)
+    apply_moe(model, "triton")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    _step(model, input_ids)
+    optimizer.step()  # the expert adapters move by the gradients of our path
+    with torch.no_grad():
+        trained = model(input_ids=input_ids).logits
+    model.save_pretrained(tmp_path)
+
+    fresh = PeftModel.from_pretrained(_base_model(device), tmp_path)  # stock HF + PEFT, no patch
+    saved = {name for name, _ in fresh.named_parameters() if "experts" in name and "lora" in name}
+    assert len(saved) == 8  # 2 layers x (gate_up, down) x (lora_A, lora_B)
+    with torch.no_grad():
+        reloaded = fresh(input_ids=input_ids).logits
+    torch.testing.assert_close(reloaded, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):
+    model = _peft_model()
+    with caplog.at_level(logging.INFO, logger="lightning_ft.modules.moe"):
+        chosen = apply_moe(model, "auto")
+    revert_moe(model)
+    assert any(f"backend {chosen} (requested auto)" in r.message for r in caplog.records)
+    if not torch.cuda.is_available():
+        assert chosen == "native_torch"
+    with pytest.raises(ValueError, match="unknown MoE backend"):
+        apply_moe(model, "megablocks")
+    with pytest.raises(ValueError, match="no Qwen3MoeSparseMoeBlock"):
+        apply_moe(torch.nn.Linear(2, 2), "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_patched_block_has_no_host_sync(backend):
+    """One patched Qwen3-MoE block with PEFT expert LoRA: forward and backward never sync."""
+    model = _peft_model("cuda", torch.bfloat16, hidden_size=256, moe_intermediate_size=128, num_experts=16)
+    apply_moe(model, backend)
+    block = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    block(x).float().square().mean().backward()  # probe, autotune, compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block(x).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    revert_moe(model)
