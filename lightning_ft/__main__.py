@@ -7,13 +7,15 @@ Examples::
     python -m lightning_ft fit data.path=train.jsonl lora.rank=8
     python -m lightning_ft fit -m lora.rank=4,8                 # a Hydra sweep
     python -m lightning_ft fit --cfg job                         # print the composed config
+    python -m lightning_ft bench +bench=llama8b                 # side-by-side step benchmark (GPU)
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("fit",)
+COMMANDS = ("fit", "bench")
+_CONFIG_NAMES = {"fit": "fit", "bench": "benchmark"}
 USAGE = f"usage: python -m lightning_ft {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]"
 
 
@@ -21,6 +23,12 @@ def _fit_task(cfg) -> None:
     from lightning_ft.fit import fit
 
     fit(cfg)
+
+
+def _bench_task(cfg) -> None:
+    from lightning_ft.bench.runner import run_bench
+
+    run_bench(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown command {argv[0]!r}; expected one of {COMMANDS}\n{USAGE}")
     register_configs()
     sys.argv = [sys.argv[0], *overrides]
-    app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=command)(_fit_task)
+    task = {"fit": _fit_task, "bench": _bench_task}[command]
+    app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=_CONFIG_NAMES[command])(task)
     app()
 
 

@@ -1,0 +1,176 @@
+"""Run a benchmark config: every (sequence length, system) pair in a fresh subprocess, alternating
+systems within each length, then write ``results.json``, ``results.md`` and ``results.png``.
+
+The systems run one after another on the same device (never at the same time); each gets its
+own process so that allocator state, compiled kernels and monkey-patches (Liger patches
+transformers classes) never leak from one to the next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_ft.bench.systems import SYSTEMS
+from lightning_ft.bench.worker import ROW_PREFIX
+from lightning_ft.callbacks.summary import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+_COLUMNS = [("system", "system"), ("layers", "layers"), ("seq_len", "seq"), ("status", "status"),
+            ("ms_per_step", "ms/step"), ("tokens_per_s", "tokens/s"), ("x_vs_hf_peft", "× hf_peft"),
+            ("mfu", "MFU"), ("peak_mem_gib", "peak GiB"), ("mem_vs_hf_peft", "mem × hf_peft"), ("loss_last", "loss")]
+
+
+def environment() -> dict[str, Any]:
+    """Versions and device of this run (for the results header)."""
+    import torch
+
+    versions = {}
+    for name in ("torch", "triton", "transformers", "peft", "lightning", "liger-kernel"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "versions": versions,
+        "command": " ".join(["python", "-m", "lightning_ft", "bench", *sys.argv[1:]]),
+    }
+
+
+def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Run every (seq_len, system) of ``cfg`` and write the result files to ``cfg.out_dir``.
+
+    Raises:
+        ValueError: an unknown system name.
+    """
+    from lightning_ft.bench.flops import measured_peak_flops
+
+    unknown = [s for s in cfg.systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"bench.systems: unknown {unknown}; known: {list(SYSTEMS)}")
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
+    if cfg.num_layers:
+        model_config["num_hidden_layers"] = cfg.num_layers
+    peak = measured_peak_flops(cfg.device)
+    env = {**environment(), "peak_bf16_tflops": peak / 1e12 if peak else None}
+    log.info("bench: %s on %s, peak %s", cfg.name, env["device"], env["peak_bf16_tflops"])
+    rows = []
+    for seq_len in cfg.seq_lens:
+        for system in cfg.systems:
+            spec = {
+                "system": system,
+                "model": cfg.name,
+                "seq_len": seq_len,
+                "model_config": model_config,
+                "model_options": {k: cfg.model[k] for k in ("attention",) if k in cfg.model},
+                "lora": OmegaConf.to_container(cfg.lora, resolve=True),
+                "kernels": OmegaConf.to_container(cfg.kernels, resolve=True),
+                "moe": OmegaConf.to_container(cfg.moe, resolve=True),
+                "dtype": cfg.dtype,
+                "device": cfg.device,
+                "gradient_checkpointing": cfg.gradient_checkpointing,
+                "warmup_steps": cfg.warmup_steps,
+                "timed_steps": cfg.timed_steps,
+                "peak_flops": peak,
+            }
+            row = _run_worker(spec, cfg.timeout_s)
+            log.info("bench row: %s", row)
+            rows.append(row)
+            _write(out_dir, env, _with_ratios(rows), cfg)
+    return _with_ratios(rows)
+
+
+def _run_worker(spec: dict[str, Any], timeout_s: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "lightning_ft.bench.worker", json.dumps(spec)]
+    base = {k: spec[k] for k in ("system", "model", "seq_len")} | {"layers": spec["model_config"]["num_hidden_layers"]}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        return {**base, "status": f"timeout after {timeout_s} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(ROW_PREFIX):
+            return json.loads(line[len(ROW_PREFIX) :])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {**base, "status": f"crashed (exit {proc.returncode}): {' | '.join(tail)}"[:300]}
+
+
+def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add tokens/s and peak-memory ratios against the ``hf_peft`` row of the same length."""
+    base = {r["seq_len"]: r for r in rows if r["system"] == "hf_peft" and r.get("status") == "ok"}
+    out = []
+    for r in rows:
+        b = base.get(r["seq_len"])
+        ok = r.get("status") == "ok" and b is not None
+        out.append({
+            **r,
+            "x_vs_hf_peft": r["tokens_per_s"] / b["tokens_per_s"] if ok else None,
+            "mem_vs_hf_peft": r["peak_mem_gib"] / b["peak_mem_gib"] if ok and r.get("peak_mem_gib") and b.get("peak_mem_gib") else None,
+        })
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table (numbers rounded for reading)."""
+
+    def fmt(key: str, value: Any) -> str:
+        if value is None:
+            return "–"
+        if isinstance(value, float):
+            return f"{100 * value:.1f}%" if key == "mfu" else f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(title for _, title in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(fmt(k, r.get(k)) for k, _ in _COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _write(out_dir: Path, env: dict[str, Any], rows: list[dict[str, Any]], cfg: DictConfig) -> None:
+    write_json_atomic(out_dir / "results.json", {"environment": env, "config": OmegaConf.to_container(cfg, resolve=True), "rows": rows})
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    peak = f"{env['peak_bf16_tflops']:.0f} TFLOP/s" if env["peak_bf16_tflops"] else "n/a"
+    header = f"## {cfg.name}: {env['date']}, {env['device']}\n\n{versions}; measured bf16 peak {peak}. `{env['command']}`\n\n"
+    (out_dir / "results.md").write_text(header + markdown_table(rows) + "\n")
+    _plot(rows, out_dir / "results.png", cfg.name)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
+    for system in dict.fromkeys(r["system"] for r in rows):
+        ok = [r for r in rows if r["system"] == system and r.get("status") == "ok"]
+        if not ok:
+            continue
+        seqs = [r["seq_len"] for r in ok]
+        axes[0].plot(seqs, [r["tokens_per_s"] for r in ok], marker="o", label=system)
+        if all(r.get("peak_mem_gib") is not None for r in ok):
+            axes[1].plot(seqs, [r["peak_mem_gib"] for r in ok], marker="o", label=system)
+    for ax, ylabel in zip(axes, ("tokens/s", "peak memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
