@@ -1,4 +1,10 @@
-"""Packed attention: same loss as running each document alone; metadata built once per batch."""
+"""Packed attention: same loss as running each document alone; metadata built once per batch.
+
+The backends that run on the CPU (sdpa: forward and backward; flex: forward, torch's unfused
+reference) are checked here; varlen and the compiled flex kernel in tests/modules/test_attention_gpu.py.
+"""
+
+import itertools
 
 import pytest
 import torch
@@ -7,6 +13,8 @@ import torch.nn.functional as F
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.modules import attention
 from lightning_ft.modules.finetune_module import load_causal_lm
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 TINY = {
     "qwen3_moe": dict(
@@ -19,11 +27,15 @@ TINY = {
         num_key_value_heads=2, vocab_size=97,
     ),
 }
+CPU_BACKENDS = ["sdpa", "flex"]
+BUILDERS = {"sdpa": "block_causal_mask", "flex": "build_block_mask"}
+ATTEND = {"sdpa": attention.sdpa_attention, "flex": attention.flex_attention}
 
 
-def _model(kind):
+def _model(kind, backend="sdpa"):
     torch.manual_seed(0)
-    return load_causal_lm(None, "random", dict(TINY[kind]), attn_implementation=attention.register_packed_attention()).eval()
+    name = attention.register_packed_attention(backend)
+    return load_causal_lm(None, "random", dict(TINY[kind]), attn_implementation=name).eval()
 
 
 def _docs(lengths, vocab=97, seed=0):
@@ -39,6 +51,69 @@ def _docs(lengths, vocab=97, seed=0):
 def _loss_sum(model, batch):
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch).logits.float()
     return F.cross_entropy(logits[0, :-1], batch.labels[0, 1:], ignore_index=-100, reduction="sum")
+
+
+def _cu_seqlens(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+# one-token documents among others, a single document of exactly T tokens, tile edges of the flex BlockMask
+LENGTHS = {
+    "mixed": [1, 37, 1, 150, 1, 129, 64, 1],
+    "one_document": [256],
+    "tile_edges": [128, 127, 1, 128],
+}
+
+
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("sliding_window", [None, 40])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_backend_equals_per_document_sdpa_fp32(backend, lengths, sliding_window):
+    batch = collate_packed(_docs(lengths))
+    g = torch.Generator().manual_seed(1)
+    T, D = sum(lengths), 16
+    q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (4, 2, 2))
+    grads = backend == "sdpa"  # torch has no FlexAttention backward on the CPU
+    for t in (q, k, v):
+        t.requires_grad_(grads)
+    out = ATTEND[backend](q, k, v, batch, 0.3, sliding_window)
+    ref = attention.packed_attention_reference(q, k, v, batch.cu_seqlens, 0.3, sliding_window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if grads:
+        dout = torch.randn(ref.shape, generator=g)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        expected = torch.autograd.grad(ref, (q, k, v), dout)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("takes_enable_gqa", [False, True], ids=["torch2.11", "torch2.12+"])
+def test_varlen_glue_calls_the_api_as_documented(monkeypatch, takes_enable_gqa):
+    """The varlen path on the CPU with a stand-in for `varlen_attn` that follows its documented
+    contract ([T, H, D] tensors, cu_seqlens, window_size=(left, 0) for causal): checks layouts, the
+    window and the GQA argument of either torch generation. The real kernel: test_attention_gpu.py."""
+    calls = []
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
+        calls.append({"contiguous": query.is_contiguous() and key.is_contiguous(), "max": (max_q, max_k), **gqa})
+        assert window_size[1] == 0 and cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
+        window = None if window_size[0] == -1 else window_size[0] + 1
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+        return attention.packed_attention_reference(q, k, v, cu_seq_q, scale, window)[0]
+
+    monkeypatch.setattr(attention, "_varlen_api", lambda: (varlen_attn, takes_enable_gqa))
+    lengths = [1, 37, 1, 150]
+    batch = collate_packed(_docs(lengths))
+    g = torch.Generator().manual_seed(2)
+    # laid out as transformers lays them out: [1, T, H, D] memory seen as [1, H, T, D]
+    q, k, v = (torch.randn(1, sum(lengths), h, 16, generator=g).to(torch.bfloat16).transpose(1, 2) for h in (4, 2, 2))
+    for window in (None, 30):
+        out = attention.varlen_attention(q, k, v, batch, 0.25, window)
+        torch.testing.assert_close(out, attention.packed_attention_reference(q, k, v, batch.cu_seqlens, 0.25, window))
+    gqa = {"enable_gqa": True} if takes_enable_gqa else {}
+    assert calls == [{"contiguous": True, "max": (150, 150), **gqa}] * 2
+    with pytest.raises(ValueError, match="needs bfloat16 or float16"):
+        attention.varlen_attention(q.float(), k.float(), v.float(), batch, None, None)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
@@ -57,20 +132,75 @@ def test_packed_loss_equals_documents_one_by_one(kind):
     torch.testing.assert_close(packed_loss, sums / counts, rtol=1e-5, atol=1e-5)
 
 
-def test_mask_is_built_once_per_batch_whatever_the_layer_count(monkeypatch):
+def test_flex_model_matches_sdpa_model():
+    batch = collate_packed(_docs([7, 1, 130, 2, 9]))
+    with torch.no_grad():
+        sdpa = _model("llama", "sdpa")(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch)
+        flex = _model("llama", "flex")(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch)
+    torch.testing.assert_close(flex.logits, sdpa.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_metadata_is_built_once_per_batch_whatever_the_layer_count(monkeypatch, backend):
     builds = []
-    real = attention.block_causal_mask
-    monkeypatch.setattr(attention, "block_causal_mask", lambda *a: builds.append(1) or real(*a))
-    model = _model("qwen3_moe")
+    real = getattr(attention, BUILDERS[backend])
+    monkeypatch.setattr(attention, BUILDERS[backend], lambda *a: builds.append(a[1]) or real(*a))
+    model = _model("qwen3_moe", backend)
     assert model.config.num_hidden_layers == 3
     with torch.no_grad():
         for n_batches in (1, 2):
             _loss_sum(model, collate_packed(_docs([5, 3, 8], seed=n_batches)))
-            assert len(builds) == n_batches
+            assert builds == [torch.device("cpu")] * n_batches
 
 
 def test_block_causal_mask_matches_the_picture():
-    mask = attention.block_causal_mask(torch.tensor([0, 3, 5, 9], dtype=torch.int32), torch.device("cpu"))[0, 0]
+    mask = attention.block_causal_mask(_cu_seqlens([3, 2, 4]), torch.device("cpu"))[0, 0]
     doc = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
     expected = (doc[:, None] == doc[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
     assert torch.equal(mask, expected)
+    windowed = attention.block_causal_mask(_cu_seqlens([3, 2, 4]), torch.device("cpu"), sliding_window=2)[0, 0]
+    q, k = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    assert torch.equal(windowed, expected & (q - k < 2))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 7, 130])
+@pytest.mark.parametrize("lengths", [[256], [1], [128, 128], [1, 300, 2, 1, 77], [129, 1, 1, 5, 200]])
+def test_host_built_block_mask_equals_create_block_mask(lengths, sliding_window):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cu = _cu_seqlens(lengths)
+    doc = attention.document_ids(cu)
+    T = doc.numel()
+
+    def document_causal(b, h, q, k):
+        keep = (doc[q] == doc[k]) & (q >= k)
+        return keep & (q - k < sliding_window) if sliding_window is not None else keep
+
+    for block in (32, 128):
+        ours = attention.build_block_mask(cu, torch.device("cpu"), sliding_window, block_size=block)
+        ref = create_block_mask(document_causal, None, None, T, T, device="cpu", BLOCK_SIZE=block)
+        assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+
+
+def test_backend_resolution_and_registered_names():
+    cpu = torch.device("cpu")
+    assert attention.resolve_attention_backend("auto", cpu, torch.bfloat16)[0] == "sdpa"
+    assert attention.resolve_attention_backend("flex", cpu, torch.float32) == ("flex", "set by model.attention")
+    with pytest.raises(ValueError, match="model.attention=varlen needs CUDA"):
+        attention.resolve_attention_backend("varlen", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="expected one of"):
+        attention.resolve_attention_backend("flash", cpu, torch.bfloat16)
+    names = {backend: attention.register_packed_attention(backend) for backend in ("sdpa", "varlen", "flex")}
+    assert names == attention.ATTENTION_NAMES
+    assert not any(word in name for name in names.values() for word in ("sdpa", "flash", "flex_attention"))
+
+
+def test_varlen_size_guard_names_the_limit():
+    attention.check_varlen_size(total_q=65536, num_docs=200, num_heads=32, head_dim=128)
+    # (T + 128·N)·heads·round32(head_dim) < 2³¹: with 32 heads of 128 and 100 documents, T <= 511487
+    attention.check_varlen_size(total_q=511_487, num_docs=100, num_heads=32, head_dim=128)
+    with pytest.raises(ValueError, match=r"at most 511487 .*model.attention=flex"):
+        attention.check_varlen_size(total_q=511_488, num_docs=100, num_heads=32, head_dim=128)
