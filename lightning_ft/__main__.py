@@ -8,21 +8,54 @@ Examples::
     python -m lightning_ft fit -m lora.rank=4,8                 # a Hydra sweep
     python -m lightning_ft fit --cfg job                         # print the composed config
     python -m lightning_ft bench +bench=llama8b                 # side-by-side step benchmark (GPU)
+
+Errors: a config that does not compose prints Hydra's message and then our hints (a close key
+name, the options of a group). An error the project raises on purpose (bad data, a missing model
+path, a stopped run) prints as one message without a traceback; ``HYDRA_FULL_ERROR=1`` shows it.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import CompactHydraException
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_task_started = False  # a failure before the task starts is a composition error
 
 COMMANDS = ("fit", "bench")
 _CONFIG_NAMES = {"fit": "fit", "bench": "benchmark"}
 USAGE = f"usage: python -m lightning_ft {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]"
 
 
-def _fit_task(cfg) -> None:
+class RunError(CompactHydraException):
+    """A failure whose message says everything (Hydra prints it without a traceback)."""
+
+
+def _fit_task(cfg) -> Any:
+    """Run `lightning_ft.fit.fit`; returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
+    global _task_started
+    _task_started = True
+    from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
-    fit(cfg)
+    try:
+        summary = fit(cfg)
+    except (ValueError, FileNotFoundError, TrainingStopped) as err:
+        if not _raised_by_us(err):
+            raise
+        raise RunError(f"error: {err}") from err
+    return summary.get(cfg.optimized_metric) if cfg.optimized_metric else None
+
+
+def _raised_by_us(err: BaseException) -> bool:
+    """Whether ``err`` was raised in this package (a message we wrote), not deep in a library."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
 def _bench_task(cfg) -> None:
@@ -52,7 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [sys.argv[0], *overrides]
     task = {"fit": _fit_task, "bench": _bench_task}[command]
     app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=_CONFIG_NAMES[command])(task)
-    app()
+    try:
+        app()
+    except SystemExit as exit_:
+        if exit_.code not in (0, None) and not _task_started and command == "fit":
+            from lightning_ft.config import override_hints
+
+            sys.stderr.write("".join(f"hint: {line}\n" for line in override_hints(overrides)))
+        raise
 
 
 if __name__ == "__main__":

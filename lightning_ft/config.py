@@ -25,6 +25,7 @@ class ModelConfig:
     tokenizer: Optional[str] = None  # default: name_or_path; `builtin` = the project's own BPE tokenizer
     dtype: str = "float32"  # float32 | bfloat16 | float16: the weights' dtype
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    attention: str = "auto"  # auto | varlen | flex | sdpa packed attention (auto: varlen on CUDA in bf16/fp16, else sdpa)
     trust_remote_code: bool = False
 
 
@@ -39,7 +40,9 @@ class DataConfig:
     train_on_prompt: bool = False
     overflow: str = "truncate"  # truncate | drop examples longer than max_tokens
     num_examples: Optional[int] = None  # first N rows (builtin tasks: N generated rows)
-    val_fraction: float = 0.0
+    val_fraction: float = 0.0  # share of the packed rows held out for validation
+    val_path: Optional[str] = None  # or a separate validation file (every row used)
+    max_no_target_fraction: float = 0.5  # stop if more examples than this have no target token after masking
     system_prompt: Optional[str] = None
     num_workers: int = 0
 
@@ -76,6 +79,23 @@ class MoeConfig:
 
 
 @dataclass
+class TrainConfig:
+    """``train.``: what the training loop does when a step goes wrong."""
+
+    on_nonfinite: str = "stop"  # NaN/Inf loss or gradient: stop (the last good checkpoint is kept) | skip the step
+
+
+@dataclass
+class EvalConfig:
+    """``eval.``: validation (when ``data.val_fraction`` or ``data.val_path`` gives validation data)."""
+
+    every_n_steps: Optional[int] = None  # validate every N optimizer steps (default: every epoch end); always at the end
+    generate: bool = False  # exact-match accuracy of greedy generations (GSM8K style: the text after `####`)
+    num_examples: int = 32  # validation examples generated for (each costs max_new_tokens forward passes)
+    max_new_tokens: int = 64
+
+
+@dataclass
 class FitConfig:
     """The whole config of ``python -m lightning_ft fit``."""
 
@@ -89,9 +109,12 @@ class FitConfig:
     trainer: dict[str, Any] = field(default_factory=dict)  # lightning.Trainer arguments
     callbacks: dict[str, Any] = field(default_factory=dict)  # name → `_target_` callback (null removes one)
     logger: Any = None  # a `_target_` Lightning logger, or null
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 42
     ckpt_path: Optional[str] = None  # resume: `last` or a checkpoint file
     run_dir: str = "."  # where outputs go: the Hydra run directory
+    optimized_metric: Optional[str] = None  # a summary.json key the task returns (for sweepers such as Optuna)
 
 
 def config_dir() -> str:
@@ -106,3 +129,69 @@ def config_dir() -> str:
 def register_configs() -> None:
     """Register `FitConfig` as ``fit_schema`` in Hydra's ConfigStore (idempotent)."""
     ConfigStore.instance().store(name="fit_schema", node=FitConfig)
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Every config group under `config_dir` and its options (the YAML file stems), sorted."""
+    root = Path(config_dir())
+    return {
+        d.name: sorted(f.stem for f in d.glob("*.yaml"))
+        for d in sorted(root.iterdir())
+        if d.is_dir() and not d.name.startswith(("_", "."))
+    }
+
+
+def override_hints(overrides: list[str]) -> list[str]:
+    """Hints for command-line overrides of ``fit`` that failed to compose (printed after Hydra's error).
+
+    For ``group=option`` with an unknown option: the group's options. For ``a.b=value`` with a key
+    that is not in the schema (`FitConfig`): the closest key names. Keys under free-form nodes
+    (``trainer.``, ``callbacks.``, ``model.config.``, ``optimizer.``) are not checked here; Hydra's
+    own message says to add them with ``+``. The last hint is always how to see the composed config.
+    """
+    import difflib
+    import re
+
+    from omegaconf import DictConfig, OmegaConf
+
+    groups = config_groups()
+    schema = OmegaConf.structured(FitConfig)
+    hints = []
+    for item in overrides:
+        if item.startswith("-") or "=" not in item:
+            continue
+        key, value = item.split("=", 1)
+        key = key.lstrip("+~")
+        if key.startswith("hydra"):
+            continue
+        if key in groups:
+            unknown = [v for v in re.split(r"[,\s]+", value.strip("[]() ")) if v and v != "null" and v not in groups[key]]
+            if unknown:
+                hints.append(f"{key}={','.join(unknown)}: not an option of the `{key}` group; options: {', '.join(groups[key])}")
+            continue
+        node: Any = schema
+        path = []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or not _is_schema_node(node):
+                break  # a free-form node: any key may be added with `+`
+            if part not in node:
+                close = difflib.get_close_matches(part, list(node.keys()), n=3)
+                where = ".".join(path) or "the top level"
+                suggestion = f"did you mean {', '.join('.'.join([*path, c]) for c in close)}? " if close else ""
+                hints.append(f"{key}: no key {part!r} in {where}; {suggestion}keys: {', '.join(node.keys())}")
+                break
+            node = node._get_node(part)
+            path.append(part)
+    hints.append(
+        "`python -m lightning_ft fit --cfg job [overrides]` prints the composed config; "
+        "`python -m lightning_ft fit --help` lists the config groups and their options"
+    )
+    return hints
+
+
+def _is_schema_node(node: Any) -> bool:
+    from dataclasses import is_dataclass
+
+    from omegaconf import OmegaConf
+
+    return is_dataclass(OmegaConf.get_type(node))

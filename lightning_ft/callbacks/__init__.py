@@ -1,1 +1,1 @@
-"""Lightning callbacks: throughput, and the end-of-run summary (summary.json, adapter export, loss plot)."""
+"""Lightning callbacks (throughput, gradient check, generation eval, end-of-run summary) and the Hydra sweep summary."""

@@ -34,15 +34,15 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss_curve(losses: list[float], path: Path, title: str = "training loss") -> None:
-    """Save a PNG of the per-step training loss."""
+def plot_loss_curve(losses: list[float | None], path: Path, title: str = "training loss") -> None:
+    """Save a PNG of the per-step training loss (None: a skipped step, left as a gap)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(range(1, len(losses) + 1), losses, lw=1.2)
+    ax.plot(range(1, len(losses) + 1), [float("nan") if x is None else x for x in losses], lw=1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats / target token)")
     ax.set_title(title)
@@ -53,13 +53,18 @@ def plot_loss_curve(losses: list[float], path: Path, title: str = "training loss
 
 
 class RunSummary(L.Callback):
-    """Writes the run's results into ``run_dir`` when training ends.
+    """Writes the run's results into ``run_dir`` when training ends (or stops on an error).
 
     - ``adapter/``: the PEFT adapter (``save_pretrained``; loads with ``PeftModel.from_pretrained``)
-      or, for full fine-tuning, the whole model; plus the tokenizer.
-    - ``summary.json``: ``initial_loss``, ``final_loss`` (first and last optimizer step),
-      ``steps``, ``train_tokens``, ``tokens_per_s``, ``peak_memory_bytes``, ``adapter_dir``,
-      ``checkpoint_path``, the data statistics, and the resolved ``config``.
+      or, for full fine-tuning, the whole model; plus the tokenizer. Not written when training
+      stopped on an error.
+    - ``summary.json``: ``status`` (``completed`` or ``stopped``, then with ``error``),
+      ``initial_loss``, ``final_loss`` (first and last optimizer step that was not skipped),
+      ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
+      (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
+      ``peak_memory_bytes``, ``adapter_dir``, ``checkpoint_path``, ``val_loss``, ``val_perplexity``,
+      ``val_exact_match`` (with ``eval.generate``), the data statistics (``data``: examples,
+      truncated, dropped, packing efficiency, ...), and the resolved ``config``.
     - ``loss_curve.png``.
 
     Args:
@@ -77,29 +82,43 @@ class RunSummary(L.Callback):
         # before teardown, which moves the model back to the CPU (tens of GB for big models)
         self._write(trainer, pl_module)
 
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.state.fn == "fit":
+            self._write(trainer, pl_module, exception)
+
     @rank_zero_only
-    def _write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _write(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         adapter_dir = self.run_dir / "adapter"
-        pl_module.model.save_pretrained(adapter_dir)
         datamodule = trainer.datamodule
-        if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
-            datamodule.tokenizer.save_pretrained(adapter_dir)
+        if error is None:
+            pl_module.model.save_pretrained(adapter_dir)
+            if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
+                datamodule.tokenizer.save_pretrained(adapter_dir)
         throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
         losses = pl_module.step_losses
+        trained = [x for x in losses if x is not None]
         peak, peak_kind = peak_memory_bytes(pl_module.device)
         ckpt = trainer.checkpoint_callback
+        metrics = trainer.callback_metrics
         self.summary = {
-            "initial_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None,
+            "status": "completed" if error is None else "stopped",
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "initial_loss": trained[0] if trained else None,
+            "final_loss": trained[-1] if trained else None,
+            "step_losses": losses,
+            "skipped_steps": dict(getattr(pl_module, "skipped_steps", {})),
             "steps": trainer.global_step,
             "train_tokens": throughput.train_tokens if throughput else None,
             "tokens_per_s": throughput.tokens_per_s if throughput else None,
             "peak_memory_bytes": peak,
             "peak_memory_kind": peak_kind,
-            "adapter_dir": str(adapter_dir),
+            "adapter_dir": str(adapter_dir) if error is None else None,
             "checkpoint_path": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt else None,
-            "val_loss": _float(trainer.callback_metrics.get("val/loss")),
+            "val_loss": _float(metrics.get("val/loss")),
+            "val_perplexity": _float(metrics.get("val/perplexity")),
+            "val_exact_match": _float(metrics.get("val/exact_match")),
             "data": asdict(datamodule.stats) if datamodule is not None and hasattr(datamodule, "stats") else None,
             "world_size": trainer.world_size,
             "device": str(pl_module.device),

@@ -8,6 +8,13 @@ no device sync. `StepSampler` keeps each step's micro-batches together, gives ra
 ``accumulate_grad_batches`` rows of every step, and reshuffles the steps every epoch
 (``seed + epoch``); Lightning's own distributed sampler is therefore switched off
 (``use_distributed_sampler=False``).
+
+Exact resume: the training loader is a `StepDataLoader`, which Lightning treats as stateful
+(``state_dict``/``load_state_dict``: the fit loop stores it in every checkpoint and restores it
+before the first batch). Its state is the epoch and the number of micro-batches of that epoch the
+training loop has taken (counted in `PackedDataModule.on_before_batch_transfer`, so the batch
+Lightning prefetches is not counted); a resumed run continues the same epoch order from the next
+micro-batch.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
+from typing_extensions import override
 
 from lightning_ft.data.builtin import builtin_rows
 from lightning_ft.data.formats import read_rows, to_examples
@@ -41,12 +50,14 @@ class PackingStats:
     examples: int = 0
     truncated: int = 0
     dropped_too_long: int = 0
-    dropped_no_targets: int = 0
+    dropped_no_targets: int = 0  # no target token left after prompt masking (and truncation)
     packed_rows: int = 0
     dropped_rows: int = 0  # rows left over when the steps are split evenly across ranks
     tokens: int = 0
     target_tokens: int = 0
     packing_efficiency: float = 0.0  # tokens / (packed_rows * max_tokens)
+    val_examples: int = 0  # examples held out for validation (data.val_fraction or data.val_path)
+    val_rows: int = 0
 
 
 def _count_targets(labels: Sequence[int]) -> int:
@@ -84,6 +95,7 @@ class StepSampler(Sampler[int]):
     Rows ``[s·W·k, (s+1)·W·k)`` form step ``s`` (W ranks, k micro-batches per step); rank ``r`` gets
     rows ``s·W·k + r·k … + k − 1`` of every step. Full steps are shuffled with ``seed + epoch`` when
     ``shuffle`` (a partial last step stays last); Lightning calls `set_epoch` at every epoch start.
+    ``start`` skips that many of this rank's indices at the next iteration only (resuming mid-epoch).
     """
 
     def __init__(self, num_rows: int, micro_batches: int, world_size: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
@@ -91,6 +103,7 @@ class StepSampler(Sampler[int]):
         self.num_steps = -(-num_rows // (micro_batches * world_size))
         self.num_rows = num_rows
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -104,17 +117,72 @@ class StepSampler(Sampler[int]):
         # would be merged with the next step's micro-batches
         order += list(range(full_steps, self.num_steps))
         step_rows = self.k * self.world_size
+        skip, self.start = self.start, 0
         for s in order:
             first = s * step_rows + self.rank * self.k
-            yield from range(first, min(first + self.k, self.num_rows))
+            for i in range(first, min(first + self.k, self.num_rows)):
+                if skip:
+                    skip -= 1
+                else:
+                    yield i
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_rows, self.k * self.world_size)
         return full * self.k + min(max(rest - self.rank * self.k, 0), self.k)
 
 
+class StepDataLoader(DataLoader):
+    """The training `DataLoader` over a `StepSampler`, resumable mid-epoch.
+
+    Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before it
+    first iterates the loader of a resumed run (any loader with both methods is stateful to it).
+
+    Attributes:
+        consumed: micro-batches of the current epoch the training loop has taken; the owner
+            (`PackedDataModule`) increments it as each batch reaches the loop.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, StepSampler):
+            raise TypeError(f"StepDataLoader needs a StepSampler, got {type(self.sampler).__name__}")
+        self.consumed = 0
+
+    @override
+    def __iter__(self) -> Iterator[Any]:
+        self.consumed = self.sampler.start
+        return super().__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "consumed", "layout"}``; a finished epoch is saved as the start of the next."""
+        epoch, consumed = self.sampler.epoch, self.consumed
+        if consumed >= len(self.sampler):
+            epoch, consumed = epoch + 1, 0
+        return {"epoch": epoch, "consumed": consumed, "layout": self._layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at micro-batch ``consumed`` of epoch ``epoch`` at the next iteration.
+
+        Raises:
+            ValueError: the checkpoint stopped mid-epoch and was written with another data layout
+                (rows, micro-batches per step, ranks or seed), so its position means nothing here.
+        """
+        if state["consumed"] and state["layout"] != self._layout():
+            raise ValueError(
+                f"cannot resume mid-epoch: the checkpoint's data layout was {state['layout']}, this run's is "
+                f"{self._layout()}; resume with the same data, data.max_tokens, trainer.accumulate_grad_batches, "
+                "trainer.devices and seed as the run that wrote it"
+            )
+        self.sampler.set_epoch(state["epoch"])
+        self.sampler.start = state["consumed"]
+
+    def _layout(self) -> dict[str, int]:
+        s = self.sampler
+        return {"rows": s.num_rows, "micro_batches": s.k, "world_size": s.world_size, "seed": s.seed}
+
+
 class PackedDataModule(L.LightningDataModule):
-    """Reads, formats, tokenizes and packs the training data.
+    """Reads, formats, tokenizes and packs the training (and validation) data.
 
     Args:
         tokenizer: a Hugging Face tokenizer (see `lightning_ft.data.tokenization.load_tokenizer`).
@@ -123,13 +191,21 @@ class PackedDataModule(L.LightningDataModule):
         max_tokens: the token budget of one packed micro-batch (T ≤ max_tokens).
         accumulate_grad_batches: micro-batches per optimizer step.
         train_on_prompt: train on prompt tokens too (default: only on responses).
-        overflow: ``truncate`` or ``drop`` examples longer than ``max_tokens``.
-        num_examples: use only the first N rows (for ``builtin:`` tasks: generate N rows).
+        overflow: ``truncate`` or ``drop`` examples longer than ``max_tokens`` (counted in `stats`,
+            and a warning says how many).
+        num_examples: use only the first N training rows (for ``builtin:`` tasks: generate N rows).
         val_fraction: share of the packed rows held out for validation (0 = none).
+        val_path: a separate validation file (same kinds of source as ``path``, every row used);
+            excludes ``val_fraction``.
+        max_no_target_fraction: stop with an error when more than this share of the examples has
+            no target token left after prompt masking (a wrong chat template or response marker).
         split: the split to read from a `datasets` name.
         system_prompt: a system message put first in every conversation that has none.
         seed: shuffling seed (the order of packed rows and of held-out rows).
         num_workers: DataLoader workers.
+
+    Raises:
+        ValueError: a bad option value (names the ``data.`` key).
     """
 
     def __init__(
@@ -143,6 +219,8 @@ class PackedDataModule(L.LightningDataModule):
         overflow: str = "truncate",
         num_examples: int | None = None,
         val_fraction: float = 0.0,
+        val_path: str | None = None,
+        max_no_target_fraction: float = 0.5,
         split: str = "train",
         system_prompt: str | None = None,
         seed: int = 0,
@@ -154,7 +232,11 @@ class PackedDataModule(L.LightningDataModule):
         if max_tokens < 2:
             raise ValueError(f"data.max_tokens={max_tokens}: must be at least 2")
         if accumulate_grad_batches < 1:
-            raise ValueError(f"train.accumulate_grad_batches={accumulate_grad_batches}: must be at least 1")
+            raise ValueError(f"trainer.accumulate_grad_batches={accumulate_grad_batches}: must be at least 1")
+        if val_path and val_fraction > 0:
+            raise ValueError(f"data.val_path={val_path!r} and data.val_fraction={val_fraction}: set one of them")
+        if not 0 <= max_no_target_fraction <= 1:
+            raise ValueError(f"data.max_no_target_fraction={max_no_target_fraction}: expected a share in [0, 1]")
         self.tokenizer = tokenizer
         self.path, self.format, self.split = path, format, split
         self.max_tokens = max_tokens
@@ -163,24 +245,35 @@ class PackedDataModule(L.LightningDataModule):
         self.overflow = overflow
         self.num_examples = num_examples
         self.val_fraction = val_fraction
+        self.val_path = val_path
+        self.max_no_target_fraction = max_no_target_fraction
         self.system_prompt = system_prompt
         self.seed = seed
         self.num_workers = num_workers
         self.stats = PackingStats()
         self._train_rows: list[list[Document]] | None = None
         self._val_rows: list[list[Document]] = []
+        self._train_loader: StepDataLoader | None = None
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether validation data is configured (``val_fraction`` or ``val_path``)."""
+        return self.val_fraction > 0 or bool(self.val_path)
 
     def setup(self, stage: str | None = None) -> None:
         if self._train_rows is not None:
             return
-        docs = self._tokenize(self._read())
-        bins = pack_sequences([len(ids) for ids, _ in docs], self.max_tokens)
-        rows = [[docs[i] for i in b] for b in bins]
+        docs = self._tokenize(self._read(self.path, self.num_examples, self.seed), self.path, self.stats)
+        rows = self._pack(docs)
         random.Random(self.seed).shuffle(rows)
-        n_val = int(round(len(rows) * self.val_fraction))
-        if self.val_fraction > 0 and not 0 < n_val < len(rows):
-            raise ValueError(f"data.val_fraction={self.val_fraction} leaves {n_val} of {len(rows)} packed rows for validation")
-        self._val_rows, self._train_rows = rows[:n_val], rows[n_val:]
+        if self.val_path:
+            val_docs = self._tokenize(self._read(self.val_path, None, self.seed + 1), self.val_path, PackingStats())
+            self._val_rows, self._train_rows = self._pack(val_docs), rows
+        else:
+            n_val = int(round(len(rows) * self.val_fraction))
+            if self.val_fraction > 0 and not 0 < n_val < len(rows):
+                raise ValueError(f"data.val_fraction={self.val_fraction} leaves {n_val} of {len(rows)} packed rows for validation")
+            self._val_rows, self._train_rows = rows[:n_val], rows[n_val:]
         world_size = self.trainer.world_size if self.trainer is not None else 1
         if world_size > 1:  # every rank must take the same number of steps
             keep = len(self._train_rows) // self._step_size * self._step_size
@@ -196,61 +289,120 @@ class PackedDataModule(L.LightningDataModule):
         self.stats.tokens = tokens
         self.stats.target_tokens = sum(_count_targets(labels) for _, labels in docs)
         self.stats.packing_efficiency = tokens / (len(rows) * self.max_tokens)
+        self.stats.val_rows = len(self._val_rows)
+        self.stats.val_examples = sum(len(row) for row in self._val_rows)
         log.info(
             "data: %d examples → %d packed rows of ≤ %d tokens (%d train steps of %d rows, %d val rows); "
             "packing efficiency %.1f%%; truncated %d, dropped %d too long, %d with no target tokens",
             self.stats.examples, len(rows), self.max_tokens, -(-len(self._train_rows) // self._step_size),
-            self._step_size, n_val, 100 * self.stats.packing_efficiency, self.stats.truncated, self.stats.dropped_too_long,
-            self.stats.dropped_no_targets,
+            self._step_size, len(self._val_rows), 100 * self.stats.packing_efficiency, self.stats.truncated,
+            self.stats.dropped_too_long, self.stats.dropped_no_targets,
         )
 
-    def _read(self) -> list[dict[str, Any]]:
-        if self.path.startswith("builtin:"):
-            return builtin_rows(self.path.removeprefix("builtin:"), self.num_examples or 4000, self.seed)
-        rows = read_rows(self.path, self.split)
-        return rows[: self.num_examples] if self.num_examples else rows
+    def _read(self, path: str, num_examples: int | None, seed: int) -> list[dict[str, Any]]:
+        if path.startswith("builtin:"):
+            return builtin_rows(path.removeprefix("builtin:"), num_examples or 4000, seed)
+        rows = read_rows(path, self.split)
+        return rows[:num_examples] if num_examples else rows
 
-    def _tokenize(self, rows: Sequence[dict[str, Any]]) -> list[Document]:
-        examples = to_examples(rows, self.format, source=self.path, system_prompt=self.system_prompt)
-        self.stats.examples = len(examples)
+    def _tokenize(self, rows: Sequence[dict[str, Any]], source: str, stats: PackingStats) -> list[Document]:
+        """Examples → documents, counting into ``stats``; raises ValueError when too few remain."""
+        examples = to_examples(rows, self.format, source=source, system_prompt=self.system_prompt)
+        stats.examples = len(examples)
         docs: list[Document] = []
+        first_no_target: tuple[str, list[int]] | None = None
         for ex in examples:
             ids, labels = tokenize_example(ex, self.tokenizer, self.train_on_prompt)
             if len(ids) > self.max_tokens:
                 if self.overflow == "drop":
-                    self.stats.dropped_too_long += 1
+                    stats.dropped_too_long += 1
                     continue
-                self.stats.truncated += 1
+                stats.truncated += 1
                 ids, labels = ids[: self.max_tokens], labels[: self.max_tokens]
             if _count_targets(labels) == 0:
-                self.stats.dropped_no_targets += 1
+                stats.dropped_no_targets += 1
+                first_no_target = first_no_target or (ex.source, ids)
                 continue
             docs.append((ids, labels))
+        too_long = stats.truncated + stats.dropped_too_long
+        if too_long:
+            action = "dropped" if self.overflow == "drop" else "truncated"
+            rank_zero_warn(
+                f"{source}: {too_long} of {len(examples)} examples are longer than data.max_tokens={self.max_tokens} "
+                f"and were {action} (data.overflow={self.overflow}); raise data.max_tokens to keep them whole"
+            )
+        if first_no_target is not None and stats.dropped_no_targets > self.max_no_target_fraction * len(examples):
+            where, ids = first_no_target
+            text = self.tokenizer.decode(ids)
+            shown = repr(text[:300]) + ("..." if len(text) > 300 else "")
+            truncated = (
+                f"; {stats.truncated} examples were truncated to data.max_tokens={self.max_tokens}, which cuts replies off"
+                if stats.truncated else ""
+            )
+            raise ValueError(
+                f"{source}: {stats.dropped_no_targets} of {len(examples)} examples have no target token after prompt "
+                f"masking, more than data.max_no_target_fraction={self.max_no_target_fraction} of them; the first is "
+                f"{where}, rendered as {shown}. Check that the tokenizer's chat template renders the assistant replies "
+                f"(or set data.train_on_prompt=true){truncated}"
+            )
         if not docs:
             raise ValueError(
-                f"{self.path}: every one of the {len(examples)} examples was filtered out "
-                f"({self.stats.dropped_too_long} longer than data.max_tokens={self.max_tokens} with data.overflow=drop, "
-                f"{self.stats.dropped_no_targets} with no target tokens after prompt masking)"
+                f"{source}: every one of the {len(examples)} examples was filtered out "
+                f"({stats.dropped_too_long} longer than data.max_tokens={self.max_tokens} with data.overflow=drop, "
+                f"{stats.dropped_no_targets} with no target tokens after prompt masking)"
             )
         return docs
+
+    def _pack(self, docs: list[Document]) -> list[list[Document]]:
+        bins = pack_sequences([len(ids) for ids, _ in docs], self.max_tokens)
+        return [[docs[i] for i in b] for b in bins]
+
+    def generation_examples(self, n: int) -> list[tuple[list[int], list[int]]]:
+        """The first ``n`` validation documents as ``(prompt_ids, reference_ids)``.
+
+        The prompt is every token before the document's first target token (for a conversation:
+        up to and including the assistant header of the first reply); the reference is that
+        first run of target tokens (the reply and its end-of-turn marker).
+        """
+        examples = []
+        for ids, labels in (doc for row in self._val_rows for doc in row):
+            first = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
+            if first == 0:
+                continue  # all-target text: no prompt to generate from
+            end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
+            examples.append((ids[:first], ids[first:end]))
+            if len(examples) == n:
+                break
+        return examples
 
     @property
     def _step_size(self) -> int:
         world_size = self.trainer.world_size if self.trainer is not None else 1
         return world_size * self.accumulate_grad_batches
 
-    def _loader(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> DataLoader:
+    def _loader(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepDataLoader:
         world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        return DataLoader(
+        return StepDataLoader(
             _RowDataset(rows, micro_batches * world_size),
             batch_size=1,
             sampler=StepSampler(len(rows), micro_batches, world_size, rank, shuffle, self.seed),
             collate_fn=_first,
             num_workers=self.num_workers,
+            # its own generator: creating an iterator then draws no number from the global RNG,
+            # whose state checkpoints restore for exact resume
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train_rows, self.accumulate_grad_batches, shuffle=True)
+    def train_dataloader(self) -> StepDataLoader:
+        self._train_loader = self._loader(self._train_rows, self.accumulate_grad_batches, shuffle=True)
+        return self._train_loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._val_rows, 1, shuffle=False)
+
+    @override
+    def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
+        # called once per batch the loop takes (after Lightning's prefetch), so this counts consumption
+        if self.trainer is not None and self.trainer.training and self._train_loader is not None:
+            self._train_loader.consumed += 1
+        return batch

@@ -9,25 +9,39 @@ in the whole step (``PackedBatch.step_target_tokens``, counted on the host by th
 Lightning divides each micro-batch's returned loss by ``k`` before backward and DDP averages
 gradients over ``W`` ranks, so each micro-batch returns ``loss_sum · k · W / N``. This equals one
 big batch holding every micro-batch of the step (not the mean of per-micro-batch means).
+
+Before every optimizer step (``on_before_optimizer_step``) the step's loss and a non-finite flag
+(loss or any gradient NaN/Inf) are summed over ranks and read on the host: the one device sync of
+the step. A step without target tokens, or a non-finite one with ``train.on_nonfinite=skip``, is
+skipped: its gradients are set to None, so the optimizer leaves the weights and its moments alone
+(the LR schedule still advances); both are counted in ``skipped_steps``. With
+``train.on_nonfinite=stop`` a non-finite step raises `TrainingStopped` before the update, so the
+last checkpoint written is the last good one.
+
+Checkpoints also hold every rank's RNG states (restored at ``on_train_start``), the per-step
+losses and the skip counters, so a resumed run replays an uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import SumMetric
 from typing_extensions import override
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
+from lightning_ft.errors import TrainingStopped
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
-from lightning_ft.modules.attention import register_packed_attention
+from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.modules.moe import apply_moe
 from lightning_ft.modules.patching import apply_kernels
 
@@ -58,7 +72,7 @@ def load_causal_lm(
         dtype: ``float32``, ``bfloat16`` or ``float16``: the dtype of the weights.
         vocab_size: the tokenizer's size; a random-init config without ``vocab_size`` gets it
             rounded up to a multiple of 64.
-        attn_implementation: passed to transformers (``lightning_ft`` for packed attention).
+        attn_implementation: passed to transformers (packed attention: a name from `register_packed_attention`).
 
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
@@ -111,11 +125,28 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     ``lora`` keys: ``rank``, ``alpha``, ``dropout``, ``target_modules`` (module names or
     ``all-linear``), ``target_parameters`` (names of 3-D expert parameters, e.g.
     ``mlp.experts.gate_up_proj``; optional), ``init_from`` (a PEFT adapter folder; optional).
+    With ``init_from`` the adapter's own configuration (rank, alpha, targets) is used and the other
+    keys are ignored.
+
+    Raises:
+        FileNotFoundError: ``init_from`` is not a folder holding a PEFT ``adapter_config.json``.
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if lora.get("init_from"):
-        return PeftModel.from_pretrained(model, lora["init_from"], is_trainable=True)
+        init_from = Path(lora["init_from"]).expanduser()
+        if not (init_from / "adapter_config.json").is_file():
+            raise FileNotFoundError(
+                f"lora.init_from={lora['init_from']!r}: no adapter_config.json there; expected a folder written by "
+                "PEFT's save_pretrained (such as <run_dir>/adapter)"
+            )
+        model = PeftModel.from_pretrained(model, str(init_from), is_trainable=True)
+        loaded = model.peft_config["default"]
+        rank_zero_info(
+            f"lora.init_from={str(init_from)!r}: rank {loaded.r}, alpha {loaded.lora_alpha}, targets "
+            f"{sorted(loaded.target_modules or [])} {list(loaded.target_parameters or [])} (lora.rank/alpha/targets ignored)"
+        )
+        return model
     target_modules = lora["target_modules"]
     config = LoraConfig(
         r=lora["rank"],
@@ -133,7 +164,8 @@ class FinetuneModule(L.LightningModule):
     """Fine-tunes a transformers causal LM on `PackedBatch` micro-batches.
 
     The model is built in `configure_model` (on the target device), with the packed attention
-    function registered, optional gradient checkpointing, then LoRA through PEFT (or every weight
+    backend of ``model.attention`` registered (`lightning_ft.modules.attention`; ``auto`` is resolved
+    and logged), optional gradient checkpointing, then LoRA through PEFT (or every weight
     trainable with ``lora.enabled=false``), then the fused kernels switched on in ``kernels``
     (`lightning_ft.modules.patching`). Checkpoints hold only the trainable weights.
 
@@ -148,6 +180,10 @@ class FinetuneModule(L.LightningModule):
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
         scheduler: a partial LR scheduler taking the optimizer and ``num_training_steps``, or None.
         vocab_size: the tokenizer's size (for random-init models).
+        on_nonfinite: ``stop`` or ``skip`` (``train.on_nonfinite``): what a NaN/Inf loss or gradient does.
+
+    Raises:
+        ValueError: an unknown ``on_nonfinite``.
     """
 
     def __init__(
@@ -159,8 +195,11 @@ class FinetuneModule(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer] = partial(torch.optim.AdamW, lr=2e-4),
         scheduler: Callable[..., Any] | None = None,
         vocab_size: int | None = None,
+        on_nonfinite: str = "stop",
     ):
         super().__init__()
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={on_nonfinite!r}: expected 'stop' or 'skip'")
         self.model_cfg = dict(model)
         self.lora_cfg = dict(lora)
         self.kernels_cfg = dict(kernels or {})
@@ -168,11 +207,14 @@ class FinetuneModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.vocab_size = vocab_size
+        self.on_nonfinite = on_nonfinite
         self.model: torch.nn.Module | None = None
         self.strict_loading = False  # checkpoints hold the trainable weights only
-        self.step_losses: list[float] = []
+        self.step_losses: list[float | None] = []  # per optimizer step; None for a skipped step
+        self.skipped_steps = {"no_target_tokens": 0, "nonfinite": 0}
         self._step_loss_sum = torch.zeros(())
-        self._last_global_step = 0
+        self._step_target_tokens = 0
+        self._rng_states_to_restore: dict[str, Any] | None = None
         self.val_loss_sum = SumMetric()
         self.val_tokens = SumMetric()
 
@@ -181,13 +223,17 @@ class FinetuneModule(L.LightningModule):
         if self.model is not None:
             return
         cfg = self.model_cfg
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.get_default_device()
+        dtype = _DTYPES.get(cfg.get("dtype", "float32"))
+        attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
+        rank_zero_info(f"attention: {attention} ({why})")
         model = load_causal_lm(
             cfg.get("name_or_path"),
             init=cfg.get("init", "pretrained"),
             config=cfg.get("config"),
             dtype=cfg.get("dtype", "float32"),
             vocab_size=self.vocab_size,
-            attn_implementation=register_packed_attention(),
+            attn_implementation=register_packed_attention(attention),
             trust_remote_code=cfg.get("trust_remote_code", False),
         )
         model.config.use_cache = False
@@ -236,27 +282,69 @@ class FinetuneModule(L.LightningModule):
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         loss_sum = self.loss_sum(batch)
         self._step_loss_sum = self._step_loss_sum.to(loss_sum.device) + loss_sum.detach()
-        if batch.step_target_tokens == 0:  # every label of the step is masked: contributes zero
+        self._step_target_tokens = batch.step_target_tokens
+        if batch.step_target_tokens == 0:  # every label of the step is masked: contributes zero (and is skipped)
             return loss_sum * 0.0
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / batch.step_target_tokens
         return loss_sum * scale
 
     @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # every micro-batch of the step has run backward (and DDP has averaged the gradients)
+        step = self.trainer.global_step + 1
+        nonfinite = ~torch.isfinite(self._step_loss_sum)
+        # fp16 mixed precision: a GradScaler already skips steps whose gradients overflowed
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                nonfinite = nonfinite | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float()).all()
+        totals = torch.stack([self._step_loss_sum.float(), nonfinite.float()])
+        if self.trainer.world_size > 1:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        loss_sum, nonfinite_ranks = totals.tolist()  # the step's one host sync
+        self._step_loss_sum = torch.zeros((), device=self._step_loss_sum.device)
+        if nonfinite_ranks:
+            if self.on_nonfinite == "stop":
+                raise TrainingStopped(self._nonfinite_message(step))
+            rank_zero_warn(f"optimizer step {step}: non-finite loss or gradient; the step is skipped (train.on_nonfinite=skip)")
+            self.skipped_steps["nonfinite"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            self.step_losses.append(None)
+            return
+        if self._step_target_tokens == 0:
+            self.skipped_steps["no_target_tokens"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            self.step_losses.append(None)
+            return
+        loss = loss_sum / self._step_target_tokens
+        self.log("train/loss", loss, prog_bar=True)
+        self.step_losses.append(loss)
+
+    def _nonfinite_message(self, step: int) -> str:
+        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        ckpt = self.trainer.checkpoint_callback
+        last = (ckpt.last_model_path or ckpt.best_model_path) if ckpt is not None else ""
+        kept = f"the last good checkpoint is {last} (resume with ckpt_path=last)" if last else "no checkpoint was written yet"
+        return (
+            f"non-finite loss or gradient at optimizer step {step} "
+            f"({len(bad)} tensors with non-finite gradients{': ' + shown if bad else ''}); training stopped before "
+            f"the update (train.on_nonfinite=stop), {kept}. Lower optimizer.lr, check the data, or set "
+            "train.on_nonfinite=skip to skip such steps"
+        )
+
+    @override
     def on_train_start(self) -> None:
-        self._last_global_step = self.trainer.global_step
+        if self._rng_states_to_restore is not None:
+            _set_rng_states(self._rng_states_to_restore)
+            self._rng_states_to_restore = None
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: PackedBatch, batch_idx: int) -> None:
-        if self.trainer.global_step == self._last_global_step:
-            return  # still accumulating
-        self._last_global_step = self.trainer.global_step
-        # the step's loss: its summed token losses on every rank over the step's target tokens
-        loss = self._step_loss_sum * self.trainer.world_size / max(batch.step_target_tokens, 1)
-        if self.trainer.world_size > 1:
-            loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
-        self._step_loss_sum = torch.zeros((), device=loss.device)
-        self.log("train/loss", loss, prog_bar=True)
-        self.step_losses.append(loss.item())  # one host sync per optimizer step, at its boundary
+        max_steps = self.trainer.max_steps
+        if max_steps > 0 and self.trainer.global_step >= max_steps:
+            # ask the loop to stop now: Lightning then runs validation once more (if there is any)
+            self.trainer.should_stop = True
 
     @override
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
@@ -284,7 +372,55 @@ class FinetuneModule(L.LightningModule):
         trainable = {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["step_losses"] = self.step_losses
+        checkpoint["skipped_steps"] = dict(self.skipped_steps)
+        # every rank's RNG states (dropout draws differ per rank); a collective: all ranks save together
+        states = _rng_states()
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, states)
+            checkpoint["rng_states"] = gathered
+        else:
+            checkpoint["rng_states"] = [states]
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.step_losses = list(checkpoint.get("step_losses", []))
+        self.skipped_steps.update(checkpoint.get("skipped_steps", {}))
+        states = checkpoint.get("rng_states")
+        if states is None:
+            return
+        if len(states) != self.trainer.world_size:
+            rank_zero_warn(
+                f"the checkpoint holds RNG states of {len(states)} ranks, this run has {self.trainer.world_size}: "
+                "random draws (dropout) will differ from the interrupted run; resume with the same trainer.devices to replay it"
+            )
+            return
+        self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states a training step can draw from: Python, NumPy, torch CPU and CUDA (all devices).
+
+    Only tuples, lists, ints, floats, strings and tensors, so that checkpoints load with
+    ``torch.load(weights_only=True)``.
+    """
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached_gaussian = states["numpy"]
+    random.setstate(states["python"])
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -15,7 +15,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """`TorchCheckpointIO` that writes to ``<path>.tmp`` then renames it over ``<path>``.
 
     `os.replace` is atomic on POSIX file systems, so readers see either the old file or the whole
-    new one (Lightning's own writer streams into the final path).
+    new one (Lightning's own writer streams into the final path). A write that fails removes its
+    temporary file and re-raises; the previous checkpoint at ``path`` is untouched.
     """
 
     @override
@@ -23,8 +24,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

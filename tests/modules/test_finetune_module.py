@@ -1,4 +1,7 @@
-"""Exact loss normalisation: accumulated uneven micro-batches give the gradients of one big batch."""
+"""Exact loss normalisation, the PEFT round trip, the fused kernels' math, and skipped steps."""
+
+import math
+from functools import partial
 
 import torch
 
@@ -108,3 +111,22 @@ def test_kernels_all_gives_the_stock_loss_and_lora_gradients():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_step_without_target_tokens_is_skipped_and_counted():
+    """Every label of step 1 masked: no NaN, no update (AdamW never sees a gradient), counted; step 2 trains."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    masked = collate_packed([([1, 2, 3, 4], [-100] * 4), ([5, 6], [-100, -100])])
+    assert masked.step_target_tokens == 0
+    loader = DataLoader([masked, collate_packed(_docs([12, 7], 11))], batch_size=1, collate_fn=lambda items: items[0])
+    torch.manual_seed(0)
+    module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader)
+    assert module.skipped_steps == {"no_target_tokens": 1, "nonfinite": 0}
+    assert module.step_losses[0] is None and math.isfinite(module.step_losses[1])
+    optimizer = trainer.optimizers[0]
+    assert {int(optimizer.state[p]["step"]) for p in module.model.parameters() if p.requires_grad} == {1}

@@ -606,9 +606,9 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
         return "unsupported"
     gen = torch.Generator().manual_seed(0)
     num_experts, c_dim, n_dim = 3, 32, 48
-    x = torch.randn(16, c_dim, generator=gen).to(device, dtype).requires_grad_()
-    w_ENC = torch.randn(num_experts, n_dim, c_dim, generator=gen).to(device, dtype)
-    grad = torch.randn(16, n_dim, generator=gen).to(device, dtype)
+    x = torch.randn(16, c_dim, generator=gen, device="cpu").to(device, dtype).requires_grad_()
+    w_ENC = torch.randn(num_experts, n_dim, c_dim, generator=gen, device="cpu").to(device, dtype)
+    grad = torch.randn(16, n_dim, generator=gen, device="cpu").to(device, dtype)
     offsets = torch.tensor([5, 5, 16], device=device, dtype=torch.int32)  # expert 1 gets no rows
     xf, wf, gf = x.detach().float(), w_ENC.float(), grad.float()
     ref_y = torch.cat([xf[:5] @ wf[0].T, xf[5:] @ wf[2].T])

@@ -1,0 +1,114 @@
+"""`GradientCheck`: stop early when a trainable tensor, or a LoRA adapter, gets no gradient.
+
+A LoRA adapter whose layer the (patched) forward never calls trains silently untouched: its
+gradient stays None or exactly zero while the loss still falls through the other adapters. A
+known case is MoE LoRA on experts when a fused expert forward bypasses the adapter weights.
+
+What "gets a gradient" means for a LoRA pair (``y = W x + scaling · B A x``, ``B`` zero-initialised)::
+
+    step 1   dL/dB = scaling · g (A x)ᵀ   non-zero            dL/dA = scaling · Bᵀ g xᵀ = 0 (B = 0)
+    step 2   B ≠ 0 after step 1's update  →  dL/dA non-zero too
+
+so within the first ``steps`` optimizer steps (default 2) every ``lora_B`` and then every ``lora_A``
+must have had a non-zero gradient, and every other trainable tensor a gradient at all (not None).
+Only steps with a non-zero learning rate are watched (a warm-up from 0 leaves ``B`` at zero after
+its first step); a run shorter than the window is not checked. Non-finite gradients are left to ``train.on_nonfinite`` (`FinetuneModule`), which stops on them by
+default and names the tensors.
+"""
+
+from __future__ import annotations
+
+import re
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lightning_ft.errors import TrainingStopped
+
+# PEFT names: <module>.lora_A.<adapter>.weight, <module>.lora_embedding_B.<adapter>
+_LORA_NAME = re.compile(r"^(?P<module>.+)\.lora_(?:embedding_)?(?P<half>[AB])\.[^.]+(?:\.weight)?$")
+_PEFT_PREFIX = "base_model.model."
+
+
+class GradientCheck(L.Callback):
+    """Checks the gradients of the first ``steps`` optimizer steps (before each update).
+
+    Args:
+        steps: how many optimizer steps to watch (at least 2, so that ``lora_A`` can show its
+            gradient once ``lora_B`` has left zero).
+
+    Raises:
+        ValueError: ``steps`` < 2.
+        TrainingStopped: at the end of the window, naming the modules whose adapters (or
+            trainable tensors) never received a (non-zero) gradient.
+    """
+
+    def __init__(self, steps: int = 2):
+        if steps < 2:
+            raise ValueError(f"callbacks.gradient_check.steps={steps}: must be at least 2 (lora_A's gradient is zero at step 1)")
+        self.steps = steps
+        self._seen: set[str] = set()  # tensors that had a gradient (LoRA tensors: a non-zero one)
+        self._counted = 0  # watched steps so far (steps with a non-zero learning rate)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen.clear()
+        self._counted = 0
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        if self._counted >= self.steps or not any(group["lr"] > 0 for group in optimizer.param_groups):
+            return
+        self._counted += 1
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        with_grad = [(n, p.grad) for n, p in named if p.grad is not None and n not in self._seen]
+        lora = [(n, g) for n, g in with_grad if _LORA_NAME.match(_strip(n))]
+        self._seen.update(n for n, _ in with_grad if not _LORA_NAME.match(_strip(n)))
+        if lora:
+            norms = torch.stack(torch._foreach_norm([g for _, g in lora])).tolist()  # one host sync
+            # a NaN norm counts as "got a gradient": non-finite steps are train.on_nonfinite's business
+            self._seen.update(n for (n, _), norm in zip(lora, norms) if norm != 0)
+        if self._counted == self.steps:
+            self._raise_if_untouched([n for n, _ in named], pl_module, trainer.global_step + 1)
+
+    def _raise_if_untouched(self, names: list[str], pl_module: L.LightningModule, step: int) -> None:
+        missing = [n for n in names if n not in self._seen]
+        if not missing:
+            return
+        lora_modules: dict[str, set[str]] = {}
+        others = []
+        for n in missing:
+            m = _LORA_NAME.match(_strip(n))
+            if m:
+                lora_modules.setdefault(_describe(pl_module, m["module"]), set()).add(f"lora_{m['half']}")
+            else:
+                others.append(_strip(n))
+        lines = [f"  {module} ({', '.join(sorted(halves))})" for module, halves in sorted(lora_modules.items())]
+        lines += [f"  {n} (no gradient)" for n in others]
+        raise TrainingStopped(
+            f"after {step} optimizer steps ({self.steps} with a non-zero learning rate) these trainable tensors never "
+            "received a non-zero gradient, so they "
+            f"would train silently untouched:\n" + "\n".join(lines) + "\n"
+            "Their layers are not on the path from the inputs to the loss: a patched forward that bypasses the "
+            "adapter (e.g. moe.backend with LoRA on experts) or a lora.target_modules entry the model does not use. "
+            "Fix that, or remove the check with callbacks.gradient_check=null"
+        )
+
+
+def _strip(name: str) -> str:
+    """``model.base_model.model.model.layers.0...`` → ``model.layers.0...`` (the HF model's own names)."""
+    name = name.removeprefix("model.")
+    return name.removeprefix(_PEFT_PREFIX)
+
+
+def _describe(pl_module: L.LightningModule, module_name: str) -> str:
+    """The module's name, plus the parameter a PEFT ``ParamWrapper`` (``target_parameters``) adapts."""
+    for prefix in ("model." + _PEFT_PREFIX, "model.", ""):
+        try:
+            module = pl_module.get_submodule(prefix + module_name)
+        except AttributeError:
+            continue
+        parameter = getattr(module, "parameter_name", None)
+        return f"{module_name} [{parameter}]" if parameter else module_name
+    return module_name

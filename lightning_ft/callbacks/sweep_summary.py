@@ -1,0 +1,72 @@
+"""`SweepSummary`: a Hydra callback that tabulates a multirun (``python -m lightning_ft fit -m ...``).
+
+At the end of a sweep it reads every job folder under ``hydra.sweep.dir`` (the job's
+``.hydra/hydra.yaml`` for its number and overrides, its ``summary.json`` for the results) and writes
+``sweep_summary.md`` and ``sweep_summary.csv`` there, one row per job. Reading the folders rather
+than collecting results in memory makes it work with any launcher (jobs in other processes too).
+Registered in ``configs/fit.yaml`` under ``hydra.callbacks`` (Hydra's documented seam).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("job", "overrides", "status", "steps", "final_loss", "val_loss", "val_exact_match", "run_dir")
+
+
+def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job folder under ``sweep_dir`` (folders with ``.hydra/hydra.yaml``), by job number."""
+    rows = []
+    for hydra_yaml in sweep_dir.glob("**/.hydra/hydra.yaml"):
+        job_dir = hydra_yaml.parent.parent
+        job = OmegaConf.load(hydra_yaml).hydra
+        summary_path = job_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        rows.append({
+            "job": job.job.num,
+            "overrides": " ".join(job.overrides.task),
+            "status": summary.get("status", "no summary.json"),
+            "steps": summary.get("steps"),
+            "final_loss": summary.get("final_loss"),
+            "val_loss": summary.get("val_loss"),
+            "val_exact_match": summary.get("val_exact_match"),
+            "run_dir": str(job_dir),
+        })
+    return sorted(rows, key=lambda r: r["job"])
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a GitHub markdown table (floats with 4 decimals, None as an empty cell)."""
+    def cell(value: Any) -> str:
+        if value is None:
+            return ""
+        return f"{value:.4f}" if isinstance(value, float) else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+class SweepSummary(Callback):
+    """Writes ``sweep_summary.md`` and ``sweep_summary.csv`` into the sweep folder when a multirun ends."""
+
+    @override
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = sweep_rows(sweep_dir)
+        (sweep_dir / "sweep_summary.md").write_text(markdown_table(rows))
+        with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        log.info("sweep summary of %d jobs: %s", len(rows), sweep_dir / "sweep_summary.md")

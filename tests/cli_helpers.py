@@ -1,0 +1,103 @@
+"""Running the real CLI from tests, and test-only Lightning callbacks it loads by ``_target_``.
+
+The callbacks are added to a run with ``+callbacks.<name>._target_=cli_helpers.<Class>``; `run_cli`
+puts this folder on ``PYTHONPATH`` (the DDP ranks Lightning launches inherit it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+#: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens
+FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=128", "trainer.log_every_n_steps=1")
+
+
+def run_cli(run_dir: Path, *overrides: str, ok: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m lightning_ft fit hydra.run.dir=<run_dir> <overrides>``; asserts its exit status (0 when ``ok``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    flags = [o for o in overrides if o.startswith("-")]  # Hydra's flags (-m) go before the overrides
+    cmd = [sys.executable, "-m", "lightning_ft", "fit", *flags, f"hydra.run.dir={run_dir}", *(o for o in overrides if o not in flags)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (proc.returncode == 0) == ok, f"exit status {proc.returncode}\n{output}"
+    return proc
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+class CrashAtStep(L.Callback):
+    """Ends the process abruptly (``os._exit``: no cleanup, like a kill) once ``step`` optimizer steps are done.
+
+    It fires at the start of the next micro-batch, so step ``step``'s checkpoint has been written
+    (ModelCheckpoint saves in ``on_train_batch_end``).
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(17)
+
+
+class DumpGradients(L.Callback):
+    """Saves the gradients of the first optimizer step to ``<path>/rank<r>.pt`` (after DDP's all-reduce, before clipping)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 0:
+            self.path.mkdir(parents=True, exist_ok=True)
+            grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+            torch.save(grads, self.path / f"rank{trainer.global_rank}.pt")
+
+
+class NonFiniteAtStep(L.Callback):
+    """Makes optimizer step ``step``'s loss NaN: the (frozen) LM head is NaN during that step only."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self._saved: torch.Tensor | None = None
+
+    def _head(self, pl_module) -> torch.Tensor:
+        return pl_module.hf_model.get_output_embeddings().weight
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step and self._saved is None:
+            with torch.no_grad():
+                self._saved = self._head(pl_module).clone()
+                self._head(pl_module).fill_(math.nan)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._saved is not None:
+            with torch.no_grad():
+                self._head(pl_module).copy_(self._saved)
+            self._saved = None
+
+
+class BypassLora(L.Callback):
+    """A patched forward that skips an adapter (the MoE-LoRA failure): ``module`` calls only its base layer."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        layer = pl_module.model.base_model.model.get_submodule(self.module)
+        layer.forward = layer.base_layer.forward

@@ -1,0 +1,95 @@
+"""PackedDataModule: resumable step order, bad-input counts and errors, validation data."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_ft.data.datamodule import PackedDataModule, StepDataLoader
+from lightning_ft.data.tokenization import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin")
+
+
+def _datamodule(tokenizer, **kwargs):
+    kwargs = {"num_examples": 60, "max_tokens": 128, "format": "qa", "seed": 3, **kwargs}
+    dm = PackedDataModule(tokenizer, **kwargs)
+    dm.setup()
+    return dm
+
+
+def _indices(loader):
+    return [tuple(batch.input_ids[0].tolist()) for batch in loader]  # the rows' tokens identify them
+
+
+def test_loader_resumes_mid_epoch_and_at_the_epoch_end(tokenizer):
+    dm = _datamodule(tokenizer, accumulate_grad_batches=2)
+    loader = dm.train_dataloader()
+    assert isinstance(loader, StepDataLoader)
+    loader.sampler.set_epoch(1)
+    full = _indices(loader)
+    dm.trainer = SimpleNamespace(training=True, world_size=1, global_rank=0)
+    it = iter(loader)
+    for _ in range(5):  # the training loop takes five micro-batches (Lightning's prefetch does not count)
+        dm.on_before_batch_transfer(next(it), 0)
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["consumed"] == 5
+
+    resumed = _datamodule(tokenizer, accumulate_grad_batches=2).train_dataloader()
+    resumed.load_state_dict(state)
+    assert _indices(resumed) == full[5:]
+    assert _indices(resumed) == full  # only the first iteration after loading is shortened
+
+    loader.consumed = len(loader)  # a checkpoint at the last micro-batch: the next epoch starts
+    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["consumed"] == 0
+
+
+def test_loader_refuses_a_state_of_another_data_layout(tokenizer):
+    state = _datamodule(tokenizer, accumulate_grad_batches=2).train_dataloader().state_dict()
+    other = _datamodule(tokenizer, accumulate_grad_batches=4).train_dataloader()
+    other.load_state_dict(state)  # at an epoch start any layout may continue
+    with pytest.raises(ValueError, match="cannot resume mid-epoch.*trainer.accumulate_grad_batches"):
+        other.load_state_dict({**state, "consumed": 3})
+
+
+def test_overlong_examples_are_truncated_or_dropped_and_counted(tokenizer, tmp_path):
+    rows = [{"question": f"q{i}?", "answer": f"a{i}"} for i in range(10)]
+    rows[3]["answer"] = " ".join(["word"] * 200)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match="1 of 10 examples are longer than data.max_tokens=64 and were truncated"):
+        dm = _datamodule(tokenizer, path=str(path), max_tokens=64, num_examples=None)
+    assert (dm.stats.truncated, dm.stats.dropped_too_long, dm.stats.examples) == (1, 0, 10)
+    assert max(len(ids) for row in dm._train_rows for ids, _ in row) == 64
+    with pytest.warns(UserWarning, match="were dropped"):
+        dm = _datamodule(tokenizer, path=str(path), max_tokens=64, num_examples=None, overflow="drop")
+    assert (dm.stats.truncated, dm.stats.dropped_too_long) == (0, 1)
+    assert sum(len(row) for row in dm._train_rows) == 9
+
+
+def test_too_many_examples_without_targets_stop_with_the_count_and_an_example(tokenizer):
+    broken = load_tokenizer("builtin")
+    # a wrong template: assistant turns are never rendered, so prompt masking leaves nothing to train on
+    broken.chat_template = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match=r"60 of 60 examples have no target token .*data.max_no_target_fraction=0.5.*"
+                                         r"the first is builtin:arithmetic row 1, rendered as 'What is"):
+        _datamodule(broken)
+    assert _datamodule(broken, train_on_prompt=True).stats.dropped_no_targets == 0
+
+
+def test_validation_file_and_generation_examples(tokenizer, tmp_path):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"question": f"Half of {2 * i}?", "answer": f"#### {i}"}) + "\n" for i in range(5)))
+    dm = _datamodule(tokenizer, val_path=str(val))
+    assert dm.has_validation and dm.stats.val_examples == 5 and dm.stats.val_rows == len(dm._val_rows) > 0
+    assert len(dm._train_rows) == dm.stats.packed_rows  # nothing held out of the training data
+    examples = dm.generation_examples(3)
+    assert len(examples) == 3
+    for prompt, reference in examples:
+        assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+        assert tokenizer.decode(reference).startswith("#### ") and tokenizer.decode(reference).endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="set one of them"):
+        PackedDataModule(tokenizer, val_path=str(val), val_fraction=0.1)

@@ -1,0 +1,201 @@
+"""What the main job guarantees, checked through the real CLI (``python -m lightning_ft fit``).
+
+DDP gives one process's gradients; a killed run resumes exactly; a PEFT adapter trained elsewhere
+continues training; bad input and stopped runs give one readable error and keep what was written;
+adapters that get no gradient stop the run; sweeps get a summary table; validation can generate.
+"""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from cli_helpers import FAST, run_cli, summary
+
+
+def _assert_grads_close(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys() and expected
+    for name, g in expected.items():
+        scale = g.abs().max().item()
+        if "lora_A" in name:  # lora_B is still zero at the first step, so lora_A's gradient is exactly zero
+            assert scale == 0 and got[name].abs().max() == 0, name
+            continue
+        assert scale > 0, name
+        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_gives_the_gradients_of_one_process(tmp_path):
+    """2 ranks × 1 micro-batch vs 1 rank × 2 micro-batches: the same rows, the same normalised step loss."""
+    common = (*FAST, "trainer.max_steps=1", "+callbacks.dump._target_=cli_helpers.DumpGradients")
+    ddp = run_cli(tmp_path / "ddp", *common, "trainer.devices=2", "trainer.strategy=ddp", f"+callbacks.dump.path={tmp_path / 'g2'}")
+    run_cli(tmp_path / "one", *common, "trainer.accumulate_grad_batches=2", f"+callbacks.dump.path={tmp_path / 'g1'}")
+
+    rank0, rank1 = (torch.load(tmp_path / "g2" / f"rank{r}.pt") for r in (0, 1))
+    _assert_grads_close(rank0, torch.load(tmp_path / "g1" / "rank0.pt"))
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)  # all-reduced
+    # rank 0 alone writes the summary and the adapter
+    assert (ddp.stdout + ddp.stderr).count("summary: ") == 1
+    assert summary(tmp_path / "ddp")["world_size"] == 2
+    assert (tmp_path / "ddp" / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly_mid_epoch_and_at_an_epoch_boundary(tmp_path):
+    """15 packed rows, 2 micro-batches per step: epoch 0 is steps 1-8 (step 8 is a partial step of one row).
+
+    Killed after step 8 (its checkpoint is the end of epoch 0), resumed from ``last`` and, in another
+    folder, from step 7's checkpoint (mid-epoch). LoRA dropout makes the RNG state matter.
+    """
+    common = (*FAST, "trainer.max_steps=12", "trainer.accumulate_grad_batches=2", "lora.dropout=0.1",
+              "callbacks.checkpoint.every_n_train_steps=1", "callbacks.checkpoint.save_top_k=2")
+    run_cli(tmp_path / "full", *common)
+    expected = summary(tmp_path / "full")["step_losses"]
+    assert len(expected) == 12 and None not in expected
+
+    killed = tmp_path / "killed"
+    run_cli(killed, *common, "+callbacks.crash._target_=cli_helpers.CrashAtStep", "+callbacks.crash.step=8", ok=False)
+    assert not (killed / "summary.json").exists()
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.ckpt", "step000007.ckpt", "step000008.ckpt"]
+
+    run_cli(tmp_path / "mid", *common, f"ckpt_path={killed / 'checkpoints' / 'step000007.ckpt'}")
+    run_cli(killed, *common, "ckpt_path=last")
+    for resumed, first in ((tmp_path / "mid", 7), (killed, 8)):
+        losses = summary(resumed)["step_losses"]
+        assert len(losses) == 12
+        for step in range(first, 12):
+            assert abs(losses[step] - expected[step]) <= 1e-6, (resumed.name, step + 1, losses[step], expected[step])
+    # the run folder keeps the last k = 2 step checkpoints
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.ckpt", "step000011.ckpt", "step000012.ckpt"]
+
+
+@pytest.mark.slow
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "ckpt_path=last", ok=False)
+    assert "ckpt_path=last: no last checkpoint in" in proc.stderr and "hydra.run.dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_adapter_trained_elsewhere_with_peft_continues_training(tmp_path):
+    from omegaconf import OmegaConf
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from test_cli import _compose
+
+    from lightning_ft.modules.finetune_module import load_causal_lm
+
+    cfg = _compose([f"run_dir={tmp_path}"])  # the default model: the tiny Qwen3-MoE
+    base = load_causal_lm(None, "random", OmegaConf.to_container(cfg.model.config), vocab_size=512)
+    peft_model = get_peft_model(base, LoraConfig(r=6, lora_alpha=12, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # "trained": lora_B away from its zero init
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    peft_model.save_pretrained(tmp_path / "elsewhere")
+    before = load_file(tmp_path / "elsewhere" / "adapter_model.safetensors")
+
+    run_cli(tmp_path / "run", *FAST, f"lora.init_from={tmp_path / 'elsewhere'}", "trainer.max_steps=3")
+    out = summary(tmp_path / "run")
+    adapter_config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 6 and sorted(adapter_config["target_modules"]) == ["q_proj", "v_proj"]
+    after = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    assert after.keys() == before.keys()
+    delta = max((after[k] - before[k]).abs().max().item() for k in before)
+    assert 0 < delta < 0.05  # three small AdamW steps from the loaded weights, not a fresh init
+    assert out["steps"] == 3
+
+
+@pytest.mark.slow
+def test_missing_model_path_and_non_causal_config_are_readable_errors(tmp_path):
+    from transformers import ViTConfig
+
+    proc = run_cli(tmp_path / "a", *FAST, "model=pretrained", f"model.name_or_path={tmp_path / 'nope'}", ok=False)
+    assert f"model.name_or_path='{tmp_path / 'nope'}'" in proc.stderr and "Traceback" not in proc.stderr
+
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path / "vit")
+    proc = run_cli(tmp_path / "b", *FAST, "model=pretrained", f"model.name_or_path={tmp_path / 'vit'}",
+                   "model.tokenizer=builtin", "model.dtype=float32", ok=False)
+    assert "a 'vit' config is not a causal LM" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
+    proc = run_cli(tmp_path, "data.max_token=3", ok=False)
+    assert "Key 'max_token' not in 'DataConfig'" in proc.stderr  # Hydra's
+    assert "hint: data.max_token: no key 'max_token' in data; did you mean data.max_tokens?" in proc.stderr
+    assert "--cfg job" in proc.stderr
+    proc = run_cli(tmp_path, "model=qwen3_tiny", ok=False)
+    assert "hint: model=qwen3_tiny: not an option of the `model` group; options: " in proc.stderr
+    assert "qwen3_moe_tiny" in proc.stderr
+
+
+@pytest.mark.slow
+def test_nonfinite_step_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "callbacks.checkpoint.every_n_train_steps=1",
+                   "+callbacks.nan._target_=cli_helpers.NonFiniteAtStep", "+callbacks.nan.step=3", ok=False)
+    assert "error: non-finite loss or gradient at optimizer step 3" in proc.stderr
+    assert "last good checkpoint is" in proc.stderr and "Traceback" not in proc.stderr
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+    out = summary(tmp_path)
+    assert out["status"] == "stopped" and "step 3" in out["error"] and len(out["step_losses"]) == 2
+
+
+@pytest.mark.slow
+def test_nonfinite_step_is_skipped_and_overlong_examples_are_counted(tmp_path):
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}"} for i in range(40)]
+    rows[5]["answer"] = " ".join(["long"] * 300)  # far over data.max_tokens=128
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_cli(tmp_path / "run", *FAST, f"data.path={data}", "data.num_examples=null", "trainer.max_steps=5",
+                   "train.on_nonfinite=skip", "+callbacks.nan._target_=cli_helpers.NonFiniteAtStep", "+callbacks.nan.step=2")
+    out = summary(tmp_path / "run")
+    assert out["skipped_steps"] == {"no_target_tokens": 0, "nonfinite": 1}
+    assert out["step_losses"][1] is None and all(math.isfinite(x) for i, x in enumerate(out["step_losses"]) if i != 1)
+    assert out["status"] == "completed" and out["steps"] == 5
+    assert out["data"]["truncated"] == 1 and out["data"]["examples"] == 40
+    assert "1 of 40 examples are longer than data.max_tokens=128" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_adapter_bypassed_by_the_forward_stops_the_run_with_its_name(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "+callbacks.bypass._target_=cli_helpers.BypassLora",
+                   "+callbacks.bypass.module=model.layers.1.self_attn.v_proj", ok=False)
+    assert "never received a non-zero gradient" in proc.stderr
+    assert "model.layers.1.self_attn.v_proj (lora_A, lora_B)" in proc.stderr
+    assert "model.layers.1.self_attn.q_proj" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_sweep_runs_each_job_in_its_folder_and_writes_a_summary_table(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(tmp_path, "-m", "lora.rank=4,8", "trainer.max_steps=5", *FAST, f"hydra.sweep.dir={sweep}")
+    jobs = [summary(sweep / str(i)) for i in (0, 1)]
+    assert [j["config"]["lora"]["rank"] for j in jobs] == [4, 8]
+    table = (sweep / "sweep_summary.md").read_text().splitlines()
+    assert table[0].startswith("| job | overrides | status | steps | final_loss")
+    for i, job in enumerate(jobs):
+        assert f"| {i} | lora.rank={4 * (i + 1)} trainer.max_steps=5 " in table[2 + i]
+        assert f"| {job['final_loss']:.4f} |" in table[2 + i]
+    csv_lines = (sweep / "sweep_summary.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("job,overrides,status")
+    assert "sweep summary of 2 jobs" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_validation_file_reports_loss_perplexity_and_exact_match(tmp_path):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(
+        json.dumps({"question": f"Tom has {i} apples and buys {i}. How many?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}) + "\n"
+        for i in range(6)
+    ))
+    run_cli(tmp_path / "run", *FAST, "trainer.max_steps=3", f"data.val_path={val}", "eval.generate=true",
+            "eval.num_examples=3", "eval.max_new_tokens=12", "eval.every_n_steps=2")
+    out = summary(tmp_path / "run")
+    assert out["data"]["val_examples"] == 6
+    with (tmp_path / "run" / "logs" / "metrics.csv").open() as f:  # validated after step 2 and after the last step
+        assert len([r for r in csv.DictReader(f) if r["val/exact_match"]]) == 2
+    assert math.isfinite(out["val_loss"]) and out["val_perplexity"] == pytest.approx(math.exp(out["val_loss"]), rel=1e-5)
+    assert 0.0 <= out["val_exact_match"] <= 1.0
