@@ -179,7 +179,7 @@ def _cases(device, smoke: bool) -> list[Case]:
 
     impls = {"ours": swiglu, "reference": swiglu_reference}
     if liger:
-        impls["liger"] = liger.liger_swiglu
+        impls["liger"] = lambda gate, up: liger.liger_swiglu(gate, up)
     cases.append(Case("swiglu", f"{tokens}x{inter} bf16", swiglu_inputs, impls, ("gate", "up"), 3 * elem, 8 * elem))
 
     # RoPE: q/k are transposed views of the projections' [1, T, H*D] outputs, as HF passes them; read
