@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 
 @dataclass
@@ -33,7 +34,7 @@ class ModelConfig:
 class DataConfig:
     """``data=``: where the training rows come from and how they are packed."""
 
-    path: str = "builtin:arithmetic"  # .jsonl/.json/.parquet file, `datasets` name, or builtin:<task>
+    path: str = MISSING  # .jsonl/.json/.parquet file, `datasets` name, or builtin:<task> (required: `???` in a YAML file would not override a default)
     format: str = "auto"  # auto | qa | instruction | chat | text
     split: str = "train"
     max_tokens: int = 1024  # token budget of a packed micro-batch: memory grows with it

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -9,16 +12,26 @@ from typing import Any
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.summary import RunSummary
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.tokenization import load_tokenizer
+from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.modules.finetune_module import FinetuneModule
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO
 
 log = logging.getLogger(__name__)
+
+#: keys a resumed run may change (none of them changes the math of a step); everything else must
+#: match the interrupted run's config
+_RESUMABLE_CHANGES = (
+    "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
+    "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
+)
+_CONFIG_FILE = "config.json"  # the resolved config of the run, written before training starts
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
@@ -36,9 +49,24 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         # `import lightning` adds its own console handler that also propagates to the root logger,
         # which Hydra has configured: without this every Lightning message prints twice.
         logging.getLogger("lightning").handlers.clear()
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError(f"required but not set: {', '.join(missing)} (e.g. data.path=train.jsonl)")
     run_dir = Path(cfg.run_dir)
+    if cfg.model.init == "pretrained" and not cfg.model.name_or_path:
+        raise ValueError("model.name_or_path is required with model.init=pretrained: a local checkpoint folder or a hub name")
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    _check_trainer_arguments(trainer_kwargs)
+    # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
+    written = OmegaConf.to_container(cfg, resolve=False)
+    if cfg.ckpt_path:
+        _check_resumed_config(written, cfg.ckpt_path, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / _CONFIG_FILE).write_text(json.dumps(written, indent=2, default=str) + "\n")
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    check_local_path("model.name_or_path", cfg.model.name_or_path)
+    check_local_path("model.tokenizer", cfg.model.tokenizer)
     tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
     if not tokenizer_name:
         raise ValueError("set model.tokenizer (a path, a hub name, or `builtin`) or model.name_or_path")
@@ -47,7 +75,6 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     except (OSError, ValueError) as err:  # transformers raises OSError, or a ValueError for a malformed hub name
         key = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
         raise FileNotFoundError(f"{key}={tokenizer_name!r}: cannot load a tokenizer from it ({err})") from err
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     datamodule = PackedDataModule(
         tokenizer=tokenizer,
         accumulate_grad_batches=trainer_kwargs.get("accumulate_grad_batches", 1),
@@ -69,7 +96,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         if not datamodule.has_validation:
             raise ValueError("eval.generate=true needs validation data: set data.val_fraction or data.val_path")
         callbacks.append(GenerationEval(cfg.eval.num_examples, cfg.eval.max_new_tokens))
-    summary = RunSummary(run_dir, OmegaConf.to_container(cfg, resolve=True))
+    summary = RunSummary(run_dir, resolved)
     callbacks.append(summary)
     # callbacks.progress_bar=null means no progress bar at all (not Lightning's default one)
     trainer_kwargs.setdefault("enable_progress_bar", cfg.callbacks.get("progress_bar") is not None)
@@ -89,8 +116,59 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         use_distributed_sampler=False,  # PackedDataModule shards optimizer steps across ranks itself
         default_root_dir=str(run_dir),
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
+        last = summary.summary.get("checkpoint_path")
+        raise TrainingStopped(
+            f"training stopped at step {trainer.global_step} by SIGTERM; "
+            + (f"resume from {last} with ckpt_path=last hydra.run.dir={run_dir}" if last else "no checkpoint was written")
+        ) from err
     return summary.summary
+
+
+def _check_trainer_arguments(kwargs: dict[str, Any]) -> None:
+    """Lightning raises a bare TypeError for an unknown argument; name the key and the closest ones."""
+    known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ValueError(
+                f"trainer.{key}: not an argument of lightning.Trainer"
+                + (f"; did you mean {', '.join('trainer.' + c for c in close)}?" if close else "")
+            )
+
+
+def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) -> None:
+    """Refuse, before anything is written, to resume with a config other than the interrupted run's.
+
+    The interrupted run's config is ``config.json`` in its run folder (``run_dir`` for
+    ``ckpt_path=last``; two folders above the checkpoint file otherwise).
+    """
+    saved_file = (run_dir if ckpt_path == "last" else Path(ckpt_path).resolve().parent.parent) / _CONFIG_FILE
+    if not saved_file.exists():
+        return
+    saved = json.loads(saved_file.read_text())
+    differences = [
+        f"{key}: {old!r} in the interrupted run, {new!r} now"
+        for key, old, new in _diff(saved, json.loads(json.dumps(config, default=str)))
+        if not key.startswith(_RESUMABLE_CHANGES)
+    ]
+    if differences:
+        raise ValueError(
+            f"ckpt_path={ckpt_path}: this config differs from the interrupted run's ({saved_file}): "
+            + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
+            + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger and eval may change)"
+        )
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
+        return out
+    return [] if old == new else [(prefix, old, new)]
 
 
 def _check_last_checkpoint(callbacks: list[Any]) -> None:

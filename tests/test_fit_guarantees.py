@@ -199,3 +199,41 @@ def test_validation_file_reports_loss_perplexity_and_exact_match(tmp_path):
         assert len([r for r in csv.DictReader(f) if r["val/exact_match"]]) == 2
     assert math.isfinite(out["val_loss"]) and out["val_perplexity"] == pytest.approx(math.exp(out["val_loss"]), rel=1e-5)
     assert 0.0 <= out["val_exact_match"] <= 1.0
+
+
+@pytest.mark.slow
+def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_path):
+    run_cli(tmp_path, *FAST, "trainer.max_steps=3")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")}
+    assert summary(tmp_path)["checkpoint_path"].endswith("last.ckpt")  # short runs name their last checkpoint too
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "lora.rank=4", ok=False)
+    assert "lora.rank: 16 in the interrupted run, 4 now" in proc.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
+    run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")  # a longer run of the same config is fine
+    assert summary(tmp_path)["steps"] == 5
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_a_failing_exit_status_and_a_summary(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "+callbacks.term._target_=cli_helpers.SignalAtStep",
+                   "+callbacks.term.step=2", ok=False)
+    assert "by SIGTERM" in proc.stderr and "training stopped at step" in proc.stderr
+    assert summary(tmp_path)["status"] == "stopped"
+
+
+@pytest.mark.slow
+def test_missing_required_values_and_trainer_typos_are_named(tmp_path):
+    proc = run_cli(tmp_path / "a", "data=jsonl", ok=False)
+    assert "required but not set: data.path" in proc.stderr
+    proc = run_cli(tmp_path / "b", "+trainer.max_step=3", ok=False)
+    assert "trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
+    assert not (tmp_path / "b" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_sweep_summary_is_written_even_when_a_job_fails(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_cli(tmp_path, "-m", "data.max_tokens=16,128", "data.overflow=drop", "trainer.max_steps=2", *FAST[:2], "data.num_examples=60",
+            f"hydra.sweep.dir={sweep}", ok=False)
+    table = (sweep / "sweep_summary.md").read_text()
+    assert "| 0 | data.max_tokens=16" in table and "| stopped |" in table

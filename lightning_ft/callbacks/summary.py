@@ -79,7 +79,11 @@ class RunSummary(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # before teardown, which moves the model back to the CPU (tens of GB for big models)
+        # before teardown, which moves the model back to the CPU (tens of GB for big models).
+        # Lightning runs checkpoint callbacks last, so let them write last.ckpt now (their own
+        # on_train_end then finds it saved) and the summary can name it.
+        for callback in trainer.checkpoint_callbacks:
+            callback.on_train_end(trainer, pl_module)
         self._write(trainer, pl_module)
 
     @override

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
@@ -58,11 +59,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 class SweepSummary(Callback):
-    """Writes ``sweep_summary.md`` and ``sweep_summary.csv`` into the sweep folder when a multirun ends."""
+    """Writes ``sweep_summary.md`` and ``sweep_summary.csv`` into the sweep folder after every job of a
+    multirun (so the table exists even when a later job fails and Hydra stops the sweep) and at its end."""
+
+    @override
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            self._write(Path(config.hydra.sweep.dir))
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
+        self._write(Path(config.hydra.sweep.dir))
+
+    @staticmethod
+    def _write(sweep_dir: Path) -> None:
         rows = sweep_rows(sweep_dir)
         (sweep_dir / "sweep_summary.md").write_text(markdown_table(rows))
         with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:

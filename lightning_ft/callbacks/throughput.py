@@ -39,6 +39,14 @@ class TokenThroughput(L.Callback):
         return sum(t for t, _ in steady) / max(sum(s for _, s in steady), 1e-9)
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps)}  # a resumed run keeps counting the run's tokens
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = [tuple(step) for step in state_dict.get("steps", [])]
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step
         self._t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
         except Exception as err:  # datasets wraps parser errors in its own types
             raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
     elif suffix in (".jsonl", ".json", ".parquet"):
-        raise FileNotFoundError(f"data.path={path!r}: no such file")
+        raise FileNotFoundError(f"data.path={path!r}: no such file (relative paths start from {Path.cwd()})")
     else:
         try:
             ds = datasets.load_dataset(path, split=split)
@@ -172,7 +172,7 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
     if missing:
         raise ValueError(
             f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing {missing} "
-            f"(the row has {sorted(row)})"
+            f"(the row has {sorted(k for k, v in row.items() if v is not None)})"
         )
     if fmt == "text":
         yield None

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
-from lightning_ft.errors import TrainingStopped
+from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.modules.moe import apply_moe
@@ -87,6 +87,7 @@ def load_causal_lm(
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype={dtype!r}: expected one of {list(_DTYPES)}")
     overrides = dict(config or {})
+    check_local_path("model.name_or_path", name_or_path)
     if name_or_path:
         try:
             hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
