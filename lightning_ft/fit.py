@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import fcntl
 import inspect
 import json
 import logging
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning as L
 from hydra.utils import instantiate
@@ -61,12 +64,37 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     written = OmegaConf.to_container(cfg, resolve=False)
     if cfg.ckpt_path:
         _check_resumed_config(written, cfg.ckpt_path, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / _CONFIG_FILE).write_text(json.dumps(written, indent=2, default=str) + "\n")
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
     check_local_path("model.name_or_path", cfg.model.name_or_path)
     check_local_path("model.tokenizer", cfg.model.tokenizer)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _run_dir_lock(run_dir):
+        (run_dir / _CONFIG_FILE).write_text(json.dumps(written, indent=2, default=str) + "\n")
+        return _train(cfg, run_dir, trainer_kwargs)
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``run_dir`` for the whole run (the first process of the job only:
+    the other DDP ranks Lightning starts share the folder on purpose).
+
+    Raises:
+        ValueError: another run holds the folder (two runs would interleave checkpoints and logs).
+    """
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        yield
+        return
+    with open(run_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{run_dir}: another run is using this folder; wait for it or choose another hydra.run.dir") from None
+        yield
+
+
+def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Everything after the checks of `fit`: data, model, callbacks, Trainer, fit."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
     if not tokenizer_name:
         raise ValueError("set model.tokenizer (a path, a hub name, or `builtin`) or model.name_or_path")

@@ -237,3 +237,14 @@ def test_sweep_summary_is_written_even_when_a_job_fails(tmp_path):
             f"hydra.sweep.dir={sweep}", ok=False)
     table = (sweep / "sweep_summary.md").read_text()
     assert "| 0 | data.max_tokens=16" in table and "| stopped |" in table
+
+
+@pytest.mark.slow
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path):
+    import fcntl
+
+    with open(tmp_path / ".lock", "w") as held:  # as a running job holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_cli(tmp_path, *FAST, "trainer.max_steps=2", ok=False)
+    assert "another run is using this folder" in proc.stderr
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "checkpoints").exists()
