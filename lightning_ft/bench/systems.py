@@ -46,19 +46,15 @@ def _hf_model(spec: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
-def _peft(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
-    from lightning_ft.modules.finetune_module import add_lora
-
-    return add_lora(model, lora)
-
-
 def hf_peft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int, liger: bool = False) -> tuple[list[float], float]:
     """Run ``num_steps`` training steps of stock transformers + PEFT; returns (seconds per step, last loss)."""
     if liger:
         import liger_kernel.transformers as lk
 
         getattr(lk, _LIGER_PATCHES[spec["model_config"]["model_type"]])()
-    model = _peft(_hf_model(spec), spec["lora"])
+    from lightning_ft.modules.finetune_module import add_lora
+
+    model = add_lora(_hf_model(spec), spec["lora"])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     device = spec["device"]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
