@@ -1,12 +1,61 @@
-"""The benchmark harness: FLOP counting, and a CPU smoke run of the real `bench` command."""
+"""The benchmark harness: FLOP counting, a CPU smoke run of the real `bench` command, and the
+``unsloth`` system's plumbing on the CPU (Unsloth itself needs a GPU; a stand-in with its loader API
+checks the checkpoint folder, the arguments, the import order and the loop)."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from lightning_ft.bench.flops import matmul_params_per_token, train_step_flops
+from lightning_ft.bench.systems import import_unsloth
+
+#: FastLanguageModel's loader API (unsloth 2026.10.9's keyword names) over transformers + PEFT; like the
+#: real one must be, it is imported before transformers and with the Hub offline, or refuses to import
+STAND_IN_UNSLOTH = '''
+import os
+import sys
+
+if {"transformers", "peft", "trl"} & set(sys.modules) or os.environ.get("HF_HUB_OFFLINE") != "1":
+    raise RuntimeError("stand-in unsloth: imported after transformers, or online")
+
+
+class FastLanguageModel:
+    @staticmethod
+    def from_pretrained(*, model_name, max_seq_length, dtype, load_in_4bit, load_in_8bit, load_in_16bit, full_finetuning,
+                        use_gradient_checkpointing):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        assert load_in_16bit and not (load_in_4bit or load_in_8bit or full_finetuning)
+        return AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype), AutoTokenizer.from_pretrained(model_name)
+
+    @staticmethod
+    def get_peft_model(model, *, r, lora_alpha, lora_dropout, target_modules, target_parameters, bias,
+                       use_gradient_checkpointing):
+        from peft import LoraConfig, get_peft_model
+
+        if use_gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias,
+                                                target_modules=target_modules, target_parameters=target_parameters,
+                                                task_type="CAUSAL_LM"))
+
+    @staticmethod
+    def for_training(model):
+        model.train()
+'''
+
+
+def run_bench(tmp_path, *overrides, env=None):
+    """``python -m lightning_ft bench +bench=tiny_cpu`` for one 48-token length; returns the result rows."""
+    cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}",
+           "seq_lens=[48]", "warmup_steps=1", "timed_steps=1", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "results.json").read_text())["rows"]
 
 DENSE = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
              num_hidden_layers=3, vocab_size=10)
@@ -27,14 +76,45 @@ def test_flops_count_by_hand():
 
 @pytest.mark.slow
 def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
-    cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}",
-           "seq_lens=[48]", "warmup_steps=1", "timed_steps=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    rows = run_bench(tmp_path, "profile=true")
     assert [(r["system"], r["status"]) for r in rows] == [("hf_peft", "ok"), ("lightning_ft", "ok")]
     # same random model, same tokens, same optimizer: the same losses after two steps
     assert rows[1]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-4)
     assert rows[1]["x_vs_hf_peft"] > 0
     assert "| hf_peft |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 0
+    # profile=true ranks the timed step's ops (on the CPU by host time) for each row
+    for system in ("hf_peft", "lightning_ft"):
+        assert "aten::mm" in (tmp_path / f"profile_{system}_48.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is not None, reason="unsloth is installed here, so it cannot be missing")
+def test_bench_unsloth_missing_is_a_row_saying_why(tmp_path):
+    (row,) = run_bench(tmp_path, "systems=[unsloth]")
+    assert row["status"] == ("error: ImportError: unsloth not importable: ModuleNotFoundError: No module named 'unsloth'; "
+                             "carry it to the GPU machine with ../shared/gpu/prepare-site.sh .gpu-site unsloth "
+                             "(benchmarks/README.md)")
+    assert f"| unsloth | 4 | 48 | {row['status']} |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_unsloth_system_trains_the_same_random_model_through_a_checkpoint_folder(tmp_path):
+    site, tmp = tmp_path / "site", tmp_path / "tmp"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text(STAND_IN_UNSLOTH)
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    rows = run_bench(tmp_path / "run", "systems=[hf_peft,unsloth]", env=env)
+    assert [(r["system"], r["status"]) for r in rows] == [("hf_peft", "ok"), ("unsloth", "ok")]
+    # the folder held hf_peft's random weights and, as the stand-in (unlike Unsloth) does not reseed, PEFT draws
+    # the same adapters: the same losses
+    assert rows[1]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-5)
+    assert not list(tmp.glob("lightning_ft_unsloth_*")), "the checkpoint folder is deleted after the run"
+
+
+def test_import_unsloth_refuses_to_come_after_transformers():
+    import transformers  # noqa: F401  (Unsloth must be first: it patches transformers when imported)
+
+    with pytest.raises(RuntimeError, match="unsloth must be imported before transformers"):
+        import_unsloth()

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _COLUMNS = [("system", "system"), ("layers", "layers"), ("seq_len", "seq"), ("status", "status"),
             ("ms_per_step", "ms/step"), ("tokens_per_s", "tokens/s"), ("x_vs_hf_peft", "× hf_peft"),
             ("mfu", "MFU"), ("peak_mem_gib", "peak GiB"), ("mem_vs_hf_peft", "mem × hf_peft"), ("loss_last", "loss")]
+_PROFILE_COLUMNS = [("device_busy_ms_per_step", "device busy ms"), ("kernels_per_step", "kernels/step")]
 
 
 def environment() -> dict[str, Any]:
@@ -37,7 +38,7 @@ def environment() -> dict[str, Any]:
     import torch
 
     versions = {}
-    for name in ("torch", "triton", "transformers", "peft", "lightning", "liger-kernel"):
+    for name in ("torch", "triton", "transformers", "peft", "lightning", "liger-kernel", "unsloth", "unsloth-zoo"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -87,6 +88,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
                 "warmup_steps": cfg.warmup_steps,
                 "timed_steps": cfg.timed_steps,
                 "peak_flops": peak,
+                "profile": str(out_dir / f"profile_{system}_{seq_len}.txt") if cfg.profile else None,
             }
             row = _run_worker(spec, cfg.timeout_s)
             log.info("bench row: %s", row)
@@ -134,8 +136,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             return f"{100 * value:.1f}%" if key == "mfu" else f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
         return str(value)
 
-    lines = ["| " + " | ".join(title for _, title in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(fmt(k, r.get(k)) for k, _ in _COLUMNS) + " |" for r in rows]
+    columns = _COLUMNS + [c for c in _PROFILE_COLUMNS if any(c[0] in r for r in rows)]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(k, r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -5,24 +5,37 @@
   gradient checkpointing, bf16 weights under bf16 autocast (fp32 adapters), AdamW on the adapters,
   ``model(input_ids, labels=input_ids).loss``. The baseline of every ratio.
 - ``liger``: the same after Liger Kernel's ``apply_liger_kernel_to_<arch>()``.
+- ``unsloth``: Unsloth's ``FastLanguageModel`` (16-bit LoRA, ``use_gradient_checkpointing=
+  "unsloth"``) loaded from a checkpoint folder of the same random weights, then the same loop as
+  ``hf_peft``. Its first step compiles every layer (30–75 s), so give it ≥ 2 warm-up steps.
 - ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config, trained by a
   Lightning `Trainer` exactly as ``fit`` does (the step time includes Lightning's loop).
 
-Every system sees the same batch: one sequence of ``seq_len`` random tokens (seeded), batch 1.
+Every system sees the same batch: one sequence of ``seq_len`` random tokens (seeded), batch 1, and
+the same random base weights (drawn from the same seeded RNG state).
+
+Note: this module imports nothing but torch when imported; transformers, PEFT, Lightning (which
+imports transformers through torchmetrics) and the peers are imported inside the functions. Unsloth
+patches transformers, PEFT and TRL and sets the CUDA allocator's config when it is imported, so in
+the ``unsloth`` worker `import_unsloth` must run before any of them and before CUDA is touched.
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+import tempfile
 import time
 from typing import Any, Callable
 
-import lightning as L
 import torch
 
-SYSTEMS = ("hf_peft", "liger", "lightning_ft")
+SYSTEMS = ("hf_peft", "liger", "unsloth", "lightning_ft")
 
 _LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3",
                   "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+_UNSLOTH_CARRY_HINT = "; carry it to the GPU machine with ../shared/gpu/prepare-site.sh .gpu-site unsloth (benchmarks/README.md)"
 
 
 def _sync(device: str) -> None:
@@ -30,56 +43,172 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _hf_model(spec: dict[str, Any]) -> torch.nn.Module:
+def _autocast(device: str) -> torch.autocast:
+    """bf16 autocast on CUDA (as a bf16 `Trainer` runs), none on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+
+
+def _random_model(spec: dict[str, Any], **kwargs: Any) -> torch.nn.Module:
+    """The spec's architecture with random weights from the current (seeded) RNG, on ``spec["device"]`` in ``spec["dtype"]``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(spec["model_config"])
     hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": spec["dtype"]}
-    if getattr(hf_config, "num_experts", None) and spec["device"].startswith("cuda"):
-        kwargs["experts_implementation"] = "grouped_mm"
     with torch.device(spec["device"]):
-        model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=spec["dtype"], **kwargs)
+
+
+def _hf_model(spec: dict[str, Any]) -> torch.nn.Module:
+    kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+    if spec["model_config"].get("num_experts") and spec["device"].startswith("cuda"):
+        kwargs["experts_implementation"] = "grouped_mm"
+    model = _random_model(spec, **kwargs)
     if spec["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 
 
-def hf_peft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int, liger: bool = False) -> tuple[list[float], float]:
-    """Run ``num_steps`` training steps of stock transformers + PEFT; returns (seconds per step, last loss)."""
+def _train(model: torch.nn.Module, spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
+    """The plain training loop of ``hf_peft``, ``liger`` and ``unsloth``: forward under autocast with
+    ``labels=input_ids``, backward, AdamW (lr 1e-4) on the trainable parameters; returns (seconds per
+    step, last loss, profile summary)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    timer = StepTimer(spec)
+    loss = torch.zeros(())
+    for _ in range(num_steps):
+        timer.on_train_batch_start()
+        with _autocast(spec["device"]):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.on_train_batch_end()
+    timer.on_train_end()
+    return timer.times, float(loss), timer.summary
+
+
+def hf_peft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int, liger: bool = False) -> tuple[list[float], float, dict]:
+    """Run ``num_steps`` training steps of stock transformers + PEFT; returns (seconds per step, last loss, profile summary)."""
     if liger:
         import liger_kernel.transformers as lk
 
         getattr(lk, _LIGER_PATCHES[spec["model_config"]["model_type"]])()
     from lightning_ft.modules.finetune_module import add_lora
 
-    model = add_lora(_hf_model(spec), spec["lora"])
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    device = spec["device"]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
-    times, loss = [], torch.zeros(())
-    for _ in range(num_steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        with autocast:
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times, float(loss)
+    return _train(add_lora(_hf_model(spec), spec["lora"]), spec, input_ids, num_steps)
 
 
-def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float]:
-    """Run ``num_steps`` steps of `FinetuneModule` under a Lightning `Trainer`; returns (seconds per step, last loss)."""
+def import_unsloth() -> Any:
+    """Import Unsloth offline and return its ``FastLanguageModel``; a no-op after the first call.
+
+    The first call must come before anything imports transformers, PEFT or TRL (Unsloth patches
+    them on import) and before CUDA is initialised (Unsloth sets ``PYTORCH_ALLOC_CONF`` on import),
+    which is why the worker calls it before drawing the tokens. It sets the Hugging Face offline
+    variables (the checkpoint is a local folder), ``UNSLOTH_DISABLE_STATISTICS`` (no statistics
+    download), ``UNSLOTH_DISABLE_CPU_FALLBACK`` (without a GPU, fail instead of training stock
+    transformers on the CPU under Unsloth's name) and, unless set, ``UNSLOTH_COMPILE_LOCATION`` to
+    the temp folder (instead of ``./unsloth_compiled_cache``). Source: unsloth 2026.10.9
+    ``unsloth/_gpu_init.py``, ``unsloth_zoo/__init__.py``, ``unsloth/models/_utils.py``
+    (``get_statistics``), ``unsloth_zoo/device_type.py`` (``cpu_backend_allowed``).
+
+    Raises:
+        RuntimeError: transformers, PEFT or TRL is imported or CUDA is initialised already.
+        ImportError: Unsloth fails to import (not installed, a missing dependency, no GPU); the
+            message gives Unsloth's reason on one line.
+    """
+    if "unsloth" not in sys.modules:
+        early = [m for m in ("transformers", "peft", "trl") if m in sys.modules]
+        early += ["CUDA"] if torch.cuda.is_initialized() else []
+        if early:
+            raise RuntimeError(f"unsloth must be imported before {', '.join(early)} (it patches them when imported): "
+                               "call import_unsloth() first in the process")
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                          UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_DISABLE_CPU_FALLBACK="1")
+        os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
+    try:
+        from unsloth import FastLanguageModel
+    except Exception as err:  # Unsloth raises NotImplementedError, RuntimeError, ... for an unusable machine
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:180]
+        hint = _UNSLOTH_CARRY_HINT if isinstance(err, ModuleNotFoundError) else ""
+        raise ImportError(f"unsloth not importable: {reason}{hint}") from err
+    return FastLanguageModel
+
+
+def unsloth_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
+    """Run ``num_steps`` training steps of Unsloth's 16-bit LoRA; returns (seconds per step, last loss, profile summary).
+
+    ``FastLanguageModel`` dispatches on ``model_type``: Llama loads through ``FastLlamaModel`` (Unsloth's
+    hand-written Triton kernels), Qwen3-MoE through ``FastModel`` (its compiler, which compiles each
+    layer on the first step) (``unsloth/models/loader.py``).
+
+    Unsloth loads only from a checkpoint folder with a tokenizer, so the spec's random model (the
+    same weights ``hf_peft`` draws) is saved in ``spec["dtype"]`` as safetensors, with the project's
+    built-in tokenizer, to a temporary folder on local disk (``$TMPDIR``; 16 GB for 12 layers of
+    Qwen3-30B-A3B), deleted at the end. The tokenizer's 512 tokens are fewer than the model's vocab:
+    Unsloth grows the embedding only when the tokenizer is longer, and keeps ``vocab_size``
+    otherwise (``unsloth_zoo/patching_utils.py``, ``patch_model_and_tokenizer``).
+
+    LoRA: ``lora.target_modules`` go to ``get_peft_model(target_modules=...)`` and
+    ``lora.target_parameters`` (the 3-D expert weights ``mlp.experts.gate_up_proj`` /
+    ``mlp.experts.down_proj``) to its ``target_parameters=...``, Unsloth's argument for MoE expert
+    parameters, which become the same PEFT ``ParamWrapper`` adapters ``hf_peft`` trains and which
+    Unsloth's grouped-GEMM MoE backend reads (``unsloth/models/vision.py``,
+    ``FastBaseModel.get_peft_model``; ``unsloth_zoo/temporary_patches/qwen3_moe.py``).
+    Gradient checkpointing is Unsloth's own ``"unsloth"`` mode (offloads the checkpoints to the
+    host). The peak memory is counted from the load on (the random model written out is freed).
+    The adapters start from Unsloth's own seed (``random_state``), so after the first step the
+    losses differ slightly from ``hf_peft``'s.
+
+    Raises:
+        ImportError, RuntimeError: see `import_unsloth`.
+        ValueError: ``lora.enabled`` is false (this system compares LoRA only).
+    """
+    if not spec["lora"].get("enabled", True):
+        raise ValueError("the unsloth system runs LoRA only: set lora.enabled=true or leave unsloth out of systems")
+    FastLanguageModel = import_unsloth()
+    from lightning_ft.data.tokenization import BUILTIN_TOKENIZER, load_tokenizer
+
+    lora = spec["lora"]
+    checkpointing = "unsloth" if spec["gradient_checkpointing"] else False
+    with tempfile.TemporaryDirectory(prefix="lightning_ft_unsloth_") as checkpoint:
+        _random_model(spec).save_pretrained(checkpoint)
+        load_tokenizer(BUILTIN_TOKENIZER).save_pretrained(checkpoint)
+        gc.collect()  # the random model written out: free it before Unsloth loads its copy
+        if spec["device"].startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model, _ = FastLanguageModel.from_pretrained(
+            model_name=checkpoint, max_seq_length=spec["seq_len"], dtype=spec["dtype"], load_in_4bit=False,
+            load_in_8bit=False, load_in_16bit=True, full_finetuning=False, use_gradient_checkpointing=checkpointing,
+        )
+        model = FastLanguageModel.get_peft_model(
+            model,
+            r=lora["rank"],
+            lora_alpha=lora["alpha"],
+            lora_dropout=lora["dropout"],
+            target_modules=lora["target_modules"] if isinstance(lora["target_modules"], str) else list(lora["target_modules"]),
+            target_parameters=list(lora["target_parameters"]) if lora.get("target_parameters") else None,
+            bias="none",
+            use_gradient_checkpointing=checkpointing,
+        )
+        FastLanguageModel.for_training(model)
+        return _train(model, spec, input_ids, num_steps)
+
+
+def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
+    """Run ``num_steps`` steps of `FinetuneModule` under a Lightning `Trainer`; returns (seconds per step, last loss, profile summary)."""
+    import lightning as L
+
     from lightning_ft.data.packing import collate_packed
     from lightning_ft.modules.finetune_module import FinetuneModule
 
+    class StepTimerCallback(StepTimer, L.Callback):
+        """`StepTimer` as a Lightning callback (its hooks take Lightning's arguments)."""
+
     ids = input_ids[0].tolist()
     batch = collate_packed([(ids, ids)])
-    timer = StepTimer(spec["device"])
+    timer = StepTimerCallback(spec)
     module = FinetuneModule(
         model={
             "init": "random",
@@ -108,18 +237,37 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     )
     loader = torch.utils.data.DataLoader([batch] * num_steps, batch_size=1, collate_fn=lambda items: items[0])
     trainer.fit(module, train_dataloaders=loader)
-    return timer.times, module.step_losses[-1]
+    return timer.times, module.step_losses[-1], timer.summary
 
 
-class StepTimer(L.Callback):
-    """Times each training batch with the device synchronised at both ends."""
+class StepTimer:
+    """Times each training batch with the device synchronised at both ends.
 
-    def __init__(self, device: str) -> None:
-        self.device = device
+    Plain loops call the hooks themselves; `lightning_ft_steps` mixes it into a Lightning callback
+    (not subclassed here: importing Lightning imports transformers, see the module docstring).
+
+    With ``spec["profile"]`` (a file path) the timed steps (those after ``spec["warmup_steps"]``)
+    also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time
+    and `summary` gets the device-busy time and kernel launches per step (device busy far below
+    the step time means the step waits on the host: Python, launches or syncs).
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.device = spec["device"]
+        self.warmup_steps = spec.get("warmup_steps", 0)
+        self.profile_path = spec.get("profile")
         self.times: list[float] = []
+        self.summary: dict[str, float] = {}
+        self._profiler: torch.profiler.profile | None = None
         self._t0 = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
+        if self.profile_path and len(self.times) == self.warmup_steps:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.startswith("cuda"):
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
         _sync(self.device)
         self._t0 = time.perf_counter()
 
@@ -127,9 +275,31 @@ class StepTimer(L.Callback):
         _sync(self.device)
         self.times.append(time.perf_counter() - self._t0)
 
+    def on_train_end(self, *args: Any) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        steps = max(1, len(self.times) - self.warmup_steps)
+        events = self._profiler.key_averages()
+        # kernels and copies; a GPU-side mirror of a host annotation (Lightning's "Optimizer.step#…"
+        # spans the whole step) carries the host event's name and is left out
+        host_names = {e.key for e in events if e.device_type != torch.autograd.DeviceType.CUDA}
+        device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in host_names]
+        if device_events:
+            self.summary = {
+                "device_busy_ms_per_step": sum(e.self_device_time_total for e in device_events) / 1e3 / steps,
+                "kernels_per_step": sum(e.count for e in device_events) / steps,
+            }
+        tables = [events.table(sort_by=key, row_limit=60)
+                  for key in (["self_device_time_total"] if device_events else []) + ["self_cpu_time_total"]]
+        with open(self.profile_path, "w") as f:
+            f.write(f"{steps} profiled steps; {self.summary}\n" + "\n".join(tables) + "\n")
+        self._profiler = None
 
-STEP_FUNCTIONS: dict[str, Callable[..., tuple[list[float], float]]] = {
+
+STEP_FUNCTIONS: dict[str, Callable[..., tuple[list[float], float, dict]]] = {
     "hf_peft": hf_peft_steps,
     "liger": lambda spec, ids, n: hf_peft_steps(spec, ids, n, liger=True),
+    "unsloth": unsloth_steps,
     "lightning_ft": lightning_ft_steps,
 }

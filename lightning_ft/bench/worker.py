@@ -2,8 +2,11 @@
 
 Builds the system named in the spec, runs ``warmup_steps + timed_steps`` training steps on one
 sequence of ``seq_len`` seeded random tokens, and prints one line ``BENCH_ROW {json}`` with the
-median step time, tokens/s, MFU, peak device memory and the last loss. An out-of-memory error
-is a row with ``status: OOM``, not a crash; any other error is a row with the message.
+median step time, tokens/s, MFU, peak device memory and the last loss (with ``spec["profile"]``,
+also the device-busy time and kernel launches per step; see `StepTimer`), and the first step's time
+(compilation, which the median leaves out). An out-of-memory error is a row with ``status: OOM``,
+not a crash; any other error, a peer that fails to import included, is a row with the message.
+For the ``unsloth`` system Unsloth is imported before anything else (see `import_unsloth`).
 """
 
 from __future__ import annotations
@@ -22,21 +25,23 @@ ROW_PREFIX = "BENCH_ROW "
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the spec's system and return its result row (see the module docstring)."""
     from lightning_ft.bench.flops import train_step_flops
-    from lightning_ft.bench.systems import STEP_FUNCTIONS
+    from lightning_ft.bench.systems import STEP_FUNCTIONS, import_unsloth
 
     spec = {**spec, "dtype": getattr(torch, spec["dtype"])}
     row: dict[str, Any] = {k: spec[k] for k in ("system", "model", "seq_len")}
     row["layers"] = spec["model_config"]["num_hidden_layers"]
-    torch.manual_seed(0)
-    input_ids = torch.randint(0, spec["model_config"]["vocab_size"], (1, spec["seq_len"]), device=spec["device"])
     cuda = spec["device"].startswith("cuda")
     try:
-        times, loss = STEP_FUNCTIONS[spec["system"]](spec, input_ids, spec["warmup_steps"] + spec["timed_steps"])
+        if spec["system"] == "unsloth":
+            import_unsloth()  # first of all: before transformers is imported and CUDA initialised (see systems.py)
+        torch.manual_seed(0)
+        input_ids = torch.randint(0, spec["model_config"]["vocab_size"], (1, spec["seq_len"]), device=spec["device"])
+        times, loss, profile = STEP_FUNCTIONS[spec["system"]](spec, input_ids, spec["warmup_steps"] + spec["timed_steps"])
     except torch.OutOfMemoryError:
         return {**row, "status": "OOM"}
-    except Exception as err:  # a peer that fails to import or run is a row that says why
+    except Exception as err:  # a peer that fails to import or run is a row that says why (on one line, for the table)
         traceback.print_exc()
-        return {**row, "status": f"error: {type(err).__name__}: {err}"[:300]}
+        return {**row, "status": " ".join(f"error: {type(err).__name__}: {err}".split())[:300]}
     timed = times[spec["warmup_steps"] :]
     seconds = statistics.median(timed)
     flops = train_step_flops(spec["model_config"], [spec["seq_len"]], spec["gradient_checkpointing"],
@@ -48,11 +53,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "ms_per_step": 1e3 * seconds,
         "ms_min": 1e3 * min(timed),
         "ms_max": 1e3 * max(timed),
+        "ms_first_step": 1e3 * times[0],  # not in the median: compiles, autotunes, warms the allocator
         "tokens_per_s": spec["seq_len"] / seconds,
         "tflops_per_s": flops / seconds / 1e12,
         "mfu": flops / seconds / peak_flops if peak_flops else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "loss_last": loss,
+        **profile,
     }
 
 
