@@ -1,6 +1,8 @@
 """Side-by-side timings of the fused kernels: ours vs the torch eager reference vs Liger Kernel.
 
     python benchmarks/kernels_bench.py --out benchmarks/kernels_bench.json        # CUDA, < 3 min on an H200
+    python benchmarks/kernels_bench.py --only rope --out /tmp/rope_bench.json     # one op (comma-separated list)
+    python benchmarks/kernels_bench.py --only rope --profile --out /tmp/rope.json # + profiler table per step
     python benchmarks/kernels_bench.py --smoke --out /tmp/kernels_smoke.json      # CPU check, tiny shapes
 
 For each op, forward and forward+backward are timed with `triton.testing.do_bench` (median, ms) at
@@ -8,13 +10,25 @@ training shapes in bf16:
 
     rms_norm       16384 tokens x 4096 hidden, trainable weight
     swiglu         16384 tokens x 14336 intermediate
-    rope           Llama-3.1-8B heads (32 q, 8 kv, head_dim 128) at 8192 tokens, q/k as HF passes them
+    rope           Llama-3.1-8B heads (32 q, 8 kv, head_dim 128) at 8192 tokens, q/k as HF passes them:
+                   transposed views of the projections' [1, T, H*D] outputs, upstream gradients laid
+                   out like the outputs ([B, T, H, D] memory, as attention's backward returns them)
     linear_ce      T=16384, vocab 151936, hidden 2048, frozen head (LoRA), 10% ignored labels
 
 The memory-bound ops report achieved GB/s (the bytes the op must move at least, over its time) and
 that as a fraction of a measured device-to-device copy; linear_ce reports TFLOP/s and the peak
 memory above its inputs, vs the materialised reference. Ratios are the reference's (or Liger's)
 time over ours, so > 1 means we are faster. Liger rows appear when `liger_kernel` imports.
+The fwd+bwd step also writes its ones-like upstream gradient (the outputs' size), for every impl;
+those bytes are not counted, so all impls' GB/s share one numerator per op and pass.
+
+Host time. `ms` is the eager step as a training loop runs it: do_bench starts the clock after
+its 256 MB L2-clearing fill (tens of us), so host work (Python, autograd, launches) that outlasts
+the fill and the kernels queued before it shows up as GPU idle time inside the measurement. An
+op whose fwd+bwd moves only ~0.3 GB (rope: ~0.1 ms of GPU work) can be host-bound this way. For
+such ops (`Case.device_time`) the same step is also captured in a CUDA graph and replayed:
+`device ms` / `device GB/s` is the GPU work alone, and eager ms minus device ms is the host
+overhead, which a model pays only when the GPU has nothing else queued.
 With --smoke everything runs on the CPU under TRITON_INTERPRET=1 at tiny shapes, timed with
 perf_counter, to check that the script works; its numbers mean nothing.
 """
@@ -32,6 +46,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
+OPS = ("rms_norm", "swiglu", "rope", "linear_ce")
+
+
 @dataclass
 class Row:
     op: str
@@ -40,6 +57,8 @@ class Row:
     shape: str
     ms: float
     gbps: float | None = None
+    device_ms: float | None = None
+    device_gbps: float | None = None
     copy_fraction: float | None = None
     tflops: float | None = None
     peak_mib: float | None = None
@@ -61,6 +80,7 @@ class Case:
     flops_fwd: float | None = None
     flops_fwd_bwd: float | None = None
     measure_memory: bool = False
+    device_time: bool = False  # also time a CUDA-graph replay of the step (no host work)
 
 
 def _version(dist: str) -> str | None:
@@ -114,6 +134,32 @@ def _fwd_bwd_fn(fn, inputs, grad_inputs):
             inputs[name].grad = None
 
     return step
+
+
+def _graph_ms(step, timer, label: str) -> float | None:
+    """Device time of `step` without its host work: captured once in a CUDA graph, replays timed.
+
+    The replay runs the same kernels on the same buffers (the graph's pool), including the backward
+    and the gradient resets the eager step does. None, with a warning, if the step cannot be captured.
+    """
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as err:
+        print(f"warning: {label}: CUDA graph capture failed ({err}); device ms left empty")
+        return None
+    ms = timer(graph.replay)
+    del graph
+    return ms
 
 
 def _peak_mib(step, device) -> float | None:
@@ -182,8 +228,12 @@ def _cases(device, smoke: bool) -> list[Case]:
         impls["liger"] = lambda gate, up: liger.liger_swiglu(gate, up)
     cases.append(Case("swiglu", f"{tokens}x{inter} bf16", swiglu_inputs, impls, ("gate", "up"), 3 * elem, 8 * elem))
 
-    # RoPE: q/k are transposed views of the projections' [1, T, H*D] outputs, as HF passes them; read
-    # and write q and k once per pass (cos/sin reads are small next to them).
+    # RoPE: q/k are transposed views of the projections' [1, T, H*D] outputs, as HF passes them, and
+    # the upstream gradients (ones_like of the outputs) have the outputs' [1, T, H, D] memory, as the
+    # attention backward returns them. The projections are leaves here; their AccumulateGrad takes the
+    # [1, T, H*D] gradient as is, as a projection's matmul backward would. Each pass reads and writes
+    # q and k once (cos/sin reads are small next to them). Liger rotates the upstream gradient in
+    # place; harmless here. Host-bound at this size: timed as a CUDA graph too (device ms).
     seq_len, heads_q, heads_k, head_dim = (16, 4, 2, 32) if smoke else (8192, 32, 8, 128)
     elem = seq_len * (heads_q + heads_k) * head_dim * 2
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -210,7 +260,7 @@ def _cases(device, smoke: bool) -> list[Case]:
         impls["liger"] = heads(liger.liger_rope)
     cases.append(
         Case("rope", f"T={seq_len} Hq={heads_q} Hk={heads_k} D={head_dim} bf16", rope_inputs, impls,
-             ("q_proj", "k_proj"), 2 * elem, 4 * elem)
+             ("q_proj", "k_proj"), 2 * elem, 4 * elem, device_time=True)
     )
 
     # Linear cross-entropy: compute bound; forward 2NHV flops (+2NHV for d hidden in ours and Liger's
@@ -242,7 +292,23 @@ def _cases(device, smoke: bool) -> list[Case]:
     return cases
 
 
-def _run_case(case: Case, device, timer, copy_gbps: float) -> list[Row]:
+def _print_profile(step, label: str, device) -> None:
+    """The ops (and on CUDA the kernels) of 5 steps, with their host and device time: where a step's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort_by = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"\n## {label} (5 steps)\n{prof.key_averages().table(sort_by=sort_by, row_limit=25)}")
+
+
+def _run_case(case: Case, device, timer, copy_gbps: float, profile: bool = False) -> list[Row]:
     import torch
 
     rows = []
@@ -256,13 +322,18 @@ def _run_case(case: Case, device, timer, copy_gbps: float) -> list[Row]:
                         return fn(**inputs)
             else:
                 step = _fwd_bwd_fn(fn, inputs, case.grad_inputs)
+            if profile:
+                _print_profile(step, f"{case.op} {impl} {mode}", device)
             peak = _peak_mib(step, device) if case.measure_memory else None
             ms = timer(step)
+            graphed = case.device_time and device.type == "cuda"
+            device_ms = _graph_ms(step, timer, f"{case.op} {impl} {mode}") if graphed else None
             moved = case.bytes_fwd if mode == "fwd" else case.bytes_fwd_bwd
             flops = case.flops_fwd if mode == "fwd" else case.flops_fwd_bwd
             gbps = moved / ms / 1e6 if moved else None
             by_impl[impl] = Row(
                 op=case.op, impl=impl, mode=mode, shape=case.shape, ms=ms, gbps=gbps,
+                device_ms=device_ms, device_gbps=moved / device_ms / 1e6 if moved and device_ms else None,
                 copy_fraction=gbps / copy_gbps if gbps else None,
                 tflops=flops / ms / 1e9 if flops else None, peak_mib=peak,
             )
@@ -283,13 +354,15 @@ def _markdown(rows: list[Row], copy_gbps: float) -> str:
     lines = [
         f"copy ceiling: {copy_gbps:.0f} GB/s",
         "",
-        "| op | impl | pass | shape | ms | GB/s | of copy | TFLOP/s | peak MiB | x vs reference | x vs Liger |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | impl | pass | shape | ms | GB/s | of copy | device ms | device GB/s | TFLOP/s | peak MiB "
+        "| x vs reference | x vs Liger |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.op} | {r.impl} | {r.mode} | {r.shape} | {r.ms:.3f} | {_fmt(r.gbps, '.0f')} | "
-            f"{_fmt(r.copy_fraction, '.0%')} | {_fmt(r.tflops, '.0f')} | {_fmt(r.peak_mib, '.0f')} | "
+            f"{_fmt(r.copy_fraction, '.0%')} | {_fmt(r.device_ms, '.3f')} | {_fmt(r.device_gbps, '.0f')} | "
+            f"{_fmt(r.tflops, '.0f')} | {_fmt(r.peak_mib, '.0f')} | "
             f"{_fmt(r.x_vs_reference, '.2f')} | {_fmt(r.x_vs_liger, '.2f')} |"
         )
     return "\n".join(lines)
@@ -299,7 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--only", help=f"comma-separated ops to run, of: {', '.join(OPS)} (default: all)")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of each timed step")
     args = parser.parse_args(argv)
+    only = OPS if args.only is None else tuple(op.strip() for op in args.only.split(","))
+    if unknown := sorted(set(only) - set(OPS)):
+        parser.error(f"--only: unknown op(s) {', '.join(unknown)}; choose from {', '.join(OPS)}")
 
     import torch
 
@@ -315,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbps = _copy_ceiling_gbps(device, timer, 2**16 if args.smoke else 2**30)
     rows = []
     for case in _cases(device, args.smoke):
-        rows.extend(_run_case(case, device, timer, copy_gbps))
+        if case.op in only:
+            rows.extend(_run_case(case, device, timer, copy_gbps, args.profile))
 
     print(_markdown(rows, copy_gbps))
     result = {
@@ -329,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
             "liger_kernel": _version("liger-kernel"),
             "python": platform.python_version(),
         },
+        "only": list(only),
         "copy_ceiling_gbps": copy_gbps,
         "rows": [asdict(r) for r in rows],
     }

@@ -26,12 +26,27 @@ so cos/sin are read once per token.
 In place: the forward overwrites q and k through their own strides and returns them, so the
 [B, T, H, D] layout flash-attention wants survives. A head dim that is not unit-stride is first
 copied to a contiguous tensor, which is then rotated in place and returned.
-Note: the write is not announced with `ctx.mark_dirty`, which on views (the usual case) makes
-autograd route the backward through CopySlices: a zero-filled base-sized gradient, a clone and a
-copy per tensor. Instead the version counters of q and k are bumped by hand, so any autograd node
-that saved the pre-rotation q or k still fails loudly ("modified by an inplace operation") rather
-than reading rotated values. The backward writes fresh gradients (laid out [B, T, H, D], which the
-projections' view/transpose backward takes for free) and never touches the incoming ones.
+Note: the write is not announced with `ctx.mark_dirty`. On views (the usual case) that is refused
+for a Function returning two tensors, and with one Function per tensor it makes autograd route the
+backward through AsStridedBackward + CopySlices: a zero-filled base-sized gradient, a clone and
+three copies per tensor. Instead the version counters of q and k are bumped by hand, so any
+autograd node that saved the pre-rotation q or k still fails loudly ("modified by an inplace
+operation") rather than reading rotated values; the returned q, k are then plain outputs of this
+Function and their backward is RoPEFunctionBackward -> the projections' TransposeBackward ->
+ViewBackward, with nothing in between.
+
+Cost per pass, E = B * T * (Hq + Hk) * D elements (cos/sin reads, [B or 1, T, D_rot], are small):
+    forward   one launch, reads and writes q and k once: 2E elements (fewer with partial rotary,
+              whose tail stays put), no allocation
+    backward  one launch, reads dq, dk once and writes dq_in, dk_in once: 2E elements, two
+              `empty_strided`, no zero-fill and no copy (the partial-rotary tail is copied by the
+              kernel). dq_in / dk_in are laid out [B, T, H, D], so the transpose/view backward
+              towards the projections is free and AccumulateGrad / the projection's matmul
+              backward takes them as they are.
+Note: the backward does not rotate the incoming gradients in place (as Liger's does). It would
+save no bytes (read + write either way), only the two allocations, and autograd gives no ownership
+guarantee: the incoming gradient can be the caller's `grad_tensors` (Liger's rope overwrites
+them), a tensor a hook kept, or the same tensor AddBackward handed to another branch not yet run.
 cos and sin get no gradient; when they require one, `apply_rope` uses the reference.
 
 Source: Su et al., "RoFormer" (2021); layout and rotate_half convention of HF transformers.
@@ -48,24 +63,32 @@ from lightning_ft.kernels._utils import num_warps_for, triton_can_run, warn_fall
 
 @triton.jit
 def _rotate_heads(
-    SRC, DST, stride_src_h, stride_dst_h, n_heads,
-    c1, c2, s1, s2, d, d_mask, HALF,
-    BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
+    X, OUT, stride_x_h, stride_out_h, c1, c2, s1, s2,
+    N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    h = tl.arange(0, BLOCK_H)
-    mask = (h < n_heads)[:, None] & d_mask[None, :]
-    src = SRC + h[:, None] * stride_src_h + d[None, :]
-    dst = DST + h[:, None] * stride_dst_h + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    """Rotate the [N_HEADS, 2 * HALF] leading dims of one token's heads from X into OUT (c*, s* [1, BLOCK_HALF]),
+    then copy the PASS trailing dims (partial rotary; only when OUT is not X)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < N_HEADS) & (d < HALF)
+    x = X + h * stride_x_h + d
+    out = OUT + h * stride_out_h + d
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
-        o1 = x1 * c1[None, :] + x2 * s2[None, :]
-        o2 = x2 * c2[None, :] - x1 * s1[None, :]
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
     else:
-        o1 = x1 * c1[None, :] - x2 * s1[None, :]
-        o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(dst, o1.to(DST.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, o2.to(DST.dtype.element_ty), mask=mask)
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    tl.store(out, o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, o2.to(OUT.dtype.element_ty), mask=mask)
+    if PASS > 0:
+        p = tl.arange(0, BLOCK_PASS)[None, :]
+        pass_mask = (h < N_HEADS) & (p < PASS)
+        tail = tl.load(X + h * stride_x_h + 2 * HALF + p, mask=pass_mask)
+        tl.store(OUT + h * stride_out_h + 2 * HALF + p, tail, mask=pass_mask)
 
 
 @triton.jit
@@ -73,61 +96,74 @@ def _rope_kernel(
     Q, K, Q_OUT, K_OUT, COS, SIN,
     stride_q_b, stride_q_h, stride_q_t,
     stride_k_b, stride_k_h, stride_k_t,
-    stride_qo_b, stride_qo_h, stride_qo_t,
-    stride_ko_b, stride_ko_h, stride_ko_t,
-    stride_cos_b, stride_cos_t, stride_sin_b, stride_sin_t,
-    T, HQ, HK, HALF,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
+    stride_cos_b, stride_cos_t,
+    T,
+    HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
+    """One program per token. Forward: rotate Q, K in place through their strides. Backward: read the
+    gradients Q, K through their strides and write Q_OUT, K_OUT laid out [B, T, H, D] (contiguous)."""
     token = tl.program_id(0).to(tl.int64)
     b = token // T
-    t = token % T
+    t = token - b * T
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < HALF
 
     cos = COS + b * stride_cos_b + t * stride_cos_t + d
-    sin = SIN + b * stride_sin_b + t * stride_sin_t + d
-    c1 = tl.load(cos, mask=d_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos + HALF, mask=d_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin, mask=d_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin + HALF, mask=d_mask, other=0.0).to(tl.float32)
+    sin = SIN + b * stride_cos_b + t * stride_cos_t + d
+    c1 = tl.load(cos, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
 
-    _rotate_heads(
-        Q + b * stride_q_b + t * stride_q_t, Q_OUT + b * stride_qo_b + t * stride_qo_t,
-        stride_q_h, stride_qo_h, HQ, c1, c2, s1, s2, d, d_mask, HALF, BLOCK_HQ, BACKWARD,
-    )
-    _rotate_heads(
-        K + b * stride_k_b + t * stride_k_t, K_OUT + b * stride_ko_b + t * stride_ko_t,
-        stride_k_h, stride_ko_h, HK, c1, c2, s1, s2, d, d_mask, HALF, BLOCK_HK, BACKWARD,
-    )
+    q = Q + b * stride_q_b + t * stride_q_t
+    k = K + b * stride_k_b + t * stride_k_t
+    if BACKWARD:
+        _rotate_heads(q, Q_OUT + token * (HQ * HEAD_DIM), stride_q_h, HEAD_DIM, c1, c2, s1, s2,
+                      HQ, BLOCK_HQ, HALF, BLOCK_HALF, PASS, BLOCK_PASS, BACKWARD)
+        _rotate_heads(k, K_OUT + token * (HK * HEAD_DIM), stride_k_h, HEAD_DIM, c1, c2, s1, s2,
+                      HK, BLOCK_HK, HALF, BLOCK_HALF, PASS, BLOCK_PASS, BACKWARD)
+    else:
+        _rotate_heads(q, q, stride_q_h, stride_q_h, c1, c2, s1, s2,
+                      HQ, BLOCK_HQ, HALF, BLOCK_HALF, PASS, BLOCK_PASS, BACKWARD)
+        _rotate_heads(k, k, stride_k_h, stride_k_h, c1, c2, s1, s2,
+                      HK, BLOCK_HK, HALF, BLOCK_HALF, PASS, BLOCK_PASS, BACKWARD)
 
 
 def _launch(
     q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, backward: bool,
 ) -> None:
-    batch, heads_q, seq_len, _ = q.shape
+    """One launch over B * T tokens; head counts and dims are compile-time constants (one compile per model)."""
+    batch, heads_q, seq_len, head_dim = q.shape
     heads_k = k.shape[1]
     half = cos.shape[-1] // 2
-    block_hq, block_hk, block_half = (triton.next_power_of_2(n) for n in (heads_q, heads_k, half))
+    pass_dims = head_dim - 2 * half if backward else 0
+    block_hq, block_hk = triton.next_power_of_2(heads_q), triton.next_power_of_2(heads_k)
+    block_half = triton.next_power_of_2(half)
     _rope_kernel[(batch * seq_len,)](
         q, k, q_out, k_out, cos, sin,
-        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        seq_len, heads_q, heads_k, half,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BACKWARD=backward,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1),
+        seq_len,
+        HQ=heads_q, HK=heads_k, HEAD_DIM=head_dim, HALF=half, PASS=pass_dims,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(max(pass_dims, 1)), BACKWARD=backward,
         num_warps=num_warps_for(max(block_hq, block_hk) * block_half),
     )
 
 
-def _projection_layout_like(x: torch.Tensor) -> torch.Tensor:
-    """An empty [B, H, T, D] tensor whose memory is [B, T, H, D], like the q/k/v projections'."""
+def _projection_layout_empty(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped like x [B, H, T, D] whose memory is [B, T, H, D], like the projections' outputs."""
     batch, heads, seq_len, head_dim = x.shape
-    return x.new_empty((batch, seq_len, heads, head_dim)).transpose(1, 2)
+    strides = (seq_len * heads * head_dim, head_dim, heads * head_dim, 1)
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
 
 
 def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q and k in place (one launch)."""
+    """Rotate q [B, Hq, T, D] and k [B, Hk, T, D] in place (one launch); cos/sin as `_check_tables` returns them."""
     if q.shape[0] * q.shape[2] > 0:
         _launch(q, k, q, k, cos, sin, backward=False)
 
@@ -135,14 +171,14 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def rope_backward(
     dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate the incoming gradients by -sin into fresh tensors (one launch)."""
+    """Rotate the incoming gradients by -sin into fresh [B, T, H, D]-laid tensors (one launch, tail included).
+
+    Reads dq, dk once and writes the results once: the bytes of the forward. The incoming
+    gradients are left untouched (see the module docstring for why they are not reused).
+    """
     dq = dq if dq.stride(-1) == 1 else dq.contiguous()
     dk = dk if dk.stride(-1) == 1 else dk.contiguous()
-    dq_in, dk_in = _projection_layout_like(dq), _projection_layout_like(dk)
-    rot = cos.shape[-1]
-    if rot < dq.shape[-1]:
-        dq_in[..., rot:] = dq[..., rot:]
-        dk_in[..., rot:] = dk[..., rot:]
+    dq_in, dk_in = _projection_layout_empty(dq), _projection_layout_empty(dk)
     if dq.shape[0] * dq.shape[2] > 0:
         _launch(dq, dk, dq_in, dk_in, cos, sin, backward=True)
     return dq_in, dk_in
@@ -154,8 +190,7 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         rope_forward(q, k, cos, sin)
-        torch.autograd.graph.increment_version(q)
-        torch.autograd.graph.increment_version(k)
+        torch.autograd.graph.increment_version((q, k))
         ctx.save_for_backward(cos, sin)
         return q, k
 
@@ -166,9 +201,14 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None
 
 
-def _check_and_broadcast(
+def _check_tables(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the shapes; return cos/sin as [B or 1, T, D_rot] with the same strides and a unit-stride last dim.
+
+    A batch of 1 is broadcast by the kernel (batch stride 0), so nothing is expanded or copied in the
+    usual case (HF's [1, T, D] or [B, T, D] contiguous tables).
+    """
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"apply_rope: q and k must be [B, H, T, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     batch, _, seq_len, head_dim = q.shape
@@ -183,9 +223,9 @@ def _check_and_broadcast(
         )
     if rot % 2 or rot > head_dim:
         raise ValueError(f"apply_rope: rotary dim {rot} must be even and <= head dim {head_dim}")
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    return cos.expand(batch, seq_len, rot), sin.expand(batch, seq_len, rot)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
 
 
 def apply_rope(
@@ -195,8 +235,10 @@ def apply_rope(
 
     Use the returned tensors: they are q and k themselves unless a head dim was not unit-stride
     (then rotated contiguous copies), or the reference ran (Triton unavailable, or cos/sin need grad).
+    Raises ValueError when q/k are not 4-D, k differs from q outside the head count, cos/sin are not
+    [B or 1, T, D_rot] (or [T, D_rot]), or D_rot is odd or larger than D.
     """
-    cos, sin = _check_and_broadcast(q, k, cos, sin)
+    cos, sin = _check_tables(q, k, cos, sin)
     if not triton_can_run(q) or cos.requires_grad or sin.requires_grad:
         if not triton_can_run(q):
             warn_fallback("apply_rope", q.device)
