@@ -107,3 +107,83 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Plain-torch silu(gate) * up, as HF's MLP computes it."""
     return torch.nn.functional.silu(gate) * up
+
+
+# Concatenated layout: the gate and up halves of one [rows, 2I] GEMM output (transformers' MoE experts
+# keep ``gate_up_proj`` stacked, so each expert GEMM yields h = [gate | up]).
+
+
+@triton.jit
+def _swiglu_concat_fwd_kernel(H, Y, n_cols, stride_h, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_concat_bwd_kernel(DY, H, DH, n_cols, stride_dy, stride_h, stride_dh, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(DH + row * stride_dh + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(DH.dtype.element_ty), mask=mask)
+    tl.store(DH + row * stride_dh + n_cols + cols, (dy * g * s).to(DH.dtype.element_ty), mask=mask)
+
+
+_CONCAT_BLOCK = 1024
+
+
+def _concat_grid(rows: int, n_cols: int) -> tuple[int, int]:
+    return rows, triton.cdiv(n_cols, _CONCAT_BLOCK)
+
+
+class SwiGLUConcatFunction(torch.autograd.Function):
+    """silu(h[:, :I]) * h[:, I:] on a [rows, 2I] tensor; saves h only, its gradient is one [rows, 2I] tensor."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        rows, n_cols = h.shape[0], h.shape[1] // 2
+        y = h.new_empty(rows, n_cols)
+        if y.numel():
+            _swiglu_concat_fwd_kernel[_concat_grid(rows, n_cols)](
+                h, y, n_cols, h.stride(0), y.stride(0), BLOCK=_CONCAT_BLOCK, num_warps=num_warps_for(_CONCAT_BLOCK)
+            )
+        ctx.save_for_backward(h)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (h,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh = torch.empty_like(h)
+        rows, n_cols = dy.shape
+        if dy.numel():
+            _swiglu_concat_bwd_kernel[_concat_grid(rows, n_cols)](
+                dy, h, dh, n_cols, dy.stride(0), h.stride(0), dh.stride(0),
+                BLOCK=_CONCAT_BLOCK, num_warps=num_warps_for(_CONCAT_BLOCK),
+            )  # fmt: skip
+        return dh
+
+
+def swiglu_concat(h: torch.Tensor) -> torch.Tensor:
+    """Fused silu(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
+
+    The MoE experts' layout (one GEMM against the stacked ``gate_up_proj``): no chunk views, no silu
+    intermediate, and the backward writes the one [rows, 2I] gradient the GEMM's backward takes,
+    instead of two halves that autograd would concatenate. Same math and rounding as `swiglu`.
+
+    Raises:
+        ValueError: h is not 2-D with an even number of columns.
+    """
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"swiglu_concat: expected [rows, 2I], got {tuple(h.shape)}")
+    if not triton_can_run(h):
+        warn_fallback("swiglu_concat", h.device)
+        return swiglu_reference(*h.chunk(2, dim=-1))
+    return SwiGLUConcatFunction.apply(h.contiguous())

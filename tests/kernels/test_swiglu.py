@@ -10,7 +10,7 @@ rounds to nearest even.
 import pytest
 import torch
 
-from lightning_ft.kernels.swiglu import swiglu, swiglu_reference
+from lightning_ft.kernels.swiglu import swiglu, swiglu_concat, swiglu_reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -50,6 +50,24 @@ def test_non_contiguous_inputs(device):
     dy = torch.randn(3, 5, 40, device=device)
     for out, ref in zip(_run(swiglu, gate, up, dy), _run(swiglu_reference, gate, up, dy), strict=True):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(37, 768), (1, 40), (0, 64), (5, 1500)])
+def test_concat_layout_matches_reference(device, dtype, rows, inter):
+    """The MoE experts' layout: h = [gate | up] of one GEMM, one [rows, 2I] gradient back."""
+    torch.manual_seed(0)
+    h = (3 * torch.randn(rows, 2 * inter, device=device)).to(dtype)
+    dy = torch.randn(rows, inter, device=device).to(dtype)
+    grads = []
+    for fn in (swiglu_concat, lambda t: swiglu_reference(*t.chunk(2, dim=-1))):
+        leaf = h.clone().requires_grad_()
+        y = fn(leaf)
+        y.backward(dy)
+        grads.append((y, leaf.grad))
+    for out, ref in zip(*grads, strict=True):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.gpu

@@ -66,7 +66,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lightning_ft.kernels._utils import triton_can_run
 from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
+from lightning_ft.kernels.swiglu import swiglu_concat
 
 __all__ = [
     "BACKENDS",
@@ -641,7 +643,9 @@ def grouped_mm_mode(device: torch.device, dtype: torch.dtype) -> str:
     """
     key = (device.type, device.index, dtype)
     if key not in _GROUPED_MM_MODES:
-        with torch.enable_grad():
+        # The first call may come from inside a checkpointed layer: identity saved-tensor hooks keep
+        # the probe's own saved tensors out of the checkpoint's forward/recompute bookkeeping.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             mode = _probe_grouped_mm(device, dtype)
         _GROUPED_MM_MODES[key] = mode
         level = logging.INFO if mode == "views" else logging.WARNING
@@ -691,7 +695,14 @@ def select_backend(requested: str) -> str:
 _LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
 
 
+# torch's SiLU module and transformers' ``SiLUActivation`` (its ACT2FN["silu"] in v5.2x; nn.SiLU before)
+_SILU_NAMES = {"SiLU", "SiLUActivation"}
+
+
 def _swiglu(h_SF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """act(gate) * up of h = [gate | up]; SiLU (every Qwen3-MoE) takes the fused `swiglu_concat` kernel."""
+    if type(act_fn).__name__ in _SILU_NAMES and triton_can_run(h_SF):
+        return swiglu_concat(h_SF)
     gate_SI, up_SI = h_SF.chunk(2, dim=-1)
     return act_fn(gate_SI) * up_SI
 
@@ -730,8 +741,10 @@ def _linear_grouped_mm(x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_w
     if pad:
         a_ERC = F.pad(a_ERC, (0, 0, 0, pad))
         b_ERN = F.pad(b_ERN, (0, 0, 0, pad))
-    xa_SR = _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E)
-    return y_SN + scaling * _GROUPED_MM(xa_SR, b_ERN.contiguous(), offs=offsets_E)
+    # scaling applied to the thin [S, R] middle, and the LoRA term added into the base output in
+    # place (grouped_mm's backward does not need its output): no extra [S, N] passes.
+    xa_SR = _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E) * scaling
+    return y_SN.add_(_GROUPED_MM(xa_SR, b_ERN.contiguous(), offs=offsets_E))
 
 
 def _experts_grouped_mm(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights):
