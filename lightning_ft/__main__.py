@@ -41,6 +41,7 @@ def _fit_task(cfg) -> Any:
     from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
+    _pin_sweep_dir()
     try:
         summary = fit(cfg)
     except (ValueError, FileNotFoundError, TrainingStopped) as err:
@@ -48,6 +49,22 @@ def _fit_task(cfg) -> Any:
             raise
         raise RunError(f"error: {err}") from err
     return summary.get(cfg.optimized_metric) if cfg.optimized_metric else None
+
+
+def _pin_sweep_dir() -> None:
+    """In a sweep, pass this sweep's folder on to the ranks Lightning starts for a multi-device job.
+
+    Lightning starts ranks 1, 2, ... with this process's command line (``sys.argv``) plus
+    ``hydra.run.dir``; in a sweep each of them runs the same sweep in step with this process, and
+    would otherwise evaluate the default ``hydra.sweep.dir`` (``multirun/${now:...}``) again, seconds
+    later, and write its log and config.json into a second sweep folder.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and not any(a.startswith("hydra.sweep.dir=") for a in sys.argv[1:]):
+        sys.argv.append(f'hydra.sweep.dir="{hydra_cfg.sweep.dir}"')
 
 
 def _raised_by_us(err: BaseException) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +26,7 @@ from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.modules.finetune_module import FinetuneModule
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO
+import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: no tokenizer can be named (neither ``model.tokenizer`` nor ``model.name_or_path``),
-            ``eval.generate`` without validation data, or ``ckpt_path=last`` with no last checkpoint.
+            ``eval.generate`` without validation data or with ``strategy=fsdp2``, or ``ckpt_path=last``
+            with no last checkpoint.
         FileNotFoundError: the tokenizer cannot be loaded from the named path.
     """
     if logging.getLogger().hasHandlers():
@@ -144,6 +147,7 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         use_distributed_sampler=False,  # PackedDataModule shards optimizer steps across ranks itself
         default_root_dir=str(run_dir),
     )
+    _check_strategy(trainer.strategy, cfg.eval.generate)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
@@ -153,6 +157,25 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
             + (f"resume from {last} with ckpt_path=last hydra.run.dir={run_dir}" if last else "no checkpoint was written")
         ) from err
     return summary.summary
+
+
+def _check_strategy(strategy: Strategy, generate: bool) -> None:
+    """Refuse what the sharded strategies cannot run, before any process starts.
+
+    Raises:
+        ValueError: Lightning's FSDP1 strategy (``trainer.strategy=fsdp``), or ``eval.generate`` with FSDP2.
+    """
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            f"trainer.strategy={type(strategy).__name__}: FSDP1 is not supported; lightning_ft shards with FSDP2, "
+            "one unit per decoder layer: use strategy=fsdp2"
+        )
+    if generate and isinstance(strategy, ModelParallelStrategy):
+        raise ValueError(
+            "eval.generate=true does not work with strategy=fsdp2: every forward pass all-gathers weights, so the ranks "
+            "must run in lockstep, and greedy generations stop at different lengths; use strategy=ddp, or generate from "
+            "the exported adapter after training"
+        )
 
 
 def _check_trainer_arguments(kwargs: dict[str, Any]) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from lightning_ft.strategies.fsdp2 import full_tensor
+
 TESTS_DIR = Path(__file__).resolve().parent
 
 #: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens
@@ -39,6 +41,18 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def assert_first_step_grads_close(got: dict, expected: dict) -> None:
+    """Gradients of a first optimizer step (`DumpGradients`) agree to fp32 rounding of another summation order."""
+    assert got.keys() == expected.keys() and expected
+    for name, g in expected.items():
+        scale = g.abs().max().item()
+        if "lora_A" in name:  # lora_B is still zero at the first step, so lora_A's gradient is exactly zero
+            assert scale == 0 and got[name].abs().max() == 0, name
+            continue
+        assert scale > 0, name
+        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6 * scale, msg=name)
+
+
 class CrashAtStep(L.Callback):
     """Ends the process abruptly (``os._exit``: no cleanup, like a kill) once ``step`` optimizer steps are done.
 
@@ -57,7 +71,8 @@ class CrashAtStep(L.Callback):
 
 
 class DumpGradients(L.Callback):
-    """Saves the gradients of the first optimizer step to ``<path>/rank<r>.pt`` (after DDP's all-reduce, before clipping)."""
+    """Saves the gradients of the first optimizer step to ``<path>/rank<r>.pt`` (after DDP's all-reduce or
+    FSDP2's reduce-scatter, gathered whole; before clipping)."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -65,7 +80,7 @@ class DumpGradients(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == 0:
             self.path.mkdir(parents=True, exist_ok=True)
-            grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+            grads = {n: full_tensor(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
             torch.save(grads, self.path / f"rank{trainer.global_rank}.pt")
 
 
@@ -114,3 +129,26 @@ class SignalAtStep(L.Callback):
             import signal
 
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class DumpTrainedModel(L.Callback):
+    """At the end of training: the loss of a fixed packed batch as the running strategy computes it (every rank
+    takes part) and the whole trained model's weights, gathered, saved by rank 0 to ``path``."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from lightning_ft.data.packing import collate_packed
+
+        g = torch.Generator().manual_seed(0)
+        docs = [(ids, ids) for ids in (torch.randint(3, 200, (n,), generator=g).tolist() for n in (23, 9, 40))]
+        pl_module.eval()  # no LoRA dropout
+        with torch.no_grad():
+            loss_sum = pl_module.loss_sum(collate_packed(docs).to(pl_module.device)).cpu()
+        pl_module.train()
+        weights = get_model_state_dict(pl_module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            torch.save({"docs": docs, "loss_sum": loss_sum, "weights": weights}, self.path)

@@ -22,9 +22,11 @@ import re
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ft.errors import TrainingStopped
+from lightning_ft.strategies.fsdp2 import local_tensor
 
 # PEFT names: <module>.lora_A.<adapter>.weight, <module>.lora_embedding_B.<adapter>
 _LORA_NAME = re.compile(r"^(?P<module>.+)\.lora_(?:embedding_)?(?P<half>[AB])\.[^.]+(?:\.weight)?$")
@@ -66,7 +68,10 @@ class GradientCheck(L.Callback):
         lora = [(n, g) for n, g in with_grad if _LORA_NAME.match(_strip(n))]
         self._seen.update(n for n, _ in with_grad if not _LORA_NAME.match(_strip(n)))
         if lora:
-            norms = torch.stack(torch._foreach_norm([g for _, g in lora])).tolist()  # one host sync
+            norms = torch.stack(torch._foreach_norm([local_tensor(g) for _, g in lora]))
+            if any(isinstance(g, DTensor) for _, g in lora):  # FSDP2: a gradient is zero only if every shard is
+                norms = trainer.strategy.reduce(norms.square(), reduce_op="sum")
+            norms = norms.tolist()  # one host sync
             # a NaN norm counts as "got a gradient": non-finite steps are train.on_nonfinite's business
             self._seen.update(n for (n, _), norm in zip(lora, norms) if norm != 0)
         if self._counted == self.steps:

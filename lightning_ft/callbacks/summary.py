@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_ft.callbacks.throughput import TokenThroughput
+from lightning_ft.strategies.fsdp2 import gather_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class RunSummary(L.Callback):
 
     - ``adapter/``: the PEFT adapter (``save_pretrained``; loads with ``PeftModel.from_pretrained``)
       or, for full fine-tuning, the whole model; plus the tokenizer. Not written when training
-      stopped on an error.
+      stopped on an error. Under FSDP2 the weights are first gathered to rank 0, which writes them.
     - ``summary.json``: ``status`` (``completed`` or ``stopped``, then with ``error``),
       ``initial_loss``, ``final_loss`` (first and last optimizer step that was not skipped),
       ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
@@ -84,7 +85,9 @@ class RunSummary(L.Callback):
         # on_train_end then finds it saved) and the summary can name it.
         for callback in trainer.checkpoint_callbacks:
             callback.on_train_end(trainer, pl_module)
-        self._write(trainer, pl_module)
+        # FSDP2: every rank takes part in gathering the adapter (or, without LoRA, every weight) to rank 0
+        gathered = gather_state_dict(pl_module.model, trainable_only=hasattr(pl_module.model, "peft_config"))
+        self._write(trainer, pl_module, state_dict=gathered)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -92,12 +95,19 @@ class RunSummary(L.Callback):
             self._write(trainer, pl_module, exception)
 
     @rank_zero_only
-    def _write(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException | None = None) -> None:
+    def _write(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        error: BaseException | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         adapter_dir = self.run_dir / "adapter"
         datamodule = trainer.datamodule
         if error is None:
-            pl_module.model.save_pretrained(adapter_dir)
+            # state_dict: the full weights gathered from FSDP2 shards (None: the model's own)
+            pl_module.model.save_pretrained(adapter_dir, **({} if state_dict is None else {"state_dict": state_dict}))
             if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
                 datamodule.tokenizer.save_pretrained(adapter_dir)
         throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,8 @@ class SweepSummary(Callback):
 
     @staticmethod
     def _write(sweep_dir: Path) -> None:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return  # a rank Lightning started for a multi-device job runs the sweep in step; the first process writes
         rows = sweep_rows(sweep_dir)
         (sweep_dir / "sweep_summary.md").write_text(markdown_table(rows))
         with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:

@@ -398,7 +398,14 @@ class PackedDataModule(L.LightningDataModule):
         return self._train_loader
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val_rows, 1, shuffle=False)
+        # Every rank runs the same number of validation batches: FSDP2 all-gathers weights in every
+        # forward, so the ranks must run in lockstep. The last ranks get a copy of a row with every
+        # label ignored, which adds nothing to the loss sum or the target-token count.
+        world_size = self.trainer.world_size if self.trainer is not None else 1
+        rows = self._val_rows
+        if rows and len(rows) % world_size:
+            rows = rows + [[(ids, [IGNORE_INDEX] * len(ids)) for ids, _ in rows[0]]] * (-len(rows) % world_size)
+        return self._loader(rows, 1, shuffle=False)
 
     @override
     def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:

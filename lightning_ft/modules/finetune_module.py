@@ -6,9 +6,9 @@ in the whole step (``PackedBatch.step_target_tokens``, counted on the host by th
 
     loss_step = Σ_ranks Σ_micro Σ_tokens ce(token) / N
 
-Lightning divides each micro-batch's returned loss by ``k`` before backward and DDP averages
-gradients over ``W`` ranks, so each micro-batch returns ``loss_sum · k · W / N``. This equals one
-big batch holding every micro-batch of the step (not the mean of per-micro-batch means).
+Lightning divides each micro-batch's returned loss by ``k`` before backward and DDP (or FSDP2)
+averages gradients over ``W`` ranks, so each micro-batch returns ``loss_sum · k · W / N``. This
+equals one big batch holding every micro-batch of the step (not the mean of per-micro-batch means).
 
 Before every optimizer step (``on_before_optimizer_step``) the step's loss and a non-finite flag
 (loss or any gradient NaN/Inf) are summed over ranks and read on the host: the one device sync of
@@ -33,7 +33,9 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torchmetrics import SumMetric
 from typing_extensions import override
 
@@ -44,6 +46,7 @@ from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.modules.moe import apply_moe
 from lightning_ft.modules.patching import apply_kernels
+from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,21 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
+    """Stop PEFT casting each LoRA layer's input to the adapter dtype (fp32) under mixed precision.
+
+    Autocast casts both operands of every adapter matmul to the autocast dtype anyway, so the cast
+    to fp32 and back costs a copy of the layer input each way per LoRA layer and pass (forward,
+    recompute, and the cast's backward) for the same result (with LoRA dropout, the dropout mask
+    is applied in the input's dtype instead of fp32). Tested to give bit-identical loss and
+    gradients under bf16 autocast.
+    Source: PEFT 0.21 ``LoraLayer.cast_input_dtype_enabled`` (``peft.helpers.disable_input_dtype_casting``).
+    """
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+
+
 class FinetuneModule(L.LightningModule):
     """Fine-tunes a transformers causal LM on `PackedBatch` micro-batches.
 
@@ -168,7 +186,9 @@ class FinetuneModule(L.LightningModule):
     backend of ``model.attention`` registered (`lightning_ft.modules.attention`; ``auto`` is resolved
     and logged), optional gradient checkpointing, then LoRA through PEFT (or every weight
     trainable with ``lora.enabled=false``), then the fused kernels switched on in ``kernels``
-    (`lightning_ft.modules.patching`). Checkpoints hold only the trainable weights.
+    (`lightning_ft.modules.patching`); under ``strategy=fsdp2`` the finished model is then sharded
+    and `loss_sum` becomes the root unit's forward (`lightning_ft.strategies.fsdp2`). Checkpoints
+    hold only the trainable weights.
 
     Args:
         model: the ``model`` config group (see `lightning_ft.config.ModelConfig`).
@@ -242,6 +262,8 @@ class FinetuneModule(L.LightningModule):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_cfg.get("enabled", True):
             model = add_lora(model, self.lora_cfg)
+            if self._trainer is not None and "mixed" in str(self.trainer.precision):
+                _skip_adapter_input_casts(model)
         if self.moe_cfg.get("backend", "hf") != "hf":
             backend = apply_moe(model, backend=self.moe_cfg["backend"], train_router=self.moe_cfg.get("train_router", False))
             rank_zero_info(f"moe: {backend} experts backend")
@@ -251,6 +273,9 @@ class FinetuneModule(L.LightningModule):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         rank_zero_info(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable")
+        if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
+            # last: fully_shard sees the finished model (patched forwards, checkpointed layers)
+            shard_model(self, model, self.trainer.strategy.device_mesh, self.trainer.precision)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -296,7 +321,8 @@ class FinetuneModule(L.LightningModule):
         nonfinite = ~torch.isfinite(self._step_loss_sum)
         # fp16 mixed precision: a GradScaler already skips steps whose gradients overflowed
         if getattr(self.trainer.precision_plugin, "scaler", None) is None:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            # under FSDP2 each rank checks its own shards; the flag is summed over ranks below
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
             if grads:
                 nonfinite = nonfinite | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float()).all()
         totals = torch.stack([self._step_loss_sum.float(), nonfinite.float()])
@@ -322,7 +348,8 @@ class FinetuneModule(L.LightningModule):
         self.step_losses.append(loss)
 
     def _nonfinite_message(self, step: int) -> str:
-        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        # every rank gets here together (the flag was summed over ranks): gathering FSDP2 shards is safe
+        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(full_tensor(p.grad)).all()]
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         ckpt = self.trainer.checkpoint_callback
         last = (ckpt.last_model_path or ckpt.best_model_path) if ckpt is not None else ""

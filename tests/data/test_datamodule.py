@@ -4,6 +4,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_ft.data.datamodule import PackedDataModule, StepDataLoader
 from lightning_ft.data.tokenization import load_tokenizer
@@ -93,3 +94,18 @@ def test_validation_file_and_generation_examples(tokenizer, tmp_path):
         assert tokenizer.decode(reference).startswith("#### ") and tokenizer.decode(reference).endswith("<|im_end|>\n")
     with pytest.raises(ValueError, match="set one of them"):
         PackedDataModule(tokenizer, val_path=str(val), val_fraction=0.1)
+
+
+def test_every_rank_runs_the_same_number_of_validation_batches_and_the_padding_counts_nothing(tokenizer):
+    """FSDP2 all-gathers weights in every forward: a rank with one batch fewer would leave the others waiting."""
+    dm = _datamodule(tokenizer, val_fraction=0.2)
+    assert len(dm._val_rows) == 3
+    per_rank = []
+    for rank in (0, 1):
+        dm.trainer = SimpleNamespace(world_size=2, global_rank=rank, training=False)
+        per_rank.append(list(dm.val_dataloader()))
+    assert [len(batches) for batches in per_rank] == [2, 2]
+    padding = per_rank[1][-1]
+    assert padding.num_target_tokens == 0 and torch.equal(padding.input_ids, per_rank[0][0].input_ids)
+    dm.trainer = SimpleNamespace(world_size=1, global_rank=0, training=False)
+    assert sum(b.num_target_tokens for batches in per_rank for b in batches) == sum(b.num_target_tokens for b in dm.val_dataloader())

@@ -130,3 +130,33 @@ def test_a_step_without_target_tokens_is_skipped_and_counted():
     assert module.step_losses[0] is None and math.isfinite(module.step_losses[1])
     optimizer = trainer.optimizers[0]
     assert {int(optimizer.state[p]["step"]) for p in module.model.parameters() if p.requires_grad} == {1}
+
+
+def test_mixed_precision_skips_peft_input_casts_with_the_same_result():
+    """Under bf16 autocast PEFT's cast of each LoRA input to fp32 changes nothing but costs copies."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from lightning_ft.modules.finetune_module import _skip_adapter_input_casts
+
+    torch.manual_seed(0)
+    module = FinetuneModule(model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA)  # bf16 base, fp32 adapters
+    module.configure_model()
+    for name, p in module.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    assert {p.dtype for p in module.model.parameters() if p.requires_grad} == {torch.float32}
+    batch = collate_packed(_docs([9, 5], seed=0))
+    losses = []
+    for skip in (False, True):
+        if skip:
+            _skip_adapter_input_casts(module.model)
+        module.model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = module.loss_sum(batch)
+        loss.backward()
+        losses.append((loss.detach(), _grads(module)))
+    layers = [m for m in module.model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
+    assert torch.equal(losses[0][0], losses[1][0])
+    for name, grad in losses[0][1].items():
+        assert torch.equal(grad, losses[1][1][name]), name
