@@ -14,10 +14,10 @@ python -c "import torch, transformers, peft, lightning; print('torch', torch.__v
 /usr/bin/time -v python -m lightning_ft fit +experiment="$experiment" hydra.run.dir="$run" \
   callbacks.progress_bar=null callbacks.checkpoint.every_n_train_steps=100000 "$@" 2>&1 | tail -40
 mkdir -p "$out"
-python - "$run/summary.json" > "$out/$experiment.summary.json" <<'PY'
+python - "$run/summary.json" "$@" > "$out/$experiment.summary.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(json.dumps({k: v for k, v in s.items() if k != "config"} | {"model_config": s["config"]["model"], "overrides": sys.argv[1:]}, indent=2))
+print(json.dumps({k: v for k, v in s.items() if k != "config"} | {"model_config": s["config"]["model"], "overrides": sys.argv[2:]}, indent=2))
 PY
 cp "$run/loss_curve.png" "$out/$experiment.loss_curve.png"
 cat "$out/$experiment.summary.json"

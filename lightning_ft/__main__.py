@@ -78,7 +78,12 @@ def _raised_by_us(err: BaseException) -> bool:
 def _bench_task(cfg) -> None:
     from lightning_ft.bench.runner import run_bench
 
-    run_bench(cfg)
+    try:
+        run_bench(cfg)
+    except ValueError as err:
+        if not _raised_by_us(err):
+            raise
+        raise RunError(f"error: {err}") from err
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
@@ -139,14 +139,22 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         trainer_kwargs["check_val_every_n_epoch"] = None
     if cfg.ckpt_path == "last":
         _check_last_checkpoint(callbacks)
-    trainer = L.Trainer(
-        **trainer_kwargs,
-        callbacks=callbacks,
-        logger=instantiate(cfg.logger) if cfg.logger else False,
-        plugins=[AtomicCheckpointIO()],
-        use_distributed_sampler=False,  # PackedDataModule shards optimizer steps across ranks itself
-        default_root_dir=str(run_dir),
-    )
+    if cfg.ckpt_path:
+        _keep_previous_metrics(run_dir)
+    if str(trainer_kwargs.get("strategy", "")).lower() == "fsdp":
+        raise ValueError("trainer.strategy=fsdp: FSDP1 is not supported; lightning_ft shards with FSDP2: use strategy=fsdp2")
+    try:
+        trainer = L.Trainer(
+            **trainer_kwargs,
+            callbacks=callbacks,
+            logger=instantiate(cfg.logger) if cfg.logger else False,
+            plugins=[AtomicCheckpointIO()],
+            use_distributed_sampler=False,  # PackedDataModule shards optimizer steps across ranks itself
+            default_root_dir=str(run_dir),
+        )
+    except (MisconfigurationException, ValueError, TypeError) as err:
+        settings = ", ".join(f"trainer.{k}={v}" for k, v in OmegaConf.to_container(cfg.trainer).items())
+        raise ValueError(f"Lightning refused the trainer settings ({settings}): {err}") from err
     _check_strategy(trainer.strategy, cfg.eval.generate)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
@@ -157,6 +165,20 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
             + (f"resume from {last} with ckpt_path=last hydra.run.dir={run_dir}" if last else "no checkpoint was written")
         ) from err
     return summary.summary
+
+
+def _keep_previous_metrics(run_dir: Path) -> None:
+    """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
+    starts a fresh file in the same folder and would drop the interrupted run's rows.
+    Only the first process does it (the other ranks never write logs)."""
+    metrics = run_dir / "logs" / "metrics.csv"
+    if os.environ.get("LOCAL_RANK", "0") != "0" or not metrics.exists():
+        return
+    n = 1
+    while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():
+        n += 1
+    metrics.rename(kept)
+    log.info("resume: the earlier metrics are kept in %s; this run's go to %s", kept, metrics)
 
 
 def _check_strategy(strategy: Strategy, generate: bool) -> None:

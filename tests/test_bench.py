@@ -118,3 +118,13 @@ def test_import_unsloth_refuses_to_come_after_transformers():
 
     with pytest.raises(RuntimeError, match="unsloth must be imported before transformers"):
         import_unsloth()
+
+
+def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
+    cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", "systems=[hf_peft,unslot]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "systems: unknown ['unslot']" in proc.stderr and "Traceback" not in proc.stderr
+    if not __import__("torch").cuda.is_available():  # the GPU presets on a machine without one
+        cmd = [sys.executable, "-m", "lightning_ft", "bench", f"hydra.run.dir={tmp_path / 'gpu'}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr

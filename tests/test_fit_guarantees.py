@@ -200,6 +200,9 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
     run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")  # a longer run of the same config is fine
     assert summary(tmp_path)["steps"] == 5
+    # the first run's metrics survive the resume beside the new file
+    assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1
+    assert (tmp_path / "logs" / "metrics.csv").exists()
 
 
 @pytest.mark.slow
@@ -217,6 +220,9 @@ def test_missing_required_values_and_trainer_typos_are_named(tmp_path):
     proc = run_cli(tmp_path / "b", "+trainer.max_step=3", ok=False)
     assert "trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
     assert not (tmp_path / "b" / "summary.json").exists()
+    proc = run_cli(tmp_path / "c", "trainer.devices=0", ok=False)  # a value Lightning rejects: one line, the key named
+    assert "Lightning refused the trainer settings" in proc.stderr and "trainer.devices=0" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

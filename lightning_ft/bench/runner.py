@@ -59,9 +59,15 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     """
     from lightning_ft.bench.flops import measured_peak_flops
 
+    import torch
+
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
-        raise ValueError(f"bench.systems: unknown {unknown}; known: {list(SYSTEMS)}")
+        raise ValueError(f"systems: unknown {unknown}; known: {list(SYSTEMS)}")
+    if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={cfg.device}, but this machine has no CUDA GPU: run a CPU preset (+bench=tiny_cpu) or set device=cpu"
+        )
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
@@ -94,6 +100,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
             log.info("bench row: %s", row)
             rows.append(row)
             _write(out_dir, env, _with_ratios(rows), cfg)
+    log.info("bench: results in %s (results.md, results.json, results.png)", out_dir)
     return _with_ratios(rows)
 
 

@@ -293,7 +293,7 @@ class StepTimer:
         tables = [events.table(sort_by=key, row_limit=60)
                   for key in (["self_device_time_total"] if device_events else []) + ["self_cpu_time_total"]]
         with open(self.profile_path, "w") as f:
-            f.write(f"{steps} profiled steps; {self.summary}\n" + "\n".join(tables) + "\n")
+            f.write(f"{steps} profiled steps; {self.summary or 'no device kernels (a CPU run)'}\n" + "\n".join(tables) + "\n")
         self._profiler = None
 
 
