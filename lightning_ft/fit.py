@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -141,8 +141,7 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         _check_last_checkpoint(callbacks)
     if cfg.ckpt_path:
         _keep_previous_metrics(run_dir)
-    if str(trainer_kwargs.get("strategy", "")).lower() == "fsdp":
-        raise ValueError("trainer.strategy=fsdp: FSDP1 is not supported; lightning_ft shards with FSDP2: use strategy=fsdp2")
+    _check_strategy(trainer_kwargs.get("strategy"), cfg.eval.generate)
     try:
         trainer = L.Trainer(
             **trainer_kwargs,
@@ -155,7 +154,6 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
     except (MisconfigurationException, ValueError, TypeError) as err:
         settings = ", ".join(f"trainer.{k}={v}" for k, v in OmegaConf.to_container(cfg.trainer).items())
         raise ValueError(f"Lightning refused the trainer settings ({settings}): {err}") from err
-    _check_strategy(trainer.strategy, cfg.eval.generate)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
@@ -181,18 +179,28 @@ def _keep_previous_metrics(run_dir: Path) -> None:
     log.info("resume: the earlier metrics are kept in %s; this run's go to %s", kept, metrics)
 
 
-def _check_strategy(strategy: Strategy, generate: bool) -> None:
-    """Refuse what the sharded strategies cannot run, before any process starts.
+def _check_strategy(strategy: Any, generate: bool) -> None:
+    """Refuse what the sharded strategies cannot run, before the Trainer is built.
+
+    Args:
+        strategy: ``trainer.strategy`` as configured (a Lightning registry name, or None/"auto"),
+            resolved to its class through Lightning's `StrategyRegistry`; or a `Strategy` object.
 
     Raises:
         ValueError: Lightning's FSDP1 strategy (``trainer.strategy=fsdp``), or ``eval.generate`` with FSDP2.
     """
-    if isinstance(strategy, FSDPStrategy):
+    if isinstance(strategy, Strategy):
+        strategy_class, name = type(strategy), type(strategy).__name__
+    elif isinstance(strategy, str) and strategy in StrategyRegistry:
+        strategy_class, name = StrategyRegistry[strategy]["strategy"], strategy
+    else:
+        return
+    if issubclass(strategy_class, FSDPStrategy):
         raise ValueError(
-            f"trainer.strategy={type(strategy).__name__}: FSDP1 is not supported; lightning_ft shards with FSDP2, "
+            f"trainer.strategy={name}: FSDP1 is not supported; lightning_ft shards with FSDP2, "
             "one unit per decoder layer: use strategy=fsdp2"
         )
-    if generate and isinstance(strategy, ModelParallelStrategy):
+    if generate and issubclass(strategy_class, ModelParallelStrategy):
         raise ValueError(
             "eval.generate=true does not work with strategy=fsdp2: every forward pass all-gathers weights, so the ranks "
             "must run in lockstep, and greedy generations stop at different lengths; use strategy=ddp, or generate from "

@@ -270,7 +270,7 @@ def varlen_attention(
     if batch.num_docs == 1 and sliding_window is None:
         # One document: plain causal attention, which SDPA runs with cuDNN's fused kernel on Hopper
         # (FlashAttention-3 class) where varlen has flash-attention 2 only; a host-side check, no sync.
-        q, k, v = _autocast_inputs(query, key, value)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q_THD, k_THD, v_THD))  # [1, H, T, D] views of the cast inputs
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != Hq)
         return out.transpose(1, 2)
     check_varlen_size(T, batch.num_docs, Hq, D)
