@@ -26,6 +26,7 @@ from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.modules.finetune_module import FinetuneModule
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO
+import lightning_ft.strategies.ddp  # noqa: F401  registers trainer.strategy=lightning_ft_ddp with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,8 @@ class RunSummary(L.Callback):
       ``initial_loss``, ``final_loss`` (first and last optimizer step that was not skipped),
       ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
       (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
-      ``peak_memory_bytes``, ``adapter_dir``, ``checkpoint_path``, ``val_loss``, ``val_perplexity``,
+      ``peak_memory_bytes`` (on CUDA also split into ``peak_memory_setup_bytes``, building and
+      sharding the model, and ``peak_memory_train_bytes``), ``adapter_dir``, ``checkpoint_path``, ``val_loss``, ``val_perplexity``,
       ``val_exact_match`` (with ``eval.generate``), the data statistics (``data``: examples,
       truncated, dropped, packing efficiency, ...), and the resolved ``config``.
     - ``loss_curve.png``.
@@ -77,6 +78,13 @@ class RunSummary(L.Callback):
         self.run_dir = Path(run_dir)
         self.config = config or {}
         self.summary: dict[str, Any] = {}
+        self._setup_peak: int | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":  # the peak of building (and sharding) the model, apart from training's
+            self._setup_peak = torch.cuda.max_memory_allocated(pl_module.device)
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -114,6 +122,8 @@ class RunSummary(L.Callback):
         losses = pl_module.step_losses
         trained = [x for x in losses if x is not None]
         peak, peak_kind = peak_memory_bytes(pl_module.device)
+        train_peak = peak if self._setup_peak is not None else None
+        peak = max(peak, self._setup_peak or 0)
         ckpt = trainer.checkpoint_callback
         metrics = trainer.callback_metrics
         self.summary = {
@@ -127,6 +137,8 @@ class RunSummary(L.Callback):
             "train_tokens": throughput.train_tokens if throughput else None,
             "tokens_per_s": throughput.tokens_per_s if throughput else None,
             "peak_memory_bytes": peak,
+            "peak_memory_setup_bytes": self._setup_peak,
+            "peak_memory_train_bytes": train_peak,
             "peak_memory_kind": peak_kind,
             "adapter_dir": str(adapter_dir) if error is None else None,
             "checkpoint_path": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt else None,

@@ -246,6 +246,7 @@ def shard_model(root: torch.nn.Module, model: torch.nn.Module, mesh: DeviceMesh,
     units = [(f"decoder layer {i}", list(layer.named_parameters())) for i, layer in enumerate(layers)]
     units.append(("the root unit", [(n, p) for n, p in root.named_parameters() if id(p) not in in_layers]))
     _check_trainable_dtypes(units)
+    del units  # holds every whole weight: each layer's must be freed as soon as that layer is sharded
     if dp_mesh.size() > 1:
         group = dp_mesh.get_group()
         src = dist.get_global_rank(group, 0)

@@ -89,6 +89,32 @@ def test_sharded_loss_and_gradients_equal_the_unsharded_ones(one_process_group, 
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_unsharded_weights_are_freed_as_each_layer_is_sharded(one_process_group, monkeypatch):
+    """Nothing holds a whole weight once its unit is sharded: the peak while sharding is one model plus one unit's
+    shards, not two models (a 31B MoE built whole on each GPU, then sharded, would otherwise need 1.5x its size)."""
+    import gc
+    import weakref
+
+    import torch.distributed.fsdp as fsdp
+
+    module = _module(moe={"backend": "native_torch"})
+    whole = {id(p): (name, weakref.ref(p)) for name, p in module.named_parameters()}
+    sharded_units, still_alive = [], []
+    real_fully_shard = fsdp.fully_shard
+
+    def fully_shard(unit, **kwargs):
+        params = [id(p) for p in unit.parameters() if id(p) in whole]
+        sharded_units.append(type(unit).__name__)
+        real_fully_shard(unit, **kwargs)
+        gc.collect()
+        still_alive.extend(whole[i][0] for i in params if whole[i][1]() is not None)
+
+    monkeypatch.setattr(fsdp, "fully_shard", fully_shard)
+    shard_model(module, module.model, one_process_group, "32-true")
+    assert sharded_units == ["Qwen3MoeDecoderLayer"] * 2 + ["FinetuneModule"]
+    assert not still_alive, still_alive
+
+
 def test_a_unit_whose_trainable_weights_mix_dtypes_is_refused_before_sharding(one_process_group):
     module = FinetuneModule(model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA, moe={"backend": "native_torch", "train_router": True})
     module.configure_model()  # bf16 router trained beside PEFT's fp32 LoRA weights in the same decoder layer
