@@ -26,7 +26,7 @@ from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.modules.finetune_module import FinetuneModule
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO
-import lightning_ft.strategies.ddp  # noqa: F401  registers trainer.strategy=lightning_ft_ddp with Lightning
+from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("model.name_or_path is required with model.init=pretrained: a local checkpoint folder or a hub name")
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     _check_trainer_arguments(trainer_kwargs)
+    if trainer_kwargs.get("strategy", "auto") == "auto" and _processes(trainer_kwargs) > 1:
+        trainer_kwargs["strategy"] = DDP_STRATEGY  # what Lightning's auto picks (DDP), built on the training stream
+        log.info("trainer.strategy=auto with several devices: %s (strategy=ddp)", DDP_STRATEGY)
     # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
     written = OmegaConf.to_container(cfg, resolve=False)
     if cfg.ckpt_path:
@@ -178,6 +181,17 @@ def _keep_previous_metrics(run_dir: Path) -> None:
         n += 1
     metrics.rename(kept)
     log.info("resume: the earlier metrics are kept in %s; this run's go to %s", kept, metrics)
+
+
+def _processes(trainer_kwargs: dict[str, Any]) -> int:
+    """How many processes ``trainer.devices`` × ``trainer.num_nodes`` asks for; 0 when Lightning decides
+    (``devices=auto`` or ``-1``)."""
+    devices = trainer_kwargs.get("devices", "auto")
+    if isinstance(devices, str):
+        devices = devices.strip()
+        devices = devices.split(",") if "," in devices else int(devices) if devices.lstrip("-").isdigit() else 0
+    count = len([d for d in devices if str(d).strip()]) if isinstance(devices, (list, tuple)) else max(int(devices), 0)
+    return count * int(trainer_kwargs.get("num_nodes", 1))
 
 
 def _check_strategy(strategy: Any, generate: bool) -> None:

@@ -18,7 +18,7 @@ from cli_helpers import FAST, assert_first_step_grads_close, run_cli, summary
 def test_ddp_on_two_cpu_processes_gives_the_gradients_of_one_process(tmp_path):
     """2 ranks × 1 micro-batch vs 1 rank × 2 micro-batches: the same rows, the same normalised step loss."""
     common = (*FAST, "trainer.max_steps=1", "+callbacks.dump._target_=cli_helpers.DumpGradients")
-    ddp = run_cli(tmp_path / "ddp", *common, "trainer.devices=2", "strategy=ddp", f"+callbacks.dump.path={tmp_path / 'g2'}")
+    ddp = run_cli(tmp_path / "ddp", *common, "trainer.devices=2", f"+callbacks.dump.path={tmp_path / 'g2'}")
     run_cli(tmp_path / "one", *common, "trainer.accumulate_grad_batches=2", f"+callbacks.dump.path={tmp_path / 'g1'}")
 
     rank0, rank1 = (torch.load(tmp_path / "g2" / f"rank{r}.pt") for r in (0, 1))
@@ -27,8 +27,16 @@ def test_ddp_on_two_cpu_processes_gives_the_gradients_of_one_process(tmp_path):
     # rank 0 alone writes the summary and the adapter
     assert (ddp.stdout + ddp.stderr).count("summary: ") == 1
     assert summary(tmp_path / "ddp")["world_size"] == 2
-    assert summary(tmp_path / "ddp")["config"]["trainer"]["strategy"] == "lightning_ft_ddp"  # ours, not Lightning's
+    # trainer.strategy=auto with 2 devices: our DDP (strategy=ddp), not Lightning's
+    assert "trainer.strategy=auto with several devices: lightning_ft_ddp" in ddp.stdout + ddp.stderr
     assert (tmp_path / "ddp" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_processes_counts_devices_times_nodes_and_leaves_auto_to_lightning():
+    from lightning_ft.fit import _processes
+
+    assert [_processes({"devices": d}) for d in (1, 2, "2", "0,1", [0, 1, 2], [3], "auto", -1, "-1")] == [1, 2, 2, 2, 3, 1, 0, 0, 0]
+    assert _processes({"devices": 2, "num_nodes": 2}) == 4
 
 
 @pytest.mark.slow
