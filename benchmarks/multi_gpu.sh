@@ -10,10 +10,11 @@
 # run, tokens/s over all ranks and per GPU, rank 0's peak memory (in training and while building and
 # sharding the model) and the per-step losses. NVLink multicast stays off (the lending machines' rule).
 set -euo pipefail
-out=${1:?usage: multi_gpu.sh OUT_DIR EXPERIMENT STRATEGY [STEPS] [overrides...]}
-experiment=${2:?experiment}
-strategy=${3:?strategy: ddp or fsdp2}
-steps=${4:-8}
+usage="usage: multi_gpu.sh OUT_DIR EXPERIMENT STRATEGY [STEPS] [overrides...]  (EXPERIMENT: a configs/experiment name, STRATEGY: ddp or fsdp2, STEPS: optimizer steps, at least 2; default 8)"
+(( $# >= 3 )) || { echo "$usage" >&2; exit 2; }
+out=$1 experiment=$2 strategy=$3 steps=${4:-8}
+[[ $strategy == ddp || $strategy == fsdp2 ]] || { echo "multi_gpu.sh: STRATEGY=$strategy: expected ddp or fsdp2" >&2; exit 2; }
+[[ $steps =~ ^[0-9]+$ ]] && (( steps >= 2 )) || { echo "multi_gpu.sh: STEPS=$steps: expected an integer of at least 2 (the first step is not timed)" >&2; exit 2; }
 shift $(( $# < 4 ? $# : 4 ))
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")

@@ -9,6 +9,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -156,8 +157,11 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
             default_root_dir=str(run_dir),
         )
     except (MisconfigurationException, ValueError, TypeError) as err:
-        settings = ", ".join(f"trainer.{k}={v}" for k, v in OmegaConf.to_container(cfg.trainer).items())
-        raise ValueError(f"Lightning refused the trainer settings ({settings}): {err}") from err
+        settings = OmegaConf.to_container(cfg.trainer)
+        named = [k for k in settings if re.search(rf"\b{k}\b", str(err))] or list(settings)  # the keys it names
+        hint = "; several devices: strategy=ddp or strategy=fsdp2" if "strategy" in named else ""
+        shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named)
+        raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success

@@ -230,8 +230,10 @@ def test_missing_required_values_and_trainer_typos_are_named(tmp_path):
     assert "trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
     assert not (tmp_path / "b" / "summary.json").exists()
     proc = run_cli(tmp_path / "c", "trainer.devices=0", ok=False)  # a value Lightning rejects: one line, the key named
-    assert "Lightning refused the trainer settings" in proc.stderr and "trainer.devices=0" in proc.stderr
+    assert "trainer.devices=0: Lightning refused it" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = run_cli(tmp_path / "d", "trainer.strategy=ddpp", ok=False)
+    assert "trainer.strategy=ddpp: Lightning refused it" in proc.stderr and "strategy=ddp or strategy=fsdp2" in proc.stderr
 
 
 @pytest.mark.slow

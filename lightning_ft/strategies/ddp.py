@@ -10,10 +10,8 @@ tokens per GPU and step: backward took 347 ms per step under Lightning's DDP aga
 GPU (Lightning's SimpleProfiler); built on the current stream, the 2-GPU run keeps 94% of one
 GPU's tokens/s per GPU instead of 82%, with the same losses (benchmarks/RESULTS.md, "Session 3").
 
-Also: ``gradient_as_bucket_view`` (gradients live in DDP's all-reduce buckets: no copy into the
-buckets after every backward) and ``broadcast_buffers=False`` (the buffers of a causal LM are
-constants such as RoPE's ``inv_freq``; DDP still broadcasts them once, at construction, with the
-weights).
+Also ``gradient_as_bucket_view=True``: gradients live in DDP's all-reduce buckets, with no copy
+into the buckets after every backward.
 """
 
 from __future__ import annotations
@@ -34,11 +32,11 @@ class DDPStrategy(LightningDDPStrategy):
 
     Args:
         kwargs: `DDPStrategy` arguments; `DistributedDataParallel` keyword arguments among them
-            override the defaults ``gradient_as_bucket_view=True, broadcast_buffers=False``.
+            override the default ``gradient_as_bucket_view=True``.
     """
 
     def __init__(self, **kwargs: Any):
-        kwargs = {"gradient_as_bucket_view": True, "broadcast_buffers": False, **kwargs}
+        kwargs = {"gradient_as_bucket_view": True, **kwargs}
         super().__init__(**kwargs)
 
     @override
