@@ -68,6 +68,7 @@ class KernelsConfig:
     rms_norm: bool = False
     rope: bool = False
     swiglu: bool = False
+    lora: bool = False  # each PEFT LoRA linear layer in three matmuls (kernels/lora.py)
     fused_linear_cross_entropy: bool = False  # never materialises the [T, vocab] logits
 
 

@@ -193,7 +193,7 @@ class FinetuneModule(L.LightningModule):
     Args:
         model: the ``model`` config group (see `lightning_ft.config.ModelConfig`).
         lora: the ``lora`` config group.
-        kernels: the ``kernels`` config group: ``rms_norm``, ``rope``, ``swiglu``,
+        kernels: the ``kernels`` config group: ``rms_norm``, ``rope``, ``swiglu``, ``lora``,
             ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
         moe: the ``moe`` config group: ``backend`` (``hf`` = stock transformers experts, or
             ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.modules.moe`)

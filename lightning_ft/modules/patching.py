@@ -14,6 +14,10 @@ What gets patched, per kernel switch:
               (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in modules/moe.py.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
+    lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
+              exactly (`lora_linear_adapters`: no dropout, no DoRA, ...): `forward` becomes
+              `lora_linear` whenever that adapter alone is active, enabled and not merged, and the
+              call passes nothing but the input; PEFT's own forward otherwise, call by call.
 
 Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
 model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
@@ -33,11 +37,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu
 
-KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
 _SILU_ACTS = ("silu", "swish")
 _RECORD_ATTR = "_lightning_ft_kernel_undo"
 
@@ -66,6 +71,37 @@ def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) 
 
 def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    active = self.active_adapters
+    if args or kwargs or len(active) != 1 or active[0] not in self._lightning_ft_lora or self.disable_adapters or self.merged:
+        return type(self).forward(self, x, *args, **kwargs)
+    (name,) = active
+    lora_A = self.lora_A[name].weight
+    # without autocast PEFT computes the adapter in the adapter's dtype: only the same-dtype case is ours
+    if x.dtype != lora_A.dtype and not torch.is_autocast_enabled(x.device.type):
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.base_layer
+    return lora_linear(x, base.weight, base.bias, lora_A, self.lora_B[name].weight, self.scaling[name])
+
+
+def _unpatch_lora(module: torch.nn.Module, previous: object) -> None:
+    _restore_forward(module, previous)
+    del module._lightning_ft_lora
+
+
+def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]]) -> int:
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    count = 0
+    for module in model.modules():
+        if type(module) is LoraLinear and (adapters := lora_linear_adapters(module)):
+            undo.append(functools.partial(_unpatch_lora, module, module.__dict__.get("forward", _ABSENT)))
+            module._lightning_ft_lora = adapters
+            module.forward = types.MethodType(_fused_lora_forward, module)
+            count += 1
+    return count
 
 
 def _fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -129,19 +165,27 @@ def _patch_rope(modeling: types.ModuleType, undo: list[Callable[[], None]]) -> N
 def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[str]:
     """Patch the fused kernels switched on in `kernels` into `model` (HF or PEFT-wrapped).
 
-    `kernels` maps `rms_norm`, `rope`, `swiglu` (and `fused_linear_cross_entropy`, ignored here) to
-    bools; other keys are an error. A model patched before is reverted first. Returns one line per
-    kernel applied, e.g. "rms_norm: 9 x LlamaRMSNorm".
+    `kernels` maps `rms_norm`, `rope`, `swiglu`, `lora` (and `fused_linear_cross_entropy`, ignored
+    here) to bools; other keys are an error. A model patched before is reverted first. Returns one
+    line per kernel applied, e.g. "rms_norm: 9 x LlamaRMSNorm".
     """
     unknown = sorted(set(kernels) - set(KERNEL_KEYS))
     if unknown:
         raise ValueError(f"unknown kernel switches {unknown}; the known ones are {list(KERNEL_KEYS)}")
     revert_kernels(model)
-    wanted = {name for name in ("rms_norm", "rope", "swiglu") if kernels.get(name, False)}
+    wanted = {name for name in ("rms_norm", "rope", "swiglu", "lora") if kernels.get(name, False)}
     if not wanted:
         return []
 
     hf_model = _hf_model(model)
+    undo: list[Callable[[], None]] = []
+    applied = []
+    setattr(hf_model, _RECORD_ATTR, undo)
+    if "lora" in wanted:
+        applied.append(f"lora: {_patch_lora(hf_model, undo)} x peft lora.Linear")
+        wanted.discard("lora")
+        if not wanted:
+            return applied
     config = hf_model.config
     table = PATCH_TABLES.get(config.model_type)
     if table is None:
@@ -153,8 +197,6 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
         raise ValueError(f"the swiglu kernel needs hidden_act silu, {config.model_type} uses {config.hidden_act!r}")
 
     modeling = importlib.import_module(table.modeling_module)
-    undo: list[Callable[[], None]] = []
-    applied = []
     for name, class_names, fused in (
         ("rms_norm", table.rms_norm, _fused_rms_norm_forward),
         ("swiglu", table.mlp, _fused_swiglu_mlp_forward),
@@ -165,7 +207,6 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
     if "rope" in wanted:
         _patch_rope(modeling, undo)
         applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")
-    setattr(hf_model, _RECORD_ATTR, undo)
     return applied
 
 

@@ -96,7 +96,7 @@ def test_kernels_all_gives_the_stock_loss_and_lora_gradients():
     """fp32: the fused kernels compute the same math, so 1e-5 holds (bf16 tolerances: tests/modules/test_patching.py)."""
     batch = collate_packed(_docs([9, 1, 14], 5))
     results = []
-    for kernels in ({}, {"rms_norm": True, "rope": True, "swiglu": True, "fused_linear_cross_entropy": True}):
+    for kernels in ({}, {"rms_norm": True, "rope": True, "swiglu": True, "lora": True, "fused_linear_cross_entropy": True}):
         torch.manual_seed(0)
         module = FinetuneModule(model=TINY_MODEL, lora=LORA, kernels=kernels)
         module.configure_model()

@@ -25,13 +25,14 @@ from lightning_ft.kernels._utils import INTERPRETER
 from lightning_ft.modules.patching import (
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
+    _fused_lora_forward,
     _fused_rms_norm_forward,
     _fused_swiglu_mlp_forward,
     apply_kernels,
     revert_kernels,
 )
 
-ALL_ON = {"rms_norm": True, "rope": True, "swiglu": True, "fused_linear_cross_entropy": True}
+ALL_ON = {"rms_norm": True, "rope": True, "swiglu": True, "lora": True, "fused_linear_cross_entropy": True}
 ALL_OFF = dict.fromkeys(ALL_ON, False)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Packed documents of length 3, 1, 4, 1, 1, 2: position_ids restart at 0 per document.
@@ -91,14 +92,16 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     logits_off, loss_off, grads_off = _step(model, device)
 
     applied = apply_kernels(model, ALL_ON)
-    assert [line.split(":")[0] for line in applied] == ["rms_norm", "swiglu", "rope"]
+    assert [line.split(":")[0] for line in applied] == ["lora", "rms_norm", "swiglu", "rope"]
     norm_classes = tuple(getattr(modeling, name) for name in table.rms_norm)
     mlp_classes = tuple(getattr(modeling, name) for name in table.mlp)
     norms = [m for m in model.modules() if isinstance(m, norm_classes)]
     mlps = [m for m in model.modules() if isinstance(m, mlp_classes)]
-    assert norms and mlps
+    loras = [m for m in model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
+    assert norms and mlps and loras
     assert all(m.forward.__func__ is _fused_rms_norm_forward for m in norms)
     assert all(m.forward.__func__ is _fused_swiglu_mlp_forward for m in mlps)
+    assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
     assert modeling.apply_rotary_pos_emb is _fused_apply_rotary_pos_emb
     logits_on, loss_on, grads_on = _step(model, device)
 
@@ -109,7 +112,7 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
         torch.testing.assert_close(grad, grads_off[name], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
     revert_kernels(model)
-    assert all("forward" not in m.__dict__ for m in norms + mlps)
+    assert all("forward" not in m.__dict__ for m in norms + mlps + loras)
     assert modeling.apply_rotary_pos_emb is stock_rope
     logits_back, loss_back, grads_back = _step(model, device)
     assert torch.equal(logits_back, logits_off) and torch.equal(loss_back, loss_off)

@@ -69,7 +69,7 @@ def test_sharded_loss_and_gradients_equal_the_unsharded_ones(one_process_group, 
     batch = collate_packed(_docs([9, 1, 14], 5))
     results = []
     for shard in (False, True):
-        module = _module(kernels={"fused_linear_cross_entropy": fused}, tie_word_embeddings=tied, lora=lora)
+        module = _module(kernels={"fused_linear_cross_entropy": fused, "lora": fused}, tie_word_embeddings=tied, lora=lora)
         assert (module.hf_model.get_output_embeddings().weight is module.hf_model.get_input_embeddings().weight) == tied
         if shard:
             shard_model(module, module.model, one_process_group, "32-true")

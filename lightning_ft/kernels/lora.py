@@ -1,0 +1,80 @@
+"""LoRA linear layer in three matrix products: ``y = x Wᵀ + b + s · (x Aᵀ) Bᵀ``.
+
+PEFT's ``lora.Linear.forward`` runs the frozen base layer, then ``lora_B(lora_A(dropout(x)))``,
+a multiplication by the scaling and an addition: four module calls through Python (with their
+hooks and argument checks) and two elementwise kernels per layer and pass. Here:
+
+    h = x Aᵀ                              [T, r]
+    y = addmm(x Wᵀ + b, h, Bᵀ, alpha=s)    the scaling and the sum in the last GEMM's epilogue
+
+three ops whose backward autograd runs in C++ (a custom autograd.Function would put Python back
+into every backward). Under autocast every product runs in the autocast dtype, as PEFT's do; the
+scaling is applied in fp32 inside the GEMM rather than to a bf16-rounded product, so bf16 results
+agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and other variants, a LoRA
+bias and trainable base weights are not covered: `lora_linear_applies` says when this is the same
+math as PEFT's forward.
+
+Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
+``peft.tuners.lora.layer.Linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def lora_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Plain-torch reference: ``F.linear(x, W, b) + F.linear(F.linear(x, A), B) * s`` (PEFT's order of operations)."""
+    return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_A), lora_B) * scaling
+
+
+def lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """A LoRA linear layer, ``x Wᵀ + b + scaling · (x Aᵀ) Bᵀ``, in three matrix products.
+
+    Args:
+        x: [..., K] input.
+        weight: [N, K] frozen base weight; bias: [N] base bias or None.
+        lora_A: [r, K] and lora_B: [N, r] adapter weights (PEFT keeps them in fp32; under autocast
+            they are cast like any matmul operand).
+        scaling: PEFT's ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
+
+    Returns:
+        [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
+
+    Raises:
+        RuntimeError: without autocast, operands of different dtypes (torch's matmul error).
+    """
+    y = F.linear(x, weight, bias)
+    h = F.linear(x, lora_A)
+    y_TN = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), lora_B.t(), alpha=scaling)
+    return y_TN.view(y.shape)
+
+
+def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
+    """The adapters of a PEFT ``lora.Linear`` for which `lora_linear` is PEFT's forward, whenever that adapter
+    is the only active one, adapters are enabled and not merged, and the call has no extra arguments.
+
+    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
+    ``fan_in_fan_out``) whose weight and bias are frozen. These do not change while a model trains;
+    which adapter is active, merging and disabling do, and are checked at every call.
+    """
+    base = module.base_layer
+    if (
+        module.fan_in_fan_out
+        or type(base) is not torch.nn.Linear
+        or base.weight.requires_grad
+        or (base.bias is not None and base.bias.requires_grad)
+    ):
+        return frozenset()
+    return frozenset(
+        name
+        for name in module.lora_A
+        if name not in module.lora_variant
+        and type(module.lora_dropout[name]) is torch.nn.Identity
+        and module.lora_B[name].bias is None
+    )

@@ -1,0 +1,164 @@
+"""`lora_linear` against its plain-torch reference and against PEFT's ``lora.Linear`` forward it replaces.
+
+Pure torch (no Triton), so every case runs on the CPU; the same cases run on the GPU (marked).
+Tolerances: fp32 1e-5 (the scaling moves into the GEMM epilogue: rounding order only). bf16 under
+autocast: 1e-2 relative L2 on outputs and gradients (measured 2.5e-3; a 10% error in the scaling
+gives 8e-2): PEFT's path rounds the [T, N] adapter product to bf16 before scaling it and adding it
+in bf16, ours scales and adds in fp32 inside one GEMM, so each is a few bf16 roundings (2^-9
+relative each) from the fp32 result.
+"""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters, lora_linear_reference
+from lightning_ft.modules.patching import _fused_lora_forward, apply_kernels, revert_kernels
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _inputs(device, lead, k, n, r, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g).to(device).requires_grad_()
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device)
+    b = torch.randn(n, generator=g).to(device) if bias else None
+    a = (torch.randn(r, k, generator=g) / k**0.5).to(device).requires_grad_()
+    bb = torch.randn(n, r, generator=g).to(device).requires_grad_()
+    return x, w, b, a, bb
+
+
+def _run(fn, x, w, b, a, bb, scaling, grad_seed=1):
+    y = fn(x, w, b, a, bb, scaling)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed)).to(y.device, y.dtype)
+    dx, da, db = torch.autograd.grad(y, (x, a, bb), g)
+    return y, dx, da, db
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("lead", "k", "n", "r", "bias"), [((1, 37), 48, 80, 4, False), ((2, 1), 33, 17, 8, True), ((5,), 2880, 96, 16, False)])
+def test_fp32_matches_the_reference(device, lead, k, n, r, bias):
+    inputs = _inputs(device, lead, k, n, r, bias)
+    got = _run(lora_linear, *inputs, 2.0)
+    expected = _run(lora_linear_reference, *inputs, 2.0)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype == torch.float32
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_matches_the_reference_with_fp32_adapters(device):
+    x, w, b, a, bb = _inputs(device, (1, 61), 96, 130, 16, True)
+    x = x.detach().to(torch.bfloat16).requires_grad_()
+    w, b = w.to(torch.bfloat16), b.to(torch.bfloat16)  # bf16 base, fp32 adapters, as PEFT keeps them
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = _run(lora_linear, x, w, b, a, bb, 0.5)
+        expected = _run(lora_linear_reference, x, w, b, a, bb, 0.5)
+    assert got[0].dtype == expected[0].dtype == torch.bfloat16
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32  # gradients in the adapters' dtype
+    for g, e in zip(got, expected, strict=True):
+        assert _rel(g, e) <= 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_input_and_zero_lora_B(device):
+    """No input gradient asked (the first layer reads frozen embeddings); B = 0 (PEFT's init): dA = 0, dB ≠ 0."""
+    x, w, b, a, bb = _inputs(device, (9,), 24, 12, 4, False)
+    x = x.detach()
+    bb = torch.zeros_like(bb).requires_grad_()
+    y = lora_linear(x, w, b, a, bb, 2.0)
+    torch.testing.assert_close(y, x @ w.t())
+    da, db = torch.autograd.grad(y.sum(), (a, bb))
+    assert da.abs().max() == 0 and db.abs().max() > 0
+
+
+def _peft_model(**lora_kwargs):
+    """A one-layer random Llama with LoRA on q_proj and v_proj."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **lora_kwargs)
+    return get_peft_model(model, lora)
+
+
+def _lora_layers(model):
+    return [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
+def test_the_patch_computes_what_peft_computes(precision, monkeypatch):
+    import lightning_ft.modules.patching as patching
+
+    calls = []
+    monkeypatch.setattr(patching, "lora_linear", lambda *a: calls.append(1) or lora_linear(*a))
+    model = _peft_model()
+    input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            logits = model(input_ids=input_ids).logits
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return logits, torch.autograd.grad(logits.float().square().mean(), trainable)
+
+    expected = step()
+    assert apply_kernels(model, {"lora": True}) == ["lora: 2 x peft lora.Linear"]
+    assert all(m.forward.__func__ is _fused_lora_forward for m in _lora_layers(model))
+    got = step()
+    assert len(calls) == 2  # q_proj and v_proj took our path
+    revert_kernels(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    tol = 1e-5 if precision == "fp32" else 5e-2  # bf16: through a whole layer and back (measured 1.4e-2)
+    assert got[0].dtype == expected[0].dtype
+    assert _rel(got[0], expected[0]) <= tol
+    for g, e in zip(got[1], expected[1], strict=True):
+        assert g.dtype == e.dtype and _rel(g, e) <= tol
+
+
+def test_peft_forward_runs_where_the_math_would_differ():
+    """Dropout, DoRA or a LoRA bias: the layer is not patched. Two active adapters, disabled or merged adapters,
+    per-call adapter_names, a bf16 input to fp32 adapters without autocast: PEFT's forward runs (bit for bit)."""
+    for name, kwargs in {"dropout": {"lora_dropout": 0.1}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True}}.items():
+        model = _peft_model(**kwargs)
+        assert lora_linear_adapters(_lora_layers(model)[0]) == frozenset(), name
+        assert apply_kernels(model, {"lora": True}) == ["lora: 0 x peft lora.Linear"], name
+
+    def two_adapters():
+        model = _peft_model()
+        torch.manual_seed(1)
+        model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        return model, _lora_layers(model)[0]
+
+    x = torch.randn(5, 32)
+
+    def outputs(model, layer):  # merging and unmerging moves the base weight by rounding: a fresh model each time
+        got = {"adapter_names": layer(x, adapter_names=["second"] * 5)}
+        layer.set_adapter(["default", "second"])
+        got["two_active"] = layer(x)
+        layer.set_adapter("default")
+        with model.disable_adapter():
+            got["disabled"] = layer(x)
+        layer.merge()
+        got["merged"] = layer(x)
+        layer.unmerge()
+        layer.base_layer.to(torch.bfloat16)  # bf16 base and input, fp32 adapters, no autocast: PEFT casts to fp32
+        got["bf16_no_autocast"] = layer(x.bfloat16())
+        layer.base_layer.to(torch.float32)
+        return got
+
+    expected = outputs(*two_adapters())
+    model, layer = two_adapters()
+    assert lora_linear_adapters(layer) == {"default", "second"}
+    apply_kernels(model, {"lora": True})
+    assert layer.forward.__func__ is _fused_lora_forward
+    got = outputs(model, layer)
+    for case, value in expected.items():
+        assert torch.equal(got[case], value), case
+    revert_kernels(model)
+    assert "_lightning_ft_lora" not in layer.__dict__ and "forward" not in layer.__dict__
