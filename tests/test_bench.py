@@ -128,3 +128,13 @@ def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
         cmd = [sys.executable, "-m", "lightning_ft", "bench", f"hydra.run.dir={tmp_path / 'gpu'}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_host_overhead_counts_fewer_python_calls_with_the_lora_switch(tmp_path):
+    """benchmarks/host_overhead.py runs as documented, and kernels.lora removes host work (exact counts, not time)."""
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--layers", "2", "--timed-steps", "1", "--out", str(out)],
+                   check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    off, on = json.loads(out.read_text())["rows"]
+    assert (off["switch"], off["on"], on["on"]) == ("lora", False, True)
+    assert on["python_calls_per_step"] < off["python_calls_per_step"] and on["aten_ops_per_step"] < off["aten_ops_per_step"]
