@@ -64,9 +64,11 @@ class RunSummary(L.Callback):
       ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
       (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
       ``peak_memory_bytes`` (on CUDA also split into ``peak_memory_setup_bytes``, building and
-      sharding the model, and ``peak_memory_train_bytes``), ``adapter_dir``, ``checkpoint_path``, ``val_loss``, ``val_perplexity``,
-      ``val_exact_match`` (with ``eval.generate``), the data statistics (``data``: examples,
-      truncated, dropped, packing efficiency, ...), and the resolved ``config``.
+      sharding the model, and ``peak_memory_train_bytes``), ``adapter_dir``, ``checkpoint_path``,
+      ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``), the data
+      statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``world_size``
+      (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device`` and the
+      resolved ``config``.
     - ``loss_curve.png``.
 
     Args:

@@ -11,8 +11,8 @@ three ops whose backward autograd runs in C++ (a custom autograd.Function would 
 into every backward). Under autocast every product runs in the autocast dtype, as PEFT's do; the
 scaling is applied in fp32 inside the GEMM rather than to a bf16-rounded product, so bf16 results
 agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and other variants, a LoRA
-bias and trainable base weights are not covered: `lora_linear_applies` says when this is the same
-math as PEFT's forward.
+bias and trainable base weights are not covered: `lora_linear_adapters` says for which adapters
+this is the same math as PEFT's forward.
 
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
 ``peft.tuners.lora.layer.Linear``.

@@ -75,7 +75,8 @@ def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.T
 
 def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     active = self.active_adapters
-    if args or kwargs or len(active) != 1 or active[0] not in self._lightning_ft_lora or self.disable_adapters or self.merged:
+    ours = len(active) == 1 and active[0] in self._lightning_ft_lora and not self.disable_adapters and not self.merged
+    if args or kwargs or not ours:
         return type(self).forward(self, x, *args, **kwargs)
     (name,) = active
     lora_A = self.lora_A[name].weight
