@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
@@ -291,13 +291,14 @@ class PackedDataModule(L.LightningDataModule):
         self.stats.packing_efficiency = tokens / (len(rows) * self.max_tokens)
         self.stats.val_rows = len(self._val_rows)
         self.stats.val_examples = sum(len(row) for row in self._val_rows)
-        log.info(
-            "data: %d examples → %d packed rows of ≤ %d tokens (%d train steps of %d rows, %d val rows); "
-            "packing efficiency %.1f%%; truncated %d, dropped %d too long, %d with no target tokens",
-            self.stats.examples, len(rows), self.max_tokens, -(-len(self._train_rows) // self._step_size),
-            self._step_size, len(self._val_rows), 100 * self.stats.packing_efficiency, self.stats.truncated,
-            self.stats.dropped_too_long, self.stats.dropped_no_targets,
-        )
+        if rank_zero_only.rank == 0:  # every rank packs the same rows: say it once
+            log.info(
+                "data: %d examples → %d packed rows of ≤ %d tokens (%d train steps of %d rows, %d val rows); "
+                "packing efficiency %.1f%%; truncated %d, dropped %d too long, %d with no target tokens",
+                self.stats.examples, len(rows), self.max_tokens, -(-len(self._train_rows) // self._step_size),
+                self._step_size, len(self._val_rows), 100 * self.stats.packing_efficiency, self.stats.truncated,
+                self.stats.dropped_too_long, self.stats.dropped_no_targets,
+            )
 
     def _read(self, path: str, num_examples: int | None, seed: int) -> list[dict[str, Any]]:
         if path.startswith("builtin:"):
