@@ -67,7 +67,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     _check_trainer_arguments(trainer_kwargs)
     if trainer_kwargs.get("strategy", "auto") == "auto" and _processes(trainer_kwargs) > 1:
         trainer_kwargs["strategy"] = DDP_STRATEGY  # what Lightning's auto picks (DDP), built on the training stream
-        log.info("trainer.strategy=auto with several devices: %s (strategy=ddp)", DDP_STRATEGY)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            log.info("trainer.strategy=auto with several devices: %s (strategy=ddp)", DDP_STRATEGY)
     # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
     written = OmegaConf.to_container(cfg, resolve=False)
     if cfg.ckpt_path:
@@ -189,13 +190,16 @@ def _keep_previous_metrics(run_dir: Path) -> None:
 
 def _processes(trainer_kwargs: dict[str, Any]) -> int:
     """How many processes ``trainer.devices`` × ``trainer.num_nodes`` asks for; 0 when Lightning decides
-    (``devices=auto`` or ``-1``)."""
-    devices = trainer_kwargs.get("devices", "auto")
+    (``devices=auto`` or ``-1``) or the values are not counts (Lightning then says what it expects)."""
+    devices, nodes = trainer_kwargs.get("devices", "auto"), trainer_kwargs.get("num_nodes", 1)
     if isinstance(devices, str):
         devices = devices.strip()
         devices = devices.split(",") if "," in devices else int(devices) if devices.lstrip("-").isdigit() else 0
-    count = len([d for d in devices if str(d).strip()]) if isinstance(devices, (list, tuple)) else max(int(devices), 0)
-    return count * int(trainer_kwargs.get("num_nodes", 1))
+    if isinstance(devices, (list, tuple)):
+        devices = len([d for d in devices if str(d).strip()])
+    if type(devices) is not int or type(nodes) is not int:
+        return 0
+    return max(devices, 0) * nodes
 
 
 def _check_strategy(strategy: Any, generate: bool) -> None:

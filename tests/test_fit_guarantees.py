@@ -37,6 +37,7 @@ def test_processes_counts_devices_times_nodes_and_leaves_auto_to_lightning():
 
     assert [_processes({"devices": d}) for d in (1, 2, "2", "0,1", [0, 1, 2], [3], "auto", -1, "-1")] == [1, 2, 2, 2, 3, 1, 0, 0, 0]
     assert _processes({"devices": 2, "num_nodes": 2}) == 4
+    assert [_processes({"devices": d, "num_nodes": n}) for d, n in ((None, 1), (2, None), (True, 1), (1.5, 1))] == [0, 0, 0, 0]
 
 
 @pytest.mark.slow

@@ -60,13 +60,17 @@ def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
     is the only active one, adapters are enabled and not merged, and the call has no extra arguments.
 
     That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
-    ``fan_in_fan_out``) whose weight and bias are frozen. These do not change while a model trains;
-    which adapter is active, merging and disabling do, and are checked at every call.
+    ``fan_in_fan_out``, no forward hooks or replaced ``forward``: `lora_linear` reads its weight
+    directly) whose weight and bias are frozen. These do not change while a model trains; which
+    adapter is active, merging and disabling do, and are checked at every call.
     """
     base = module.base_layer
     if (
         module.fan_in_fan_out
         or type(base) is not torch.nn.Linear
+        or base._forward_hooks
+        or base._forward_pre_hooks
+        or "forward" in base.__dict__
         or base.weight.requires_grad
         or (base.bias is not None and base.bias.requires_grad)
     ):

@@ -75,16 +75,19 @@ def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.T
 
 def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     active = self.active_adapters
-    ours = len(active) == 1 and active[0] in self._lightning_ft_lora and not self.disable_adapters and not self.merged
-    if args or kwargs or not ours:
+    if args or kwargs or len(active) != 1 or self.disable_adapters or self.merged:
         return type(self).forward(self, x, *args, **kwargs)
     (name,) = active
-    lora_A = self.lora_A[name].weight
-    # without autocast PEFT computes the adapter in the adapter's dtype: only the same-dtype case is ours
-    if x.dtype != lora_A.dtype and not torch.is_autocast_enabled(x.device.type):
+    lora_A = self.lora_A[name]
+    scaling = self.scaling[name]
+    # an adapter checked at patch time (re-created under its name: a new lora_A module), a non-zero
+    # scaling (PEFT's 0 · NaN stays NaN), and, without autocast, PEFT's dtype (it computes the
+    # adapter in the adapter's dtype)
+    ours = self._lightning_ft_lora.get(name) is lora_A and scaling != 0
+    if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    return lora_linear(x, base.weight, base.bias, lora_A, self.lora_B[name].weight, self.scaling[name])
+    return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling)
 
 
 def _unpatch_lora(module: torch.nn.Module, previous: object) -> None:
@@ -99,7 +102,7 @@ def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]]) -> int:
     for module in model.modules():
         if type(module) is LoraLinear and (adapters := lora_linear_adapters(module)):
             undo.append(functools.partial(_unpatch_lora, module, module.__dict__.get("forward", _ABSENT)))
-            module._lightning_ft_lora = adapters
+            module._lightning_ft_lora = {name: module.lora_A[name] for name in adapters}  # a plain dict: not submodules
             module.forward = types.MethodType(_fused_lora_forward, module)
             count += 1
     return count

@@ -162,3 +162,26 @@ def test_peft_forward_runs_where_the_math_would_differ():
         assert torch.equal(got[case], value), case
     revert_kernels(model)
     assert "_lightning_ft_lora" not in layer.__dict__ and "forward" not in layer.__dict__
+
+
+def test_an_adapter_recreated_after_patching_or_a_hooked_base_layer_gets_peft_forward():
+    """An adapter deleted and added again under the same name (here with dropout) is new to the patch: PEFT's
+    forward runs; a base layer with a forward hook is not patched (lora_linear reads its weight directly)."""
+    model = _peft_model()
+    apply_kernels(model, {"lora": True})
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model.set_adapter("other")
+    model.delete_adapter("default")
+    model.add_adapter("default", LoraConfig(r=4, lora_dropout=0.5, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.set_adapter("default")
+    model.train()
+    layer = _lora_layers(model)[0]
+    x = torch.randn(5, 32)
+    torch.manual_seed(3)
+    got = layer(x)
+    torch.manual_seed(3)
+    assert torch.equal(got, type(layer).forward(layer, x))  # the same dropout draw: PEFT's own forward ran
+
+    model = _peft_model()
+    _lora_layers(model)[0].base_layer.register_forward_hook(lambda module, args, out: out * 0)
+    assert apply_kernels(model, {"lora": True}) == ["lora: 1 x peft lora.Linear"]  # v_proj only
