@@ -90,20 +90,15 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling)
 
 
-def _unpatch_lora(module: torch.nn.Module, previous: object) -> None:
-    _restore_forward(module, previous)
-    del module._lightning_ft_lora
-
-
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]]) -> int:
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     count = 0
     for module in model.modules():
         if type(module) is LoraLinear and (adapters := lora_linear_adapters(module)):
-            undo.append(functools.partial(_unpatch_lora, module, module.__dict__.get("forward", _ABSENT)))
             module._lightning_ft_lora = {name: module.lora_A[name] for name in adapters}  # a plain dict: not submodules
-            module.forward = types.MethodType(_fused_lora_forward, module)
+            undo.append(functools.partial(delattr, module, "_lightning_ft_lora"))
+            _patch_forward(module, _fused_lora_forward, undo)
             count += 1
     return count
 
@@ -144,10 +139,14 @@ def _patch_forwards(
     count = 0
     for module in model.modules():
         if isinstance(module, classes):
-            undo.append(functools.partial(_restore_forward, module, module.__dict__.get("forward", _ABSENT)))
-            module.forward = types.MethodType(fused, module)
+            _patch_forward(module, fused, undo)
             count += 1
     return count
+
+
+def _patch_forward(module: torch.nn.Module, fused: Callable, undo: list[Callable[[], None]]) -> None:
+    undo.append(functools.partial(_restore_forward, module, module.__dict__.get("forward", _ABSENT)))
+    module.forward = types.MethodType(fused, module)
 
 
 def _unpatch_rope(modeling: types.ModuleType) -> None:

@@ -242,11 +242,7 @@ def shard_model(root: torch.nn.Module, model: torch.nn.Module, mesh: DeviceMesh,
         )
     dp_mesh = mesh["data_parallel"]
     layers = decoder_layers(model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    units = [(f"decoder layer {i}", list(layer.named_parameters())) for i, layer in enumerate(layers)]
-    units.append(("the root unit", [(n, p) for n, p in root.named_parameters() if id(p) not in in_layers]))
-    _check_trainable_dtypes(units)
-    del units  # holds every whole weight: each layer's must be freed as soon as that layer is sharded
+    _check_trainable_dtypes(root, layers)
     if dp_mesh.size() > 1:
         group = dp_mesh.get_group()
         src = dist.get_global_rank(group, 0)
@@ -260,7 +256,12 @@ def shard_model(root: torch.nn.Module, model: torch.nn.Module, mesh: DeviceMesh,
     register_fsdp_forward_method(root, _LOSS_METHOD)
 
 
-def _check_trainable_dtypes(units: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]) -> None:
+def _check_trainable_dtypes(root: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    # the lists of weights live only in here: each layer's whole weights must be freed as soon as
+    # that layer is sharded, so nothing may hold them while shard_model runs
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    units = [(f"decoder layer {i}", list(layer.named_parameters())) for i, layer in enumerate(layers)]
+    units.append(("the root unit", [(n, p) for n, p in root.named_parameters() if id(p) not in in_layers]))
     for unit, params in units:
         dtypes: dict[torch.dtype, str] = {}
         for name, p in params:
