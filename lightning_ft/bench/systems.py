@@ -8,8 +8,10 @@
 - ``unsloth``: Unsloth's ``FastLanguageModel`` (16-bit LoRA, ``use_gradient_checkpointing=
   "unsloth"``) loaded from a checkpoint folder of the same random weights, then the same loop as
   ``hf_peft``. Its first step compiles every layer (30–75 s), so give it ≥ 2 warm-up steps.
-- ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config, trained by a
-  Lightning `Trainer` exactly as ``fit`` does (the step time includes Lightning's loop).
+- ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config and the model
+  config's ``attention`` and ``cuda_graphs``, trained by a Lightning `Trainer` exactly as ``fit``
+  does (the step time includes Lightning's loop; with CUDA graphs, give it >= 2 warm-up steps:
+  the second records them).
 
 Every system sees the same batch: one sequence of ``seq_len`` random tokens (seeded), batch 1, and
 the same random base weights (drawn from the same seeded RNG state).

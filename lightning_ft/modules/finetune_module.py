@@ -44,6 +44,7 @@ from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
+from lightning_ft.modules.cuda_graphs import apply_cuda_graphs
 from lightning_ft.modules.moe import apply_moe
 from lightning_ft.modules.patching import apply_kernels
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
@@ -179,6 +180,23 @@ def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
             module.cast_input_dtype_enabled = False
 
 
+def _use_cuda_graphs(device: torch.device, trainer: L.Trainer | None) -> bool:
+    """Whether ``model.cuda_graphs=true`` applies: not under FSDP2 (warned and skipped).
+
+    Raises:
+        ValueError: the model is not on a CUDA device.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false")
+    if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):
+        rank_zero_warn(
+            "model.cuda_graphs=true is skipped under strategy=fsdp2 (FSDP2 gathers each layer's weights at new "
+            "addresses every step); set model.cuda_graphs=false to silence this"
+        )
+        return False
+    return True
+
+
 class FinetuneModule(L.LightningModule):
     """Fine-tunes a transformers causal LM on `PackedBatch` micro-batches.
 
@@ -186,7 +204,8 @@ class FinetuneModule(L.LightningModule):
     backend of ``model.attention`` registered (`lightning_ft.modules.attention`; ``auto`` is resolved
     and logged), optional gradient checkpointing, then LoRA through PEFT (or every weight
     trainable with ``lora.enabled=false``), then the fused kernels switched on in ``kernels``
-    (`lightning_ft.modules.patching`); under ``strategy=fsdp2`` the finished model is then sharded
+    (`lightning_ft.modules.patching`), then with ``model.cuda_graphs`` each decoder layer replayed
+    from CUDA graphs (`lightning_ft.modules.cuda_graphs`); under ``strategy=fsdp2`` the finished model is then sharded
     and `loss_sum` becomes the root unit's forward (`lightning_ft.strategies.fsdp2`). Checkpoints
     hold only the trainable weights.
 
@@ -269,6 +288,8 @@ class FinetuneModule(L.LightningModule):
             rank_zero_info(f"moe: {backend} experts backend")
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
+        if cfg.get("cuda_graphs") and _use_cuda_graphs(device, self._trainer):
+            rank_zero_info(f"cuda graphs: {apply_cuda_graphs(model)} decoder layers replayed from CUDA graphs in training")
         self.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())

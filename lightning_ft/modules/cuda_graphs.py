@@ -1,0 +1,443 @@
+"""CUDA graphs for checkpointed decoder layers: two graph launches per layer instead of its kernels one by one.
+
+Why: at short rows the training step is bound by the host, not the GPU. On the H200 the 8-layer
+Qwen3-MoE step at 1K tokens kept the GPU busy 31 of 232 ms (benchmarks/RESULTS.md, session 2): each
+layer issues ~350 kernels through Python (HF modules, PEFT, autograd, checkpointing), and does it
+three times (forward, recompute, backward). A CUDA graph replays a recorded stream of kernels with
+one host call.
+
+`apply_cuda_graphs(model)` patches every decoder layer (transformers' ``GradientCheckpointingLayer``)
+so that in training, with gradients on, the layer is one checkpointed autograd function whose two
+halves are CUDA graphs recorded from the layer itself:
+
+    forward   graph F:  out = layer(x, **kwargs)                     under no_grad; x is the checkpoint
+    backward  graph B:  out = layer(x, **kwargs) with grad (the recompute), then
+                        dx, dθ = autograd.grad(out, (x, θ), dout)     θ = the layer's trainable weights
+
+Per call only copies reach the device besides the replay: x (and dout) into the static inputs, the
+output (and dx) out of them, the weight gradients out as fresh tensors (one multi-tensor kernel), which
+autograd accumulates into ``.grad`` as usual (DDP's hooks see them; a weight the output does not
+depend on gets None, as in eager). The math is the layer's own: the graphs replay the kernels the
+layer ran when recorded (our fused kernels, HF's modules, PEFT's adapters; the forward recorded
+under no_grad, as checkpointing's first forward needs nothing saved); the tests compare with the
+eager layer.
+
+When graphs are recorded: per input signature (shapes, dtypes, autocast, requires_grad, the packed
+batch's layout, every non-tensor keyword), the second time a layer sees it; the first call runs
+eagerly (checkpointed), so a shape seen once never pays for a recording. At most
+``max_signatures`` signatures per model get graphs, first come first served; calls with others run
+eagerly (logged once). Static inputs are shared by every layer of a signature (x, dout, output,
+dx, the keyword tensors such as RoPE's cos/sin, the device ``cu_seqlens``), keyword tensors are
+copied once per forward (every layer gets the same ones), and the weight-gradient buffers are
+shared by the whole model (one backward replays at a time). All graphs of a model share one memory
+pool: they never run at the same time, so the pool holds about one layer's recompute and backward
+working set.
+
+Requirements (checked): ``model.attention=varlen`` or ``sdpa`` (flex is not supported); with varlen,
+rows with the same document count share graphs, recorded for a power-of-two bound on the longest
+document (`_packed_layout`); with sdpa each exact layout gets its own (its dense mask is derived
+from it); no sliding-window attention; no dropout (the recompute would draw another mask); no
+keyword tensor that requires grad; layers not sharded (FSDP2 gathers weights per layer at new
+addresses: `FinetuneModule` skips the graphs there, with a warning). The graphs read weights at
+their addresses: a layer whose parameters are replaced, move or change ``requires_grad`` is
+recorded again (checked per call). Adapters switched, disabled or merged during training need
+`revert_cuda_graphs` first. Evaluation (no grad, or ``eval()``) runs the layer eagerly. On the
+CPU the "graphs" re-run the recorded functions (the same code path, for tests), so the CUDA-only
+parts (warm-up and capture on a side stream) are covered by the ``gpu`` tests alone.
+
+Sources: CUDA Graphs (CUDA C++ Programming Guide); ``torch.cuda.CUDAGraph`` and the pattern of
+``torch.cuda.make_graphed_callables`` (static inputs, warm-up and capture on a side stream, a shared
+pool); recompute-in-backward as in ``torch.utils.checkpoint`` (Chen et al., 2016).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from lightning_ft.data.packing import PackedBatch
+from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
+
+__all__ = ["apply_cuda_graphs", "revert_cuda_graphs"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_lightning_ft_cuda_graphs"  # on each patched layer: the model's `_ModelGraphs`
+_CHECKPOINTING_ATTR = "_lightning_ft_cuda_graphs_checkpointing"  # the layer's own flag before patching
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class _Ungraphable(Exception):
+    """A call that the graphs cannot replay; it runs eagerly."""
+
+
+def _packed_layout(batch: PackedBatch, varlen: bool) -> tuple:
+    """The layout a graph over ``batch`` is recorded for.
+
+    varlen reads ``cu_seqlens`` from the device (copied into the graph's buffer per batch) and
+    ``max_seqlen`` from the host: rows with the same number of documents share a graph, recorded
+    for a power-of-two bound on the longest document (a larger bound only launches blocks that find
+    no work). A row of one document runs SDPA's causal kernel (its own layout). The dense SDPA mask
+    is built from the exact lengths, so those graphs are recorded per exact layout.
+    """
+    if batch.num_docs == 1:
+        return ("packed", batch.num_tokens, 1)
+    if varlen:
+        longest = min(batch.num_tokens, 1 << (batch.max_seqlen - 1).bit_length())
+        return ("packed", batch.num_tokens, batch.num_docs, longest)
+    return ("packed", tuple(batch.cu_seqlens.tolist()))  # a host tensor: no sync
+
+
+def _signature(value: Any, varlen: bool) -> Any:
+    """What a graph recorded with ``value`` as an input depends on (hashable)."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            raise _Ungraphable("a keyword tensor requires grad")
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_signature(v, varlen) for v in value))
+    if isinstance(value, PackedBatch):
+        return _packed_layout(value, varlen)
+    if isinstance(value, _SCALARS):
+        return value
+    raise _Ungraphable(f"a keyword of type {type(value).__name__}")
+
+
+def _static_like(value: Any, device: torch.device, varlen: bool) -> Any:
+    """A static buffer for each tensor in ``value``; for a packed batch, one that graphs can replay."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_static_like(v, device, varlen) for v in value)
+    if isinstance(value, PackedBatch):
+        layout = _packed_layout(value, varlen)
+        if not varlen or len(layout) == 3:
+            return replace(value, _cache={})  # the exact layout: what attention derives from it is static
+        static = replace(value, max_seqlen=layout[3], _cache={})
+        static._cache[("cu_seqlens", device)] = torch.empty_like(value.cu_seqlens, device=device)
+        return static
+    return value
+
+
+def _copy_into(static: Any, source: Any, path: tuple, sources: dict[tuple, Any], device: torch.device) -> None:
+    """Copy ``source``'s tensors into ``static``'s buffers, skipping those copied last time unchanged."""
+    if isinstance(source, torch.Tensor):
+        mark = sources.get(path)
+        if mark is None or mark[0] is not source or mark[1] != source._version:
+            static.copy_(source)
+            sources[path] = (source, source._version)
+    elif isinstance(source, (tuple, list)):
+        for i, (s, v) in enumerate(zip(static, source)):
+            _copy_into(s, v, (*path, i), sources, device)
+    elif isinstance(source, PackedBatch) and ("cu_seqlens", device) in static._cache and sources.get(path) is not source:
+        key = ("cu_seqlens", device)  # the batch's own device copy (built once per batch), then device to device
+        static._cache[key].copy_(source.cached(key, lambda: device_cu_seqlens(source.cu_seqlens, device)))
+        sources[path] = source
+
+
+@dataclass
+class _StaticInputs:
+    """One signature's buffers, shared by every layer (layers run one at a time)."""
+
+    hidden: torch.Tensor  # x, the layer input
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    grad_in: torch.Tensor
+    kwargs: dict[str, Any]
+    device: torch.device
+    sources: dict[tuple, Any] = field(default_factory=dict)  # what each keyword buffer last copied
+    warmed_up: bool = False
+
+    def load(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        for name, value in kwargs.items():
+            _copy_into(self.kwargs[name], value, (name,), self.sources, self.device)
+        self.hidden.copy_(hidden)
+
+
+class _EagerReplay:
+    """Stands in for a CUDA graph off CUDA (tests): ``replay()`` runs the recorded function again."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@dataclass
+class _LayerGraphs:
+    forward: Any  # torch.cuda.CUDAGraph, or _EagerReplay off CUDA
+    backward: Any
+    params: list[torch.nn.Parameter]
+    param_grads: list[torch.Tensor]  # static buffers the backward graph writes
+    unused: list[bool]  # weights the layer's output does not depend on: their gradient is None
+    fingerprint: tuple
+
+
+def _fingerprint(layer: torch.nn.Module) -> tuple:
+    return tuple((id(p), p.data_ptr(), p.requires_grad) for p in layer.parameters())
+
+
+class _ModelGraphs:
+    """The graphs of one model: signatures, static inputs, the shared pool and capture stream."""
+
+    def __init__(self, max_signatures: int, varlen: bool):
+        self.max_signatures = max_signatures
+        self.varlen = varlen
+        self.statics: dict[tuple, _StaticInputs] = {}
+        self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
+        self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
+        self.seen: dict[tuple[int, tuple], int] = {}
+        self.pool = None
+        self.stream: torch.cuda.Stream | None = None
+        self.logged: set[str] = set()
+        self.captures = 0
+        self.recording = False  # inside `_record`: layer calls run the layer's own forward
+
+    def log_once(self, message: str) -> None:
+        if message not in self.logged:
+            self.logged.add(message)
+            logger.info("cuda graphs: %s", message)
+
+    def graphs_for(self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple | None:
+        """The (graphs, static inputs) to replay for this call, recording them if due; None: run eagerly."""
+        try:
+            if not hidden.is_contiguous():
+                raise _Ungraphable("a non-contiguous layer input")
+            signature = (
+                ("hidden", tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
+                tuple((name, _signature(value, self.varlen)) for name, value in sorted(kwargs.items())),
+                torch.is_autocast_enabled(hidden.device.type),
+                torch.get_autocast_dtype(hidden.device.type),
+            )
+        except _Ungraphable as why:
+            self.log_once(f"{why}: those calls run eagerly")
+            return None
+        key = (id(layer), signature)
+        if layer.gradient_checkpointing:  # switched on again after apply_cuda_graphs: ours recomputes already
+            self.log_once("gradient checkpointing was enabled again on graphed layers: switched off (the graphs recompute)")
+            layer.gradient_checkpointing = False
+        graphs = self.graphs.get(key)
+        if graphs is not None:
+            if graphs.fingerprint == _fingerprint(layer):
+                return graphs, self.statics[signature]
+            self.log_once("a layer's weights moved or changed requires_grad: recording its graphs again")
+            del self.graphs[key]
+        if not hidden.requires_grad and not any(p.requires_grad for p in layer.parameters()):
+            return None  # nothing to differentiate: a checkpointed eager call costs nothing in backward
+        if len(self.seen) > 10_000:  # signatures that never came back (e.g. every batch a new layout)
+            self.seen.clear()
+        seen = self.seen[key] = self.seen.get(key, 0) + 1
+        if seen < 2:
+            return None
+        if signature not in self.statics and len(self.statics) >= self.max_signatures:
+            self.log_once(f"{self.max_signatures} input signatures recorded (max_signatures): new ones run eagerly")
+            return None
+        static = self.statics.get(signature) or self._new_static(signature, hidden, kwargs)
+        graphs = self.graphs[key] = self._record(layer, static, hidden, kwargs)
+        return graphs, static
+
+    def _new_static(self, signature: tuple, hidden: torch.Tensor, kwargs: dict[str, Any]) -> _StaticInputs:
+        static = _StaticInputs(
+            hidden=torch.empty_like(hidden),
+            out=torch.empty_like(hidden),
+            grad_out=torch.empty_like(hidden),
+            grad_in=torch.empty_like(hidden),
+            kwargs={name: _static_like(value, hidden.device, self.varlen) for name, value in kwargs.items()},
+            device=hidden.device,
+        )
+        self.statics[signature] = static
+        return static
+
+    def _record(self, layer: torch.nn.Module, static: _StaticInputs, hidden: torch.Tensor, kwargs: dict[str, Any]) -> _LayerGraphs:
+        """Warm up (once per signature) and record the layer's forward and backward graphs."""
+        static.load(hidden, kwargs)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        param_grads = []
+        for i, p in enumerate(params):
+            slot = (i, tuple(p.shape), p.dtype, p.device)
+            if slot not in self.param_grads:
+                self.param_grads[slot] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            param_grads.append(self.param_grads[slot])
+        unused = [False] * len(params)
+        forward = functools.partial(type(layer).forward, layer)
+        device_type = hidden.device.type
+        amp = dict(
+            device_type=device_type,
+            dtype=torch.get_autocast_dtype(device_type),
+            enabled=torch.is_autocast_enabled(device_type),
+            cache_enabled=False,  # a cast cached during a recording would be stale at replay
+        )
+        input_grad = hidden.requires_grad
+
+        def run_forward() -> None:
+            with torch.no_grad(), torch.autocast(**amp):
+                static.out.copy_(forward(static.hidden, **static.kwargs))
+
+        names = [name for name, p in layer.named_parameters() if p.requires_grad]
+
+        def run_backward() -> None:
+            # Gradients are taken for fresh leaves that share the weights' memory: the weights' own
+            # AccumulateGrad nodes were made on the default stream, and the autograd engine would
+            # join the capture stream to it (an error while capturing).
+            x = static.hidden.detach().requires_grad_(input_grad)
+            leaves = [p.detach().requires_grad_() for p in params]
+            self.recording = True  # the call below reaches our patched forward: run the layer's own
+            try:
+                with torch.enable_grad(), torch.autocast(**amp):
+                    out = torch.func.functional_call(layer, dict(zip(names, leaves)), (x,), static.kwargs, strict=False)
+            finally:
+                self.recording = False
+            inputs = [x, *leaves] if input_grad else leaves
+            grads = list(torch.autograd.grad(out, inputs, static.grad_out, allow_unused=True))
+            if input_grad:
+                static.grad_in.copy_(grads.pop(0))
+            for i, (buffer, grad) in enumerate(zip(param_grads, grads)):
+                unused[i] = grad is None
+                if grad is not None:
+                    buffer.copy_(grad)
+
+        if hidden.is_cuda:
+            graphs = self._capture(static, (run_forward, run_backward))
+        else:
+            graphs = [_EagerReplay(run_forward), _EagerReplay(run_backward)]
+        self.captures += 1
+        self.log_once(f"recording each layer's forward and backward graphs for input {tuple(hidden.shape)}")
+        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer))
+
+    def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(static.device)
+            self.pool = torch.cuda.graph_pool_handle()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        graphs = []
+        with torch.cuda.stream(self.stream):
+            if not static.warmed_up:  # cuBLAS/cuDNN state for this stream; Triton already ran eagerly
+                for fn in fns:
+                    fn()
+                static.warmed_up = True
+            for fn in fns:
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+                graphs.append(graph)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graphs
+
+
+class _GraphedLayer(torch.autograd.Function):
+    """A decoder layer replayed from its graphs; saves only its input (checkpointing)."""
+
+    @staticmethod
+    def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, kwargs: dict, hidden: torch.Tensor, *params):
+        static.load(hidden, kwargs)
+        graphs.forward.replay()
+        ctx.graphs, ctx.static, ctx.kwargs = graphs, static, kwargs
+        ctx.save_for_backward(hidden)
+        return static.out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (hidden,) = ctx.saved_tensors
+        static: _StaticInputs = ctx.static
+        static.load(hidden, ctx.kwargs)
+        static.grad_out.copy_(grad_out)
+        ctx.graphs.backward.replay()
+        grad_in = static.grad_in.clone() if ctx.needs_input_grad[3] else None
+        # fresh tensors (one multi-tensor kernel): the buffers are overwritten by the next layer's replay
+        graphs: _LayerGraphs = ctx.graphs
+        used = [g for g, unused in zip(graphs.param_grads, graphs.unused) if not unused]
+        fresh = iter(torch._foreach_mul(used, 1.0) if used else [])
+        grads = [None if unused else next(fresh) for unused in graphs.unused]
+        return (None, None, None, grad_in, *grads)
+
+
+def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    original = functools.partial(type(self).forward, self)
+    state: _ModelGraphs = getattr(self, _STATE_ATTR)
+    if state.recording or not (self.training and torch.is_grad_enabled()):
+        return original(hidden_states, *args, **kwargs)
+    found = state.graphs_for(self, hidden_states, kwargs) if not args else None
+    if found is None:
+        return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
+    graphs, static = found
+    return _GraphedLayer.apply(graphs, static, kwargs, hidden_states, *graphs.params)
+
+
+def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
+    """Run every decoder layer of ``model`` (HF or PEFT-wrapped) from CUDA graphs in training.
+
+    Replaces gradient checkpointing for those layers (each graphed layer saves only its input and
+    recomputes in its backward graph). Call after LoRA, the kernels and the MoE patch: the graphs
+    record whatever the layer's forward is when they are recorded.
+
+    Args:
+        model: a transformers causal LM (or a PEFT model around one) with gradient checkpointing on
+            and ``model.attention=varlen`` (or ``sdpa``), no dropout.
+        max_signatures: how many input signatures (shapes, packed-batch layout) get graphs.
+
+    Returns:
+        The number of layers patched.
+
+    Raises:
+        ValueError: no ``GradientCheckpointingLayer`` in the model, gradient checkpointing off, or an
+            attention implementation other than ours with ``varlen``.
+    """
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no transformers decoder layers (GradientCheckpointingLayer)")
+    if not all(layer.gradient_checkpointing for layer in layers):
+        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true: the graphs recompute each layer in backward")
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in (ATTENTION_NAMES["varlen"], ATTENTION_NAMES["sdpa"]):
+        raise ValueError(
+            f"model.cuda_graphs=true needs model.attention=varlen (or auto on a GPU) or sdpa, not {implementation!r}"
+        )
+    windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
+    if windowed:
+        raise ValueError(
+            f"model.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
+            "set model.cuda_graphs=false"
+        )
+    dropouts = sorted({m.p for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    if dropouts or getattr(config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"model.cuda_graphs=true needs dropout 0 (found p={dropouts or config.attention_dropout}, e.g. lora.dropout): "
+            "the backward graph's recompute would draw a different dropout mask than the forward's"
+        )
+    revert_cuda_graphs(model)
+    state = _ModelGraphs(max_signatures, varlen=implementation == ATTENTION_NAMES["varlen"])
+    for layer in layers:
+        setattr(layer, _CHECKPOINTING_ATTR, layer.__dict__.get("gradient_checkpointing"))
+        layer.gradient_checkpointing = False  # ours recomputes; HF's must not wrap it again
+        setattr(layer, _STATE_ATTR, state)
+        layer.forward = types.MethodType(_graphed_layer_forward, layer)
+    logger.info("cuda graphs: %d decoder layers run from graphs in training", len(layers))
+    return len(layers)
+
+
+def revert_cuda_graphs(model: torch.nn.Module) -> int:
+    """Undo `apply_cuda_graphs` (the graphs and their memory are freed). Returns the layers reverted."""
+    reverted = 0
+    for layer in model.modules():
+        if hasattr(layer, _STATE_ATTR):
+            del layer.forward
+            previous = getattr(layer, _CHECKPOINTING_ATTR)
+            del layer.gradient_checkpointing
+            if previous is not None:
+                layer.gradient_checkpointing = previous
+            delattr(layer, _STATE_ATTR)
+            delattr(layer, _CHECKPOINTING_ATTR)
+            reverted += 1
+    return reverted

@@ -1,0 +1,244 @@
+"""Decoder layers replayed from CUDA graphs give the eager layer's loss and gradients, record when due, and refuse what they cannot replay.
+
+On the CPU the graphs are stand-ins that re-run the recorded functions (the same static buffers,
+autograd wiring and recording policy); the ``gpu`` cases record real CUDA graphs.
+
+    python -m pytest -q tests/modules/test_cuda_graphs.py            (CPU)
+    python -m pytest -q -m gpu tests/modules/test_cuda_graphs.py     (GPU)
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from lightning_ft.data.packing import collate_packed
+from lightning_ft.modules.cuda_graphs import _STATE_ATTR, apply_cuda_graphs, revert_cuda_graphs
+from lightning_ft.modules.finetune_module import FinetuneModule
+
+TINY = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2,
+        norm_topk_prob=True, vocab_size=128,
+    ),
+}
+LORA = {
+    "rank": 4, "alpha": 8, "dropout": 0.0,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}  # fmt: skip
+# three rows of 64 tokens: two layouts of four documents (one varlen bucket: 4 docs, longest <= 64), one document
+ROWS = {"a": [40, 1, 20, 3], "b": [10, 50, 2, 2], "one": [64]}
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _module(kind: str, device: str, lora=LORA) -> FinetuneModule:
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    lora = dict(lora)
+    if kind == "llama":
+        lora.pop("target_parameters")
+    module = FinetuneModule(
+        model={
+            "init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16" if cuda else "float32",
+            "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True,
+        },
+        lora=lora,
+        kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": cuda, "fused_linear_cross_entropy": cuda},
+        moe={"backend": "auto" if kind == "qwen3_moe" else "hf"},
+    )
+    with torch.device(device):
+        module.configure_model()
+    for name, p in module.model.named_parameters():  # non-zero lora_B: every LoRA weight gets gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return module
+
+
+def _batch(name: str, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [(ids, ids) for ids in (torch.randint(0, 128, (n,), generator=g).tolist() for n in ROWS[name])]
+    return collate_packed(docs).to(device, non_blocking=True)
+
+
+def _loss_and_grads(module: FinetuneModule, batch, train: bool):
+    module.model.train(train)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.input_ids.is_cuda)
+    with autocast:
+        loss = module.loss_sum(batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in module.model.named_parameters() if p.grad is not None}
+    module.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, cuda: bool) -> bool:
+    if not cuda:  # fp32, the same kernels in the same order
+        return torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    # bf16: flash-attention's backward accumulates dq with atomics, so runs differ in the last bits
+    cosine = torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), dim=0)
+    return bool(cosine > 0.999) and math.isclose(got.float().norm(), want.float().norm(), rel_tol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_graphed_layers_match_the_eager_layers_step_after_step(kind, device):
+    """The same row sequence through the graphed model (train) and the eager one (eval: no graphs, no
+    checkpointing), with an in-place weight update after each row so replays must read current weights."""
+    cuda = device == "cuda"
+    module = _module(kind, device)
+    layers = apply_cuda_graphs(module.model)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    assert layers == TINY[kind]["num_hidden_layers"]
+    # varlen shares graphs between layouts "a" and "b" (same bucket); sdpa records each exact layout
+    sequence = ["a", "b", "a", "b", "one", "one", "one"]
+    expected_captures = [0, 1, 1, 1, 1, 2, 2] if cuda else [0, 0, 1, 2, 2, 3, 3]
+    for step, (name, captures) in enumerate(zip(sequence, expected_captures)):
+        batch = _batch(name, device, seed=step)
+        want_loss, want = _loss_and_grads(module, batch, train=False)
+        got_loss, got = _loss_and_grads(module, batch, train=True)
+        assert state.captures == captures * layers, f"step {step}: {state.captures} recordings"
+        assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-3 if cuda else 1e-6), f"step {step}"
+        assert got.keys() == want.keys()
+        bad = [n for n in want if not _close(got[n], want[n], cuda)]
+        assert not bad, f"step {step} ({name}): gradients differ for {bad[:4]}"
+        with torch.no_grad():
+            for n, p in module.model.named_parameters():
+                if p.requires_grad:
+                    p.add_(want[n], alpha=-0.1)
+
+
+def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():
+    module = _module("llama", "cpu")
+    model = module.model
+    apply_cuda_graphs(model)
+    layer = model.get_base_model().model.layers[0]
+    state = getattr(layer, _STATE_ATTR)
+    batch = _batch("one", "cpu")
+    for _ in range(3):
+        _loss_and_grads(module, batch, train=True)
+    assert state.captures == 3
+    lora_A = layer.self_attn.q_proj.lora_A["default"].weight
+    lora_A.data = lora_A.data.clone()  # a new address
+    want_loss, want = _loss_and_grads(module, batch, train=False)
+    got_loss, got = _loss_and_grads(module, batch, train=True)
+    assert state.captures == 4
+    assert torch.equal(got_loss, want_loss) and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
+
+    assert revert_cuda_graphs(model) == 3
+    assert "forward" not in vars(layer) and not hasattr(layer, _STATE_ATTR) and layer.gradient_checkpointing
+
+
+def test_at_most_max_signatures_are_recorded():
+    module = _module("llama", "cpu")
+    apply_cuda_graphs(module.model, max_signatures=1)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    for name in ["a", "a", "one", "one", "one"]:
+        _loss_and_grads(module, _batch(name, "cpu"), train=True)
+    assert state.captures == 3 and len(state.statics) == 1  # "a" only: "one" stays eager
+
+
+def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
+    module = _module("llama", "cpu")
+    with pytest.raises(ValueError, match="lora.dropout"):
+        apply_cuda_graphs(_module("llama", "cpu", lora={**LORA, "dropout": 0.1}).model)
+    module.model.gradient_checkpointing_disable()
+    with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
+        apply_cuda_graphs(module.model)
+    cpu_graphs = FinetuneModule(
+        model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True},
+        lora={**LORA, "target_parameters": None},
+    )
+    with pytest.raises(ValueError, match="model.cuda_graphs=true needs a CUDA device"):
+        cpu_graphs.configure_model()
+
+
+@pytest.mark.gpu
+def test_a_replayed_training_step_never_syncs():
+    module = _module("qwen3_moe", "cuda")
+    apply_cuda_graphs(module.model)
+    optimizer = torch.optim.AdamW([p for p in module.model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step(name, seed):
+        batch = _batch(name, "cuda", seed)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = module.loss_sum(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    step("a", 0), step("b", 1)  # eager, then recorded
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        loss = step("a", 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert math.isfinite(loss.item())
+
+
+def test_graphed_layers_under_ddp_give_the_eager_gradients(tmp_path):
+    """DDP's reducer sees the graphed layers' weight gradients (they reach ``.grad`` through autograd)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Loss(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, batch):
+            return self.module.loss_sum(batch)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = _module("llama", "cpu")
+        apply_cuda_graphs(module.model)
+        ddp = DistributedDataParallel(Loss(module), gradient_as_bucket_view=True)
+        state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+        batch = _batch("one", "cpu")
+        for step in range(3):  # eager, recorded, replayed
+            grads = []
+            for train in (False, True):
+                module.model.train(train)
+                ddp(batch).backward()
+                grads.append({n: p.grad.clone() for n, p in module.model.named_parameters() if p.requires_grad})
+                module.model.zero_grad(set_to_none=True)
+            want, got = grads
+            assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want), f"step {step}"
+        assert state.captures == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replaced_unused_and_frozen_weights_get_what_eager_gives_them():
+    """A parameter object replaced over the same storage is recorded again and gets the gradient; a
+    trainable weight the output does not use gets None; a layer with nothing to differentiate runs eagerly."""
+    module = _module("llama", "cpu")
+    model = module.model
+    layers = model.get_base_model().model.layers
+    model.get_base_model().get_input_embeddings()._forward_hooks.clear()  # PEFT's hook: its output requires grad
+    for p in layers[0].parameters():  # layer 0: frozen, and its input (the frozen embedding) needs no grad
+        p.requires_grad_(False)
+    layers[1].register_parameter("unused", torch.nn.Parameter(torch.zeros(3)))
+    apply_cuda_graphs(model)
+    state = getattr(layers[1], _STATE_ATTR)
+    batch = _batch("one", "cpu")
+    for _ in range(3):
+        _, got = _loss_and_grads(module, batch, train=True)
+    assert state.captures == 2  # layers 1 and 2
+    assert layers[1].unused.grad is None and "base_model.model.model.layers.1.unused" not in got
+
+    lora_A = layers[2].self_attn.q_proj.lora_A["default"]
+    lora_A.weight = torch.nn.Parameter(lora_A.weight.detach())  # a new object over the same memory
+    want_loss, want = _loss_and_grads(module, batch, train=False)
+    got_loss, got = _loss_and_grads(module, batch, train=True)
+    assert state.captures == 3
+    assert torch.equal(got_loss, want_loss) and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
