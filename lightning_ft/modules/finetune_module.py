@@ -265,6 +265,7 @@ class FinetuneModule(L.LightningModule):
         cfg = self.model_cfg
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.get_default_device()
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
+        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(device, self._trainer)  # checked before the build
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
         rank_zero_info(f"attention: {attention} ({why})")
         model = load_causal_lm(
@@ -288,7 +289,7 @@ class FinetuneModule(L.LightningModule):
             rank_zero_info(f"moe: {backend} experts backend")
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
-        if cfg.get("cuda_graphs") and _use_cuda_graphs(device, self._trainer):
+        if cuda_graphs:
             rank_zero_info(f"cuda graphs: {apply_cuda_graphs(model)} decoder layers replayed from CUDA graphs in training")
         self.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
