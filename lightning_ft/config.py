@@ -27,7 +27,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16: the weights' dtype
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     attention: str = "auto"  # auto | varlen | flex | sdpa packed attention (auto: varlen on CUDA in bf16/fp16, else sdpa)
-    cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs (CUDA, checkpointing, varlen|sdpa, no dropout)
+    cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs in training (CUDA, checkpointing, varlen|sdpa, no dropout)
     trust_remote_code: bool = False
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_ft.callbacks.throughput import TokenThroughput
+from lightning_ft.modules.cuda_graphs import cuda_graph_stats
 from lightning_ft.strategies.fsdp2 import gather_state_dict
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class RunSummary(L.Callback):
       ``peak_memory_bytes`` (on CUDA also split into ``peak_memory_setup_bytes``, building and
       sharding the model, and ``peak_memory_train_bytes``), ``adapter_dir``, ``checkpoint_path``,
       ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``), the data
-      statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``world_size``
+      statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``cuda_graphs``
+      (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
+      recorded; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`), ``world_size``
       (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device`` and the
       resolved ``config``.
     - ``loss_curve.png``.
@@ -148,10 +151,17 @@ class RunSummary(L.Callback):
             "val_perplexity": _float(metrics.get("val/perplexity")),
             "val_exact_match": _float(metrics.get("val/exact_match")),
             "data": asdict(datamodule.stats) if datamodule is not None and hasattr(datamodule, "stats") else None,
+            "cuda_graphs": cuda_graph_stats(pl_module.model) if getattr(pl_module, "model", None) is not None else None,
             "world_size": trainer.world_size,
             "device": str(pl_module.device),
             "config": self.config,
         }
+        graphs = self.summary["cuda_graphs"]
+        if graphs and (calls := graphs["replayed_layer_calls"] + graphs["eager_layer_calls"]):
+            log.info(
+                "cuda graphs: %.0f%% of %d layer calls replayed from graphs (%d input signatures recorded; "
+                "rows of new shapes run eagerly)", 100 * graphs["replayed_layer_calls"] / calls, calls, graphs["signatures"],
+            )
         write_json_atomic(self.run_dir / "summary.json", self.summary)
         if losses:
             plot_loss_curve(losses, self.run_dir / "loss_curve.png")

@@ -65,7 +65,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
 
-__all__ = ["apply_cuda_graphs", "revert_cuda_graphs"]
+__all__ = ["apply_cuda_graphs", "cuda_graph_stats", "revert_cuda_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +199,8 @@ class _ModelGraphs:
         self.stream: torch.cuda.Stream | None = None
         self.logged: set[str] = set()
         self.captures = 0
+        self.replayed = 0  # training calls of a layer run from its graphs
+        self.eager = 0  # ... and run eagerly (first sighting, over max_signatures, not graphable)
         self.recording = False  # inside `_record`: layer calls run the layer's own forward
 
     def log_once(self, message: str) -> None:
@@ -369,7 +371,9 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
         return original(hidden_states, *args, **kwargs)
     found = state.graphs_for(self, hidden_states, kwargs) if not args else None
     if found is None:
+        state.eager += 1
         return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
+    state.replayed += 1
     graphs, static = found
     return _GraphedLayer.apply(graphs, static, kwargs, hidden_states, *graphs.params)
 
@@ -390,8 +394,9 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
         The number of layers patched.
 
     Raises:
-        ValueError: no ``GradientCheckpointingLayer`` in the model, gradient checkpointing off, or an
-            attention implementation other than ours with ``varlen``.
+        ValueError: no ``GradientCheckpointingLayer`` in the model, gradient checkpointing off, an
+            attention other than ours with ``varlen`` or ``sdpa``, sliding-window attention, or
+            dropout in a layer.
     """
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
@@ -401,9 +406,8 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in (ATTENTION_NAMES["varlen"], ATTENTION_NAMES["sdpa"]):
-        raise ValueError(
-            f"model.cuda_graphs=true needs model.attention=varlen (or auto on a GPU) or sdpa, not {implementation!r}"
-        )
+        backend = {name: backend for backend, name in ATTENTION_NAMES.items()}.get(implementation, implementation)
+        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen (or auto on a GPU) or sdpa, not {backend!r}")
     windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
     if windowed:
         raise ValueError(
@@ -425,6 +429,25 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
         layer.forward = types.MethodType(_graphed_layer_forward, layer)
     logger.info("cuda graphs: %d decoder layers run from graphs in training", len(layers))
     return len(layers)
+
+
+def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
+    """How the graphed layers of ``model`` ran in training so far (None: not patched).
+
+    Returns:
+        ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
+        graphs, and ``recordings`` (layer × signature).
+    """
+    for module in model.modules():
+        if hasattr(module, _STATE_ATTR):
+            state: _ModelGraphs = getattr(module, _STATE_ATTR)
+            return {
+                "replayed_layer_calls": state.replayed,
+                "eager_layer_calls": state.eager,
+                "signatures": len(state.statics),
+                "recordings": state.captures,
+            }
+    return None
 
 
 def revert_cuda_graphs(model: torch.nn.Module) -> int:

@@ -180,20 +180,34 @@ def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
             module.cast_input_dtype_enabled = False
 
 
-def _use_cuda_graphs(device: torch.device, trainer: L.Trainer | None) -> bool:
-    """Whether ``model.cuda_graphs=true`` applies: not under FSDP2 (warned and skipped).
+def _use_cuda_graphs(model: dict[str, Any], lora: dict[str, Any], attention: str, device: torch.device, trainer: L.Trainer | None) -> bool:
+    """Whether ``model.cuda_graphs=true`` applies, checked from the config before the model is built.
+
+    Skipped (with a warning) under FSDP2. The checks `apply_cuda_graphs` repeats on the built model
+    (checkpointing, attention, dropout) run here first, so a bad combination fails before 60 GB of
+    weights are loaded.
 
     Raises:
-        ValueError: the model is not on a CUDA device.
+        ValueError: off CUDA, without ``model.gradient_checkpointing``, with ``model.attention=flex``
+            or with ``lora.dropout`` > 0.
     """
-    if device.type != "cuda":
-        raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false")
     if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):
         rank_zero_warn(
             "model.cuda_graphs=true is skipped under strategy=fsdp2 (FSDP2 gathers each layer's weights at new "
             "addresses every step); set model.cuda_graphs=false to silence this"
         )
         return False
+    if device.type != "cuda":
+        raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false")
+    if not model.get("gradient_checkpointing"):
+        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
+    if attention not in ("varlen", "sdpa"):
+        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen or sdpa, not {attention}")
+    if lora.get("enabled", True) and lora.get("dropout", 0.0):
+        raise ValueError(
+            f"model.cuda_graphs=true needs lora.dropout=0 (got {lora['dropout']}): the backward graph's recompute "
+            "would draw a different dropout mask than the forward's"
+        )
     return True
 
 
@@ -265,8 +279,8 @@ class FinetuneModule(L.LightningModule):
         cfg = self.model_cfg
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.get_default_device()
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
-        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(device, self._trainer)  # checked before the build
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
+        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(cfg, self.lora_cfg, attention, device, self._trainer)
         rank_zero_info(f"attention: {attention} ({why})")
         model = load_causal_lm(
             cfg.get("name_or_path"),

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules.cuda_graphs import _STATE_ATTR, apply_cuda_graphs, revert_cuda_graphs
-from lightning_ft.modules.finetune_module import FinetuneModule
+from lightning_ft.modules.cuda_graphs import _STATE_ATTR, apply_cuda_graphs, cuda_graph_stats, revert_cuda_graphs
+from lightning_ft.modules.finetune_module import FinetuneModule, _use_cuda_graphs
 
 TINY = {
     "llama": dict(
@@ -151,6 +151,15 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     module.model.gradient_checkpointing_disable()
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
         apply_cuda_graphs(module.model)
+    cuda = torch.device("cuda")  # the config checks before the build (no GPU needed to construct the device)
+    graphs = {"gradient_checkpointing": True, "cuda_graphs": True}
+    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, None)
+    with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
+        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, None)
+    with pytest.raises(ValueError, match="model.attention=varlen or sdpa, not flex"):
+        _use_cuda_graphs(graphs, LORA, "flex", cuda, None)
+    with pytest.raises(ValueError, match="lora.dropout=0"):
+        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, None)
     cpu_graphs = FinetuneModule(
         model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True},
         lora={**LORA, "target_parameters": None},
@@ -242,3 +251,13 @@ def test_replaced_unused_and_frozen_weights_get_what_eager_gives_them():
     got_loss, got = _loss_and_grads(module, batch, train=True)
     assert state.captures == 3
     assert torch.equal(got_loss, want_loss) and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
+
+
+def test_the_stats_count_replayed_and_eager_layer_calls():
+    module = _module("llama", "cpu")
+    assert cuda_graph_stats(module.model) is None
+    apply_cuda_graphs(module.model)
+    for name in ["one", "one", "one", "a"]:  # eager, recorded (replayed), replayed, eager (first sighting)
+        _loss_and_grads(module, _batch(name, "cpu"), train=True)
+    _loss_and_grads(module, _batch("one", "cpu"), train=False)  # evaluation: not counted
+    assert cuda_graph_stats(module.model) == {"replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3}
