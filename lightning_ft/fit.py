@@ -161,6 +161,7 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         settings = OmegaConf.to_container(cfg.trainer)
         named = [k for k in settings if re.search(rf"\b{k}\b", str(err))] or list(settings)  # the keys it names
         if "gpu backend" in str(err).lower():  # a GPU config on a machine without one
+            named = ["accelerator"]
             hint = "; no GPU here: trainer=cpu precision=fp32 (and model.cuda_graphs=false for the GPU model configs)"
         else:
             hint = "; several devices: strategy=ddp or strategy=fsdp2" if "strategy" in named else ""
