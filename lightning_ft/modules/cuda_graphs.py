@@ -65,7 +65,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
 
-__all__ = ["apply_cuda_graphs", "cuda_graph_stats", "revert_cuda_graphs"]
+__all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "revert_cuda_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _signature(value: Any, varlen: bool) -> Any:
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_signature(v, varlen) for v in value))
     if isinstance(value, PackedBatch):
-        return _packed_layout(value, varlen)
+        return value.cached(("cuda_graphs_layout", varlen), lambda: _packed_layout(value, varlen))
     if isinstance(value, _SCALARS):
         return value
     raise _Ungraphable(f"a keyword of type {type(value).__name__}")
@@ -151,13 +151,12 @@ class _StaticInputs:
     grad_out: torch.Tensor
     grad_in: torch.Tensor
     kwargs: dict[str, Any]
-    device: torch.device
     sources: dict[tuple, Any] = field(default_factory=dict)  # what each keyword buffer last copied
     warmed_up: bool = False
 
     def load(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
         for name, value in kwargs.items():
-            _copy_into(self.kwargs[name], value, (name,), self.sources, self.device)
+            _copy_into(self.kwargs[name], value, (name,), self.sources, self.hidden.device)
         self.hidden.copy_(hidden)
 
 
@@ -253,7 +252,6 @@ class _ModelGraphs:
             grad_out=torch.empty_like(hidden),
             grad_in=torch.empty_like(hidden),
             kwargs={name: _static_like(value, hidden.device, self.varlen) for name, value in kwargs.items()},
-            device=hidden.device,
         )
         self.statics[signature] = static
         return static
@@ -316,7 +314,7 @@ class _ModelGraphs:
 
     def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
         if self.stream is None:
-            self.stream = torch.cuda.Stream(static.device)
+            self.stream = torch.cuda.Stream(static.hidden.device)
             self.pool = torch.cuda.graph_pool_handle()
         self.stream.wait_stream(torch.cuda.current_stream())
         graphs = []
@@ -378,6 +376,29 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     return _GraphedLayer.apply(graphs, static, kwargs, hidden_states, *graphs.params)
 
 
+def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: float) -> None:
+    """Raise where the graphs cannot replay a model set up so (from the config, or the built model).
+
+    Args:
+        gradient_checkpointing: ``model.gradient_checkpointing``.
+        attention: the resolved ``model.attention`` backend (``varlen``, ``sdpa``, ``flex``).
+        dropout: the largest dropout probability in the layers (``lora.dropout``, attention dropout).
+
+    Raises:
+        ValueError: checkpointing off, an attention other than varlen or sdpa, or dropout > 0,
+            naming the key to change.
+    """
+    if not gradient_checkpointing:
+        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
+    if attention not in ("varlen", "sdpa"):
+        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen or sdpa, not {attention}")
+    if dropout:
+        raise ValueError(
+            f"model.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
+            "the backward graph's recompute would draw a different dropout mask than the forward's"
+        )
+
+
 def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
     """Run every decoder layer of ``model`` (HF or PEFT-wrapped) from CUDA graphs in training.
 
@@ -394,31 +415,25 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
         The number of layers patched.
 
     Raises:
-        ValueError: no ``GradientCheckpointingLayer`` in the model, gradient checkpointing off, an
-            attention other than ours with ``varlen`` or ``sdpa``, sliding-window attention, or
-            dropout in a layer.
+        ValueError: no ``GradientCheckpointingLayer`` in the model, sliding-window attention, or
+            what `check_cuda_graphs` refuses.
     """
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no transformers decoder layers (GradientCheckpointingLayer)")
-    if not all(layer.gradient_checkpointing for layer in layers):
-        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true: the graphs recompute each layer in backward")
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in (ATTENTION_NAMES["varlen"], ATTENTION_NAMES["sdpa"]):
-        backend = {name: backend for backend, name in ATTENTION_NAMES.items()}.get(implementation, implementation)
-        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen (or auto on a GPU) or sdpa, not {backend!r}")
+    dropouts = [m.p for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Dropout)]
+    check_cuda_graphs(
+        gradient_checkpointing=all(layer.gradient_checkpointing for layer in layers),
+        attention={name: backend for backend, name in ATTENTION_NAMES.items()}.get(implementation, implementation),
+        dropout=max([*dropouts, getattr(config, "attention_dropout", 0.0) or 0.0]),
+    )
     windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
     if windowed:
         raise ValueError(
             f"model.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
             "set model.cuda_graphs=false"
-        )
-    dropouts = sorted({m.p for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
-    if dropouts or getattr(config, "attention_dropout", 0.0):
-        raise ValueError(
-            f"model.cuda_graphs=true needs dropout 0 (found p={dropouts or config.attention_dropout}, e.g. lora.dropout): "
-            "the backward graph's recompute would draw a different dropout mask than the forward's"
         )
     revert_cuda_graphs(model)
     state = _ModelGraphs(max_signatures, varlen=implementation == ATTENTION_NAMES["varlen"])

@@ -44,7 +44,7 @@ from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
-from lightning_ft.modules.cuda_graphs import apply_cuda_graphs
+from lightning_ft.modules.cuda_graphs import apply_cuda_graphs, check_cuda_graphs
 from lightning_ft.modules.moe import apply_moe
 from lightning_ft.modules.patching import apply_kernels
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
@@ -183,13 +183,12 @@ def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
 def _use_cuda_graphs(model: dict[str, Any], lora: dict[str, Any], attention: str, device: torch.device, trainer: L.Trainer | None) -> bool:
     """Whether ``model.cuda_graphs=true`` applies, checked from the config before the model is built.
 
-    Skipped (with a warning) under FSDP2. The checks `apply_cuda_graphs` repeats on the built model
-    (checkpointing, attention, dropout) run here first, so a bad combination fails before 60 GB of
+    Skipped (with a warning) under FSDP2. `check_cuda_graphs`, which `apply_cuda_graphs` runs again
+    on the built model, runs here on the config first, so a bad combination fails before 60 GB of
     weights are loaded.
 
     Raises:
-        ValueError: off CUDA, without ``model.gradient_checkpointing``, with ``model.attention=flex``
-            or with ``lora.dropout`` > 0.
+        ValueError: off CUDA, or what `check_cuda_graphs` refuses.
     """
     if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):
         rank_zero_warn(
@@ -199,15 +198,8 @@ def _use_cuda_graphs(model: dict[str, Any], lora: dict[str, Any], attention: str
         return False
     if device.type != "cuda":
         raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false")
-    if not model.get("gradient_checkpointing"):
-        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
-    if attention not in ("varlen", "sdpa"):
-        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen or sdpa, not {attention}")
-    if lora.get("enabled", True) and lora.get("dropout", 0.0):
-        raise ValueError(
-            f"model.cuda_graphs=true needs lora.dropout=0 (got {lora['dropout']}): the backward graph's recompute "
-            "would draw a different dropout mask than the forward's"
-        )
+    dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
+    check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout)
     return True
 
 
