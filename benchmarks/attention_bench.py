@@ -23,6 +23,10 @@ lengths are GSM8K's (question + answer, tokenized with the project's builtin tok
     row with ``model.attention=auto``; ``tokens/s`` counts real tokens only, ``padding`` is the padded
     fraction of the padded batch; ``packed x`` = padded time / packed time.
 
+With ``--cuda-graphs`` every module is built with gradient checkpointing and ``model.cuda_graphs``
+(both the packed and the padded rows: the padded batch's layers are graphed too, with its attention
+mask as a graph input), and each row reports the share of its layer calls replayed from graphs.
+
 flex compiles on its first step (included in warm-up); rows that would not finish within
 ``--budget-s`` seconds of the start are skipped and listed as such. With --smoke everything runs on the CPU
 with tiny shapes and the sdpa backend, timed with perf_counter, to check that the script works; its
@@ -87,6 +91,7 @@ class Row:
     peak_gib: float | None = None
     padded_tokens: int | None = None
     skipped: str | None = None
+    replayed_share: float | None = None  # with --cuda-graphs: the row's timed layer calls replayed from graphs
 
 
 def _version(dist: str) -> str | None:
@@ -147,17 +152,21 @@ def _timer(device, warmup: int, steps: int) -> Callable[[Callable[[], None]], tu
     return run
 
 
-def _build(shape: dict, device, dtype: str):
-    """A `FinetuneModule` with random weights of ``shape`` and LoRA, on ``device``."""
+def _build(shape: dict, device, dtype: str, cuda_graphs: bool):
+    """A `FinetuneModule` with random weights of ``shape`` and LoRA, on ``device``, in training mode
+    (with ``cuda_graphs``: gradient checkpointing and every decoder layer replayed from CUDA graphs)."""
     import torch
 
     from lightning_ft.modules.finetune_module import FinetuneModule
 
     torch.manual_seed(0)
     model = {"init": "random", "config": dict(shape), "dtype": dtype, "attention": "sdpa"}
+    if cuda_graphs:
+        model |= {"gradient_checkpointing": True, "cuda_graphs": True}
     module = FinetuneModule(model=model, lora=LORA)
     with device:
         module.configure_model()
+    module.model.train()
     return module
 
 
@@ -228,7 +237,11 @@ def run(args, device, auto: str) -> tuple[list[Row], str]:
         need = FLEX_COMPILE_S if row.backend == "flex" and row.model not in flex_compiled else ROW_S
         left = args.budget_s - (time.perf_counter() - start)
         if args.smoke or left >= need:
+            calls = _graph_calls(modules[row.model])
             row.ms, row.peak_gib = timer(step)
+            if calls is not None:  # the share over warm-up and timed steps; recording happens in warm-up
+                replayed, eager = (after - before for after, before in zip(_graph_calls(modules[row.model]), calls))
+                row.replayed_share = replayed / max(1, replayed + eager)
             row.tokens_per_s = row.tokens / row.ms * 1e3
             if row.backend == "flex":
                 flex_compiled.add(row.model)
@@ -239,7 +252,7 @@ def run(args, device, auto: str) -> tuple[list[Row], str]:
             torch.cuda.empty_cache()
         return row
 
-    modules = {name: _build(shape, device, args.dtype) for name, shape in shapes.items()}
+    modules = {name: _build(shape, device, args.dtype, args.cuda_graphs) for name, shape in shapes.items()}
     batches = {budget: fill_row(lengths[rng.randrange(len(lengths) // 2) :], budget) for budget in token_budgets}
     docs = {
         (name, budget): [(ids, ids) for ids in ([rng.randrange(shape["vocab_size"]) for _ in range(n)] for n in sizes)]
@@ -265,6 +278,13 @@ def run(args, device, auto: str) -> tuple[list[Row], str]:
                 row.padded_tokens = len(row_docs) * max(batches[budget])
                 rows.append(timed(row, _padded_step(module, row_docs, device)))
     return rows, source
+
+
+def _graph_calls(module) -> tuple[int, int] | None:
+    from lightning_ft.modules.cuda_graphs import cuda_graph_stats
+
+    stats = cuda_graph_stats(module.model)
+    return None if stats is None else (stats["replayed_layer_calls"], stats["eager_layer_calls"])
 
 
 def _table(rows: list[Row], auto: str) -> str:
@@ -314,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, help="untimed steps per row (default 2; 1 with --smoke)")
     parser.add_argument("--steps", type=int, help="timed steps per row, median (default 5; 2 with --smoke)")
     parser.add_argument("--budget-s", type=float, default=165.0, help="skip rows that would end later than this")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="gradient checkpointing + model.cuda_graphs=true for every row (packed and padded); varlen/sdpa only",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -322,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs CUDA (or --smoke for the CPU check)")
+    if args.cuda_graphs and (args.smoke or "flex" in args.backends.split(",")):
+        parser.error("--cuda-graphs needs CUDA and --backends of varlen and/or sdpa (graphs do not replay flex)")
     device = torch.device("cpu" if args.smoke else "cuda")
     args.dtype = "float32" if args.smoke else "bfloat16"
     args.warmup = args.warmup if args.warmup is not None else 1 if args.smoke else 2

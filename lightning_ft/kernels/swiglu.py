@@ -110,80 +110,121 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 # Concatenated layout: the gate and up halves of one [rows, 2I] GEMM output (transformers' MoE experts
-# keep ``gate_up_proj`` stacked, so each expert GEMM yields h = [gate | up]).
+# keep ``gate_up_proj`` stacked, so each expert GEMM yields h = [gate | up]). An optional per-row
+# weight w scales each row: y = silu(gate) * up * w (the MoE routing weight, see `swiglu_concat`).
 
 
 @triton.jit
-def _swiglu_concat_fwd_kernel(H, Y, n_cols, stride_h, stride_y, BLOCK: tl.constexpr):
+def _swiglu_concat_fwd_kernel(H, W, Y, n_cols, stride_h, stride_y, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+    y = g * tl.sigmoid(g) * u
+    if HAS_WEIGHT:
+        y = y * tl.load(W + row).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_concat_bwd_kernel(DY, H, DH, n_cols, stride_dy, stride_h, stride_dh, BLOCK: tl.constexpr):
+def _swiglu_concat_bwd_kernel(
+    DY, H, W, DH, DW, n_cols, stride_dy, stride_h, stride_dh, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program per row (the weight's gradient is a whole-row sum), column blocks in a loop."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    tl.store(DH + row * stride_dh + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(DH.dtype.element_ty), mask=mask)
-    tl.store(DH + row * stride_dh + n_cols + cols, (dy * g * s).to(DH.dtype.element_ty), mask=mask)
+    w = 1.0
+    if HAS_WEIGHT:
+        w = tl.load(W + row).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        if HAS_WEIGHT:
+            dw += dy * g * s * u
+        dy = dy * w
+        tl.store(DH + row * stride_dh + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + row * stride_dh + n_cols + cols, (dy * g * s).to(DH.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DW + row, tl.sum(dw, axis=0).to(DW.dtype.element_ty))
 
 
 _CONCAT_BLOCK = 1024
 
 
-def _concat_grid(rows: int, n_cols: int) -> tuple[int, int]:
-    return rows, triton.cdiv(n_cols, _CONCAT_BLOCK)
+def _concat_block(n_cols: int) -> int:
+    return min(_CONCAT_BLOCK, triton.next_power_of_2(n_cols))
 
 
 class SwiGLUConcatFunction(torch.autograd.Function):
-    """silu(h[:, :I]) * h[:, I:] on a [rows, 2I] tensor; saves h only, its gradient is one [rows, 2I] tensor."""
+    """silu(h[:, :I]) * h[:, I:] (* w) on a [rows, 2I] tensor; saves h (and w), its gradient is one [rows, 2I] tensor."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
         rows, n_cols = h.shape[0], h.shape[1] // 2
         y = h.new_empty(rows, n_cols)
+        block = _concat_block(n_cols)
         if y.numel():
-            _swiglu_concat_fwd_kernel[_concat_grid(rows, n_cols)](
-                h, y, n_cols, h.stride(0), y.stride(0), BLOCK=_CONCAT_BLOCK, num_warps=num_warps_for(_CONCAT_BLOCK)
-            )
-        ctx.save_for_backward(h)
+            _swiglu_concat_fwd_kernel[(rows, triton.cdiv(n_cols, block))](
+                h, h if row_weight is None else row_weight, y, n_cols, h.stride(0), y.stride(0),
+                HAS_WEIGHT=row_weight is not None, BLOCK=block, num_warps=num_warps_for(block),
+            )  # fmt: skip
+        ctx.save_for_backward(h, row_weight)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (h,) = ctx.saved_tensors
+        h, row_weight = ctx.saved_tensors
         dy = dy.contiguous()
         dh = torch.empty_like(h)
+        d_weight = None if row_weight is None else torch.empty_like(row_weight)
         rows, n_cols = dy.shape
+        block = _concat_block(n_cols)
         if dy.numel():
-            _swiglu_concat_bwd_kernel[_concat_grid(rows, n_cols)](
-                dy, h, dh, n_cols, dy.stride(0), h.stride(0), dh.stride(0),
-                BLOCK=_CONCAT_BLOCK, num_warps=num_warps_for(_CONCAT_BLOCK),
+            _swiglu_concat_bwd_kernel[(rows,)](
+                dy, h, h if row_weight is None else row_weight, dh, dh if d_weight is None else d_weight,
+                n_cols, dy.stride(0), h.stride(0), dh.stride(0),
+                HAS_WEIGHT=row_weight is not None, BLOCK=block, num_warps=num_warps_for(block),
             )  # fmt: skip
-        return dh
+        elif d_weight is not None:
+            d_weight.zero_()
+        return dh, d_weight
 
 
-def swiglu_concat(h: torch.Tensor) -> torch.Tensor:
+def swiglu_concat(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Fused silu(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
 
     The MoE experts' layout (one GEMM against the stacked ``gate_up_proj``): no chunk views, no silu
     intermediate, and the backward writes the one [rows, 2I] gradient the GEMM's backward takes,
     instead of two halves that autograd would concatenate. Same math and rounding as `swiglu`.
 
+    Args:
+        h: [rows, 2I] gate and up, side by side.
+        row_weight: optional [rows] weight multiplied into each output row (in fp32, before the one
+            rounding), differentiable. The MoE experts pass the routing weight here: the down
+            projection and its LoRA are linear, so W_down (w h) = w (W_down h), and scaling the
+            [rows, I] input instead of the [rows, D] output saves two elementwise passes over the
+            larger tensor per forward and two (plus a reduction) per backward (measured on the
+            H200: 0.33 ms per pass at 65536 x 2048, Qwen3-30B-A3B at 8K tokens).
+
     Raises:
-        ValueError: h is not 2-D with an even number of columns.
+        ValueError: h is not 2-D with an even number of columns, or row_weight is not [rows].
     """
     if h.dim() != 2 or h.shape[1] % 2:
         raise ValueError(f"swiglu_concat: expected [rows, 2I], got {tuple(h.shape)}")
+    if row_weight is not None and row_weight.shape != h.shape[:1]:
+        raise ValueError(f"swiglu_concat: row_weight must be [{h.shape[0]}], got {tuple(row_weight.shape)}")
     if not triton_can_run(h):
         warn_fallback("swiglu_concat", h.device)
-        return swiglu_reference(*h.chunk(2, dim=-1))
-    return SwiGLUConcatFunction.apply(h.contiguous())
+        return swiglu_concat_reference(h, row_weight)
+    return SwiGLUConcatFunction.apply(h.contiguous(), None if row_weight is None else row_weight.contiguous())
+
+
+def swiglu_concat_reference(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch `swiglu_concat`: silu(gate) * up, then times the row weight."""
+    y = swiglu_reference(*h.chunk(2, dim=-1))
+    return y if row_weight is None else y * row_weight[:, None]

@@ -75,8 +75,9 @@ def test_sort_by_expert_rejects_float_ids():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_permute_unpermute_match_indexing(device, dtype):
-    num_tokens, top_k, num_experts, hidden = 13, 3, 5, 7
+@pytest.mark.parametrize("hidden", [7, 2050])  # 2050: two column blocks of the fused gather-sum
+def test_permute_unpermute_match_indexing(device, dtype, hidden):
+    num_tokens, top_k, num_experts = 13, 3, 5
     routing = sort_by_expert(_distinct_topk(num_tokens, top_k, num_experts).to(device), num_experts)
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()

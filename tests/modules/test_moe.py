@@ -106,13 +106,22 @@ def test_patched_model_matches_stock_fp32(backend, overrides, device):
 def test_patched_model_bf16_as_close_as_stock(backend, device):
     """bf16: our error against the fp32 stock run is no worse than the bf16 stock run's (with slack).
 
+    The bf16 runs take the fp32 run's top-k experts (`_pin_routing`): a token whose k-th and
+    (k+1)-th router logits are closer than bf16's rounding may pick another expert in either bf16
+    run, which changes that expert's adapter gradient outright (seen on the H200: 2-3 of 64 choices,
+    in stock and ours alike, enough to fail or pass this test by chance). Pinned, the test measures
+    rounding error only. The weights are still computed from each run's own logits.
+
     PEFT keeps the adapters in fp32 on a bf16 base (``autocast_adapter_dtype``); the factors are
     cast to bf16 for the expert GEMMs and the gradients flow back to the fp32 parameters.
     """
     _skip_unless_runnable(backend, device)
     input_ids = _input_ids(device)
-    ref32, grads32 = _step(_peft_model(device), input_ids)
+    model32 = _peft_model(device)
+    chosen = _record_routing(model32)
+    ref32, grads32 = _step(model32, input_ids)
     model = _peft_model(device, torch.bfloat16)
+    _pin_routing(model, chosen)
     stock, stock_grads = _step(model, input_ids)
     apply_moe(model, backend)
     out, grads = _step(model, input_ids)
@@ -122,6 +131,35 @@ def test_patched_model_bf16_as_close_as_stock(backend, device):
     for name, grad in grads.items():
         limit = 2 * _rel_err(stock_grads[name], grads32[name]) + 2e-2
         assert _rel_err(grad, grads32[name]) <= limit, name
+
+
+def _routers(model) -> dict[str, Qwen3MoeTopKRouter]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Qwen3MoeTopKRouter)}
+
+
+def _record_routing(model) -> dict[str, torch.Tensor]:
+    """Record each router's top-k expert ids (by module name) on every forward of ``model``."""
+    chosen = {}
+    for name, router in _routers(model).items():
+        router.register_forward_hook(lambda m, args, out, name=name: chosen.__setitem__(name, out[2].detach()))
+    return chosen
+
+
+def _pin_routing(model, chosen: dict[str, torch.Tensor]) -> None:
+    """Make each router of ``model`` return the experts in ``chosen`` (recorded by `_record_routing`),
+    with weights from its own logits: softmax in fp32, gathered, renormalised when norm_topk_prob."""
+
+    def hook(router, args, out, name):
+        idx = chosen[name]
+        logits = torch.nn.functional.linear(args[0].reshape(-1, router.weight.shape[1]), router.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weight = probs.gather(-1, idx)
+        if router.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        return out[0], weight.to(out[1].dtype), idx
+
+    for name, router in _routers(model).items():
+        router.register_forward_hook(lambda m, args, out, name=name: hook(m, args, out, name))
 
 
 def _peft_block(top_k: int, device: str):

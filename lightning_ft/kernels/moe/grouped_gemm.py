@@ -13,6 +13,10 @@ Math of one expert e on its rows x_e (all backends; act is the experts' ``act_fn
     y_e   = a_e W2_e^T + s2 (a_e A2_e^T) B2_e^T           [n_e, D]   (down, + split LoRA)
     out_t = sum_k topk_weight[t, k] * y[(t, k)]           [T, D]
 
+The down projection and its LoRA are linear, so ``native_torch`` and ``grouped_mm`` scale a_e by
+the routing weight inside the SwiGLU kernel (one pass over [S, I]) instead of y by it (two passes
+over the larger [S, D] forward, more backward); the ``triton`` backend scales in its epilogue.
+
 Split LoRA never forms B·A: the two thin GEMMs per projection reuse the base GEMM's grouping
 (offsets). A_e [R, C] and B_e [N, R] are read straight from PEFT's ``target_parameters`` tensors
 (`ExpertLoRA`), so gradients land in PEFT's parameters and the adapter file stays PEFT's.
@@ -699,12 +703,16 @@ _LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
 _SILU_NAMES = {"SiLU", "SiLUActivation"}
 
 
-def _swiglu(h_SF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """act(gate) * up of h = [gate | up]; SiLU (every Qwen3-MoE) takes the fused `swiglu_concat` kernel."""
+def _swiglu(
+    h_SF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], weight_S: torch.Tensor | None = None
+) -> torch.Tensor:
+    """act(gate) * up (* routing weight per row) of h = [gate | up]; SiLU (every Qwen3-MoE) takes the
+    fused `swiglu_concat` kernel, which folds the weight in (see its docstring for why)."""
     if type(act_fn).__name__ in _SILU_NAMES and triton_can_run(h_SF):
-        return swiglu_concat(h_SF)
+        return swiglu_concat(h_SF, weight_S)
     gate_SI, up_SI = h_SF.chunk(2, dim=-1)
-    return act_fn(gate_SI) * up_SI
+    y_SI = act_fn(gate_SI) * up_SI
+    return y_SI if weight_S is None else y_SI * weight_S[:, None]
 
 
 def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | None, expert: int) -> torch.Tensor:
@@ -715,14 +723,15 @@ def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | Non
     return y
 
 
-def _experts_native(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+def _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
     # Note: the one host sync of this backend (offsets read back once per call); backward has none.
     ends = routing.offsets_E.tolist()
     outputs, start = [], 0
     for expert, end in enumerate(ends):
         if end > start:
             h = _linear_native(x_SD[start:end], w_gate_up_EFD[expert], lora_gate_up, expert)
-            outputs.append(_linear_native(_swiglu(h, act_fn), w_down_EDI[expert], lora_down, expert))
+            a = _swiglu(h, act_fn, weight_S[start:end])
+            outputs.append(_linear_native(a, w_down_EDI[expert], lora_down, expert))
         start = end
     if not outputs:
         return x_SD.new_zeros(0, w_down_EDI.shape[1])
@@ -747,10 +756,12 @@ def _linear_grouped_mm(x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_w
     return y_SN.add_(_GROUPED_MM(xa_SR, b_ERN.contiguous(), offs=offsets_E))
 
 
-def _experts_grouped_mm(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights):
+def _experts_grouped_mm(
+    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights
+):
     offsets_E = routing.offsets_E
     h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, lora_gate_up, copy_weights)
-    return _linear_grouped_mm(_swiglu(h_SF, act_fn), w_down_EDI, offsets_E, lora_down, copy_weights)
+    return _linear_grouped_mm(_swiglu(h_SF, act_fn, weight_S), w_down_EDI, offsets_E, lora_down, copy_weights)
 
 
 def _lora_args(lora: _LoRAFactors | None) -> tuple:
@@ -816,16 +827,17 @@ def moe_experts(
         if backend == "triton":
             out_TD = _experts_triton(x, weight_S, routing, *weights)
         else:
+            # the routing weight scales each pair's down-projection input (inside the SwiGLU kernel)
             x_SD = permute_tokens(x, routing)
             if backend == "grouped_mm":
-                y_SD = _run_grouped_mm(x_SD, routing, *weights)
+                y_SD = _run_grouped_mm(x_SD, routing, weight_S, *weights)
             else:
-                y_SD = _experts_native(x_SD, routing, *weights)
-            out_TD = unpermute_tokens(y_SD * weight_S[:, None], routing)
+                y_SD = _experts_native(x_SD, routing, weight_S, *weights)
+            out_TD = unpermute_tokens(y_SD, routing)
     return out_TD.to(x_TD.dtype)
 
 
-def _run_grouped_mm(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+def _run_grouped_mm(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
     dtype = x_SD.dtype
     mode = grouped_mm_mode(x_SD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
@@ -837,7 +849,7 @@ def _run_grouped_mm(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_
             "sizes must be multiples of 16 bytes); running the native_torch loop (one host sync per layer). "
             "Use moe.backend=triton to stay sync-free.",
         )
-        return _experts_native(x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down)
+        return _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down)
     return _experts_grouped_mm(
-        x_SD, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights=mode == "copies"
+        x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights=mode == "copies"
     )

@@ -30,6 +30,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
+
+from lightning_ft.kernels._utils import num_warps_for, triton_can_run
 
 __all__ = ["ExpertRouting", "permute_tokens", "sort_by_expert", "topk_routing", "unpermute_tokens"]
 
@@ -126,6 +130,41 @@ def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> ExpertRouting
     )
 
 
+@triton.jit
+def _sum_pairs_kernel(Y, INV, OUT, n_cols, stride_y, stride_out, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = sum over k of Y[INV[t*K + k], cols], in fp32, k in order."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(INV + token * TOP_K + k).to(tl.int64)
+        acc += tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + token * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[S, D] expert-sorted rows -> [T, D]: row t is the sum of its K pairs' rows, fp32 accumulation.
+
+    One fused gather + sum where Triton runs: it reads the S rows once and writes the T rows. The
+    plain-torch way (the CPU fallback), ``index_select`` then ``sum`` over K, also writes and re-reads
+    the gathered [S, D] copy: 0.14 + 0.11 ms per call at S = 65536, D = 2048 on the H200 (profiled,
+    Qwen3-30B-A3B at 8K tokens), once per layer forward (and recompute) and once in backward.
+    """
+    if not triton_can_run(y_SD):
+        return y_SD.index_select(0, inv_pair_S).view(-1, top_k, y_SD.shape[-1]).sum(dim=1)
+    y_SD = y_SD if y_SD.stride(-1) == 1 else y_SD.contiguous()
+    num_tokens, n_cols = inv_pair_S.numel() // top_k, y_SD.shape[-1]
+    out_TD = y_SD.new_empty(num_tokens, n_cols)
+    if out_TD.numel():
+        block = min(2048, triton.next_power_of_2(n_cols))
+        _sum_pairs_kernel[(num_tokens, triton.cdiv(n_cols, block))](
+            y_SD, inv_pair_S, out_TD, n_cols, y_SD.stride(0), out_TD.stride(0),
+            TOP_K=top_k, BLOCK=block, num_warps=num_warps_for(block),
+        )  # fmt: skip
+    return out_TD
+
+
 class _PermuteTokens(torch.autograd.Function):
     """x_SD = x_TD[token_idx_S]; the backward sums each token's K rows without atomics."""
 
@@ -138,9 +177,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SD):
         (inv_pair_S,) = ctx.saved_tensors
-        grad_pairs = grad_SD.index_select(0, inv_pair_S)  # [T*K, D] in (t, k) order
-        grad_TD = grad_pairs.view(-1, ctx.top_k, grad_SD.shape[-1]).sum(dim=1)
-        return grad_TD, None, None, None
+        return _sum_pairs(grad_SD, inv_pair_S, ctx.top_k), None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
@@ -149,8 +186,7 @@ class _UnpermuteTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_SD, token_idx_S, inv_pair_S, top_k):
         ctx.save_for_backward(token_idx_S)
-        y_pairs = y_SD.index_select(0, inv_pair_S)
-        return y_pairs.view(-1, top_k, y_SD.shape[-1]).sum(dim=1)
+        return _sum_pairs(y_SD, inv_pair_S, top_k)
 
     @staticmethod
     def backward(ctx, grad_TD):
