@@ -91,7 +91,7 @@ class Row:
     peak_gib: float | None = None
     padded_tokens: int | None = None
     skipped: str | None = None
-    replayed_share: float | None = None  # with --cuda-graphs: the row's timed layer calls replayed from graphs
+    replayed_share: float | None = None  # with --cuda-graphs: share of the row's layer calls (warm-up and timed) replayed
 
 
 def _version(dist: str) -> str | None:
@@ -330,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
     parser.add_argument("--data", default="../shared/data/gsm8k_train.jsonl", help="GSM8K jsonl for document lengths")
-    parser.add_argument("--backends", default="varlen,sdpa,flex", help="comma-separated packed attention backends")
+    parser.add_argument(
+        "--backends", help="comma-separated packed attention backends (default varlen,sdpa,flex; varlen,sdpa with --cuda-graphs)"
+    )
     parser.add_argument("--warmup", type=int, help="untimed steps per row (default 2; 1 with --smoke)")
     parser.add_argument("--steps", type=int, help="timed steps per row, median (default 5; 2 with --smoke)")
     parser.add_argument("--budget-s", type=float, default=165.0, help="skip rows that would end later than this")
@@ -346,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs CUDA (or --smoke for the CPU check)")
+    args.backends = args.backends or ("varlen,sdpa" if args.cuda_graphs else "varlen,sdpa,flex")
     if args.cuda_graphs and (args.smoke or "flex" in args.backends.split(",")):
         parser.error("--cuda-graphs needs CUDA and --backends of varlen and/or sdpa (graphs do not replay flex)")
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -114,13 +114,17 @@ def _reference(case: Case, topk_idx: torch.Tensor, t: dict) -> torch.Tensor:
     return (y * t["topk_weight"][..., None]).sum(dim=1)
 
 
-def _run(backend, case, topk_idx, tensors, dtype, grad_out):
-    """Forward + backward of one backend; returns the output and the grads of the trainable tensors."""
+def _run(backend, case, topk_idx, tensors, dtype, grad_out, act_fn=torch.nn.SiLU()):
+    """Forward + backward of one backend; returns the output and the grads of the trainable tensors.
+
+    ``nn.SiLU`` (what transformers' experts hold) takes the fused SwiGLU kernel with the routing
+    weight folded in; any other callable takes the plain-torch activation path.
+    """
     t = {name: v.detach().to(dtype).requires_grad_(name in _trainable(case)) for name, v in tensors.items()}
     gate_up_lora, down_lora = _loras(case, t)
     routing = sort_by_expert(topk_idx, case.experts)
     out = moe_experts(
-        t["x"], t["topk_weight"], routing, t["w_gate_up"], t["w_down"], F.silu,
+        t["x"], t["topk_weight"], routing, t["w_gate_up"], t["w_down"], act_fn,
         gate_up_lora=gate_up_lora, down_lora=down_lora, backend=backend,
     )
     out.backward(grad_out.to(dtype))
@@ -160,6 +164,32 @@ def test_backend_matches_materialised_reference(backend, case_name, dtype, devic
         assert grads[name] is not None, f"{name} got no gradient"
         assert grads[name].dtype == dtype
         _assert_close(grads[name], ref_grad, dtype, f"grad of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["native_torch", "grouped_mm"])
+def test_plain_activation_path_equals_the_fused_one(backend, device):
+    """An act_fn that is not SiLU runs act(gate) * up * weight in plain torch: same output and grads."""
+    case = CASES["base"]
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    fused = _run(backend, case, topk_idx, tensors, torch.float32, grad_out)
+    plain = _run(backend, case, topk_idx, tensors, torch.float32, grad_out, act_fn=lambda h: F.silu(h))
+    torch.testing.assert_close(plain[0], fused[0], rtol=1e-5, atol=1e-5)
+    for name, grad in fused[1].items():
+        torch.testing.assert_close(plain[1][name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_gives_an_empty_output_that_backpropagates(backend, device):
+    _skip_unless_runnable(backend, device)
+    case = Case(tokens=0, hidden=32, intermediate=16, experts=4, top_k=2, rank=4)
+    topk_idx, tensors = _make(case, device)
+    out, grads = _run(backend, case, topk_idx, tensors, torch.float32, torch.zeros(0, case.hidden, device=device))
+    assert out.shape == (0, case.hidden) and out.requires_grad  # and its backward ran in _run
+    for name, grad in grads.items():  # None where a backend never touched the tensor, else zero-sized or zeros
+        assert grad is None or not grad.any(), name
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -79,6 +79,20 @@ def test_concat_layout_matches_reference(device, dtype, rows, inter, weighted):
         torch.testing.assert_close(out.float(), ref, atol=TOL[dtype] * max(1.0, scale / 8), rtol=TOL[dtype])
 
 
+def test_concat_row_weight_without_grad(device):
+    """A frozen row weight still scales the output and the gradient of h; no weight gradient is made."""
+    h = torch.randn(6, 2 * 40, device=device)
+    weight = torch.rand(6, device=device)
+    dy = torch.randn(6, 40, device=device)
+    grads = []
+    for fn in (swiglu_concat, swiglu_concat_reference):
+        leaf = h.clone().requires_grad_()
+        fn(leaf, weight).backward(dy)
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
+    assert weight.grad is None
+
+
 @pytest.mark.gpu
 def test_no_host_sync():
     gate = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -22,7 +22,8 @@ Split LoRA never forms B·A: the two thin GEMMs per projection reuse the base GE
 (`ExpertLoRA`), so gradients land in PEFT's parameters and the adapter file stays PEFT's.
 
 Gradients (every backend; the triton backend computes them in its own kernels), per projection
-with input X, output gradient dH and (for the down projection) routing weights folded into dH:
+with input X and output gradient dH; the routing weights are folded into the down projection's dH
+(``triton``) or, equivalently, into its input X (``native_torch``, ``grouped_mm``):
 
     dX_e = dH_e W_e + s (dH_e B_e) A_e          dW_e = dH_e^T X_e       (full fine-tuning only)
     dA_e = s (dH_e B_e)^T X_e                   dB_e = s dH_e^T (X_e A_e^T)
@@ -733,8 +734,8 @@ def _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, 
             a = _swiglu(h, act_fn, weight_S[start:end])
             outputs.append(_linear_native(a, w_down_EDI[expert], lora_down, expert))
         start = end
-    if not outputs:
-        return x_SD.new_zeros(0, w_down_EDI.shape[1])
+    if not outputs:  # no rows at all: an empty output still attached to the graph (weight_S is [0])
+        return x_SD.new_zeros(0, w_down_EDI.shape[1]) + weight_S[:, None]
     return torch.cat(outputs)
 
 

@@ -151,7 +151,7 @@ def _sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torc
     the gathered [S, D] copy: 0.14 + 0.11 ms per call at S = 65536, D = 2048 on the H200 (profiled,
     Qwen3-30B-A3B at 8K tokens), once per layer forward (and recompute) and once in backward.
     """
-    if not triton_can_run(y_SD):
+    if not triton_can_run(y_SD) or y_SD.dtype == torch.float64:  # the kernel adds in fp32
         return y_SD.index_select(0, inv_pair_S).view(-1, top_k, y_SD.shape[-1]).sum(dim=1)
     y_SD = y_SD if y_SD.stride(-1) == 1 else y_SD.contiguous()
     num_tokens, n_cols = inv_pair_S.numel() // top_k, y_SD.shape[-1]
@@ -197,8 +197,8 @@ class _UnpermuteTokens(torch.autograd.Function):
 def permute_tokens(x_TD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
     """Gather token rows into expert-sorted pair order: [T, D] -> [S, D], differentiable.
 
-    The backward adds each token's K pair gradients with a gather and a sum over K (fp32
-    accumulation for half types), so it is deterministic and needs no atomics or host sync.
+    The backward adds each token's K pair gradients with one fused gather + sum (fp32 accumulation,
+    fp64 for fp64 tensors), so it is deterministic and needs no atomics or host sync.
     """
     return _PermuteTokens.apply(x_TD, routing.token_idx_S, routing.inv_pair_S, routing.top_k)
 
@@ -206,7 +206,7 @@ def permute_tokens(x_TD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
 def unpermute_tokens(y_SD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
     """Sum each token's K expert outputs: [S, D] (expert-sorted) -> [T, D], differentiable.
 
-    The K rows of a token are summed in (t, k) order with fp32 accumulation for half types (as
-    transformers' grouped_mm experts path does), so the result is deterministic.
+    The K rows of a token are summed in (t, k) order with fp32 accumulation (fp64 for fp64 tensors;
+    as transformers' grouped_mm experts path does), so the result is deterministic.
     """
     return _UnpermuteTokens.apply(y_SD, routing.token_idx_S, routing.inv_pair_S, routing.top_k)
