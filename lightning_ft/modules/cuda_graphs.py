@@ -65,13 +65,26 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
 
-__all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "revert_cuda_graphs"]
+__all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "recomputing_for_backward", "revert_cuda_graphs"]
 
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_lightning_ft_cuda_graphs"  # on each patched layer: the model's `_ModelGraphs`
 _CHECKPOINTING_ATTR = "_lightning_ft_cuda_graphs_checkpointing"  # the layer's own flag before patching
 _SCALARS = (type(None), bool, int, float, str)
+_RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
+
+
+def recomputing_for_backward() -> bool:
+    """Whether the running decoder-layer forward is the backward graph's recompute.
+
+    There the layer's output value is never read: only its autograd graph is (the backward takes
+    ``autograd.grad(out, ..., dout)``). A module whose output feeds nothing but the layer's output
+    (the residual sum after the MLP) may then skip computing its value, as long as its backward
+    does not need it; the MoE experts skip their down projection and un-permute this way.
+    """
+    return _RECOMPUTING[0]
+
 
 
 class _Ungraphable(Exception):
@@ -290,11 +303,13 @@ class _ModelGraphs:
             x = static.hidden.detach().requires_grad_(input_grad)
             leaves = [p.detach().requires_grad_() for p in params]
             self.recording = True  # the call below reaches our patched forward: run the layer's own
+            _RECOMPUTING[0] = True
             try:
                 with torch.enable_grad(), torch.autocast(**amp):
                     out = torch.func.functional_call(layer, dict(zip(names, leaves)), (x,), static.kwargs, strict=False)
             finally:
                 self.recording = False
+                _RECOMPUTING[0] = False
             inputs = [x, *leaves] if input_grad else leaves
             grads = list(torch.autograd.grad(out, inputs, static.grad_out, allow_unused=True))
             if input_grad:
@@ -376,17 +391,19 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     return _GraphedLayer.apply(graphs, static, kwargs, hidden_states, *graphs.params)
 
 
-def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: float) -> None:
+def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: float, moe_backend: str | None = None) -> None:
     """Raise where the graphs cannot replay a model set up so (from the config, or the built model).
 
     Args:
         gradient_checkpointing: ``model.gradient_checkpointing``.
         attention: the resolved ``model.attention`` backend (``varlen``, ``sdpa``, ``flex``).
         dropout: the largest dropout probability in the layers (``lora.dropout``, attention dropout).
+        moe_backend: ``moe.backend`` (requested, or as resolved by ``apply_moe``), if any.
 
     Raises:
-        ValueError: checkpointing off, an attention other than varlen or sdpa, or dropout > 0,
-            naming the key to change.
+        ValueError: checkpointing off, an attention other than varlen or sdpa, dropout > 0, or the
+            ``native_torch`` MoE backend (it reads the expert offsets back to the host once per
+            layer, which a graph cannot record), naming the key to change.
     """
     if not gradient_checkpointing:
         raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
@@ -396,6 +413,11 @@ def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: flo
         raise ValueError(
             f"model.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
             "the backward graph's recompute would draw a different dropout mask than the forward's"
+        )
+    if moe_backend == "native_torch":
+        raise ValueError(
+            "model.cuda_graphs=true cannot record moe.backend=native_torch (its expert loop reads the offsets back "
+            "to the host once per layer): set moe.backend=grouped_mm or triton, or model.cuda_graphs=false"
         )
 
 

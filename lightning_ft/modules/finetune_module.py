@@ -180,7 +180,14 @@ def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
             module.cast_input_dtype_enabled = False
 
 
-def _use_cuda_graphs(model: dict[str, Any], lora: dict[str, Any], attention: str, device: torch.device, trainer: L.Trainer | None) -> bool:
+def _use_cuda_graphs(
+    model: dict[str, Any],
+    lora: dict[str, Any],
+    attention: str,
+    device: torch.device,
+    trainer: L.Trainer | None,
+    moe_backend: str | None = None,
+) -> bool:
     """Whether ``model.cuda_graphs=true`` applies, checked from the config before the model is built.
 
     Skipped (with a warning) under FSDP2. `check_cuda_graphs`, which `apply_cuda_graphs` runs again
@@ -199,7 +206,7 @@ def _use_cuda_graphs(model: dict[str, Any], lora: dict[str, Any], attention: str
     if device.type != "cuda":
         raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false")
     dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
-    check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout)
+    check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend)
     return True
 
 
@@ -272,7 +279,10 @@ class FinetuneModule(L.LightningModule):
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.get_default_device()
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
-        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(cfg, self.lora_cfg, attention, device, self._trainer)
+        moe_backend = self.moe_cfg.get("backend", "hf")
+        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(
+            cfg, self.lora_cfg, attention, device, self._trainer, moe_backend
+        )
         rank_zero_info(f"attention: {attention} ({why})")
         model = load_causal_lm(
             cfg.get("name_or_path"),
@@ -290,9 +300,11 @@ class FinetuneModule(L.LightningModule):
             model = add_lora(model, self.lora_cfg)
             if self._trainer is not None and "mixed" in str(self.trainer.precision):
                 _skip_adapter_input_casts(model)
-        if self.moe_cfg.get("backend", "hf") != "hf":
-            backend = apply_moe(model, backend=self.moe_cfg["backend"], train_router=self.moe_cfg.get("train_router", False))
+        if moe_backend != "hf":
+            backend = apply_moe(model, backend=moe_backend, train_router=self.moe_cfg.get("train_router", False))
             rank_zero_info(f"moe: {backend} experts backend")
+            if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
+                _use_cuda_graphs(cfg, self.lora_cfg, attention, device, self._trainer, backend)
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
         if cuda_graphs:

@@ -10,6 +10,10 @@ Patched block forward, once per layer:
     routing = sort_by_expert(topk_idx_TK, E)                          # stable sort, int32 offsets
     out_TD  = moe_experts(x_TD, topk_weight_TK, routing, W_gate_up, W_down, act, LoRA..., backend)
 
+In the CUDA graphs' recompute of a decoder layer (`recomputing_for_backward`) the block's output
+only feeds the layer's residual sum, whose value nobody reads: ``output_needed=False`` skips the
+down projection and the un-permute there (their backward needs neither).
+
 Router logits: transformers v5 collects ``output_router_logits`` with forward hooks that its
 ``capture_outputs`` decorator installs on every ``Qwen3MoeTopKRouter`` (``OutputRecorder(index=0)``).
 The patched block calls ``self.gate`` as a module, exactly as the stock block does, so the hooks fire
@@ -45,6 +49,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
+from lightning_ft.modules.cuda_graphs import recomputing_for_backward
 
 __all__ = ["apply_moe", "revert_moe"]
 
@@ -142,6 +147,8 @@ def _sparse_moe_block_forward(self: Qwen3MoeSparseMoeBlock, hidden_states: torch
         gate_up_lora=loras.get("gate_up_proj"),
         down_lora=loras.get("down_proj"),
         backend=getattr(self, _BACKEND_ATTR),
+        # Qwen3MoeDecoderLayer returns residual + mlp(...): in the graphs' recompute nothing reads it
+        output_needed=not recomputing_for_backward(),
     )
     return out_TD.view_as(hidden_states)
 

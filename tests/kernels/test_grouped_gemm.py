@@ -237,6 +237,28 @@ def test_triton_grouped_gemm_gather_scatter_lora(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_grouped_gemm_accumulates_in_place(device, dtype):
+    """``accumulate_into``: a thin per-expert GEMM added into an existing output, once, in place."""
+    _skip_unless_runnable("triton", device)
+    torch.manual_seed(0)
+    counts = torch.tensor([6, 0, 13, 2])
+    rows, rank, n_dim = int(counts.sum()), 16, 35
+    offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
+    expert_of_row = torch.repeat_interleave(torch.arange(4), counts).to(device)
+    mid = torch.randn(rows, rank, device=device, dtype=dtype)
+    b_ERN = torch.randn(4, rank, n_dim, device=device, dtype=dtype)
+    out = torch.randn(rows, n_dim, device=device, dtype=dtype)
+    expected = out.float() + torch.einsum("sr,srn->sn", mid.float(), b_ERN.float()[expert_of_row])
+
+    result = grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out)
+    assert result is out
+    torch.testing.assert_close(out.float(), expected, **({} if dtype == torch.float32 else TOL[dtype]))
+    with pytest.raises(ValueError, match="accumulate_into"):
+        grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out[:, :-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_triton_grouped_wgrad_ragged_with_empty_expert(device):
     _skip_unless_runnable("triton", device)
     torch.manual_seed(0)

@@ -184,14 +184,16 @@ class _UnpermuteTokens(torch.autograd.Function):
     """out_TD[t] = sum_k y_SD[sorted position of (t, k)]; the backward is a gather, no atomics."""
 
     @staticmethod
-    def forward(ctx, y_SD, token_idx_S, inv_pair_S, top_k):
+    def forward(ctx, y_SD, token_idx_S, inv_pair_S, top_k, output_needed):
         ctx.save_for_backward(token_idx_S)
+        if not output_needed:
+            return y_SD.new_zeros(inv_pair_S.numel() // top_k, y_SD.shape[-1])
         return _sum_pairs(y_SD, inv_pair_S, top_k)
 
     @staticmethod
     def backward(ctx, grad_TD):
         (token_idx_S,) = ctx.saved_tensors
-        return grad_TD.index_select(0, token_idx_S), None, None, None
+        return grad_TD.index_select(0, token_idx_S), None, None, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
@@ -203,10 +205,12 @@ def permute_tokens(x_TD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
     return _PermuteTokens.apply(x_TD, routing.token_idx_S, routing.inv_pair_S, routing.top_k)
 
 
-def unpermute_tokens(y_SD: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
+def unpermute_tokens(y_SD: torch.Tensor, routing: ExpertRouting, *, output_needed: bool = True) -> torch.Tensor:
     """Sum each token's K expert outputs: [S, D] (expert-sorted) -> [T, D], differentiable.
 
     The K rows of a token are summed in (t, k) order with fp32 accumulation (fp64 for fp64 tensors;
-    as transformers' grouped_mm experts path does), so the result is deterministic.
+    as transformers' grouped_mm experts path does), so the result is deterministic. With
+    ``output_needed=False`` y_SD is not read and the result is zeros (its gradient is the same
+    gather): for a recompute that only differentiates through the output.
     """
-    return _UnpermuteTokens.apply(y_SD, routing.token_idx_S, routing.inv_pair_S, routing.top_k)
+    return _UnpermuteTokens.apply(y_SD, routing.token_idx_S, routing.inv_pair_S, routing.top_k, output_needed)
