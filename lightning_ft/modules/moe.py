@@ -10,9 +10,10 @@ Patched block forward, once per layer:
     routing = sort_by_expert(topk_idx_TK, E)                          # stable sort, int32 offsets
     out_TD  = moe_experts(x_TD, topk_weight_TK, routing, W_gate_up, W_down, act, LoRA..., backend)
 
-In the CUDA graphs' recompute of a decoder layer (`recomputing_for_backward`) the block's output
-only feeds the layer's residual sum, whose value nobody reads: ``output_needed=False`` skips the
-down projection and the un-permute there (their backward needs neither).
+In the CUDA graphs' recompute of a decoder layer (`recomputing_for_backward`) the output of a block
+that is a ``Qwen3MoeDecoderLayer``'s ``mlp`` only feeds the layer's residual sum, whose value nobody
+reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
+needs neither). A block used anywhere else always computes its output.
 
 Router logits: transformers v5 collects ``output_router_logits`` with forward hooks that its
 ``capture_outputs`` decorator installs on every ``Qwen3MoeTopKRouter`` (``OutputRecorder(index=0)``).
@@ -46,7 +47,11 @@ import types
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 from peft.tuners.tuners_utils import BaseTunerLayer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeSparseMoeBlock,
+    Qwen3MoeTopKRouter,
+)
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
 from lightning_ft.modules.cuda_graphs import recomputing_for_backward
@@ -58,6 +63,7 @@ logger = logging.getLogger(__name__)
 _BACKEND_ATTR = "_lightning_ft_moe_backend"
 _PREVIOUS_FORWARD_ATTR = "_lightning_ft_moe_previous_forward"  # the block's instance `forward`, or None
 _ROUTER_GRAD_ATTR = "_lightning_ft_moe_router_requires_grad"
+_FEEDS_RESIDUAL_ATTR = "_lightning_ft_moe_feeds_residual"  # the block is a Qwen3MoeDecoderLayer's mlp
 
 
 def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool = False) -> str:
@@ -96,7 +102,11 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
         if not hasattr(block, _BACKEND_ATTR):  # a re-patch must not record our own forward
             setattr(block, _PREVIOUS_FORWARD_ATTR, vars(block).get("forward"))
         setattr(block, _BACKEND_ATTR, chosen)
+        setattr(block, _FEEDS_RESIDUAL_ATTR, False)
         block.forward = types.MethodType(_sparse_moe_block_forward, block)
+    for layer in model.modules():
+        if isinstance(layer, Qwen3MoeDecoderLayer) and hasattr(layer.mlp, _FEEDS_RESIDUAL_ATTR):
+            setattr(layer.mlp, _FEEDS_RESIDUAL_ATTR, True)  # its output only enters `residual + mlp(...)`
     for router in (m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)):
         if not hasattr(router, _ROUTER_GRAD_ATTR):
             setattr(router, _ROUTER_GRAD_ATTR, router.weight.requires_grad)
@@ -123,6 +133,7 @@ def revert_moe(model: torch.nn.Module) -> int:
                 module.forward = previous_forward
             delattr(module, _BACKEND_ATTR)
             delattr(module, _PREVIOUS_FORWARD_ATTR)
+            delattr(module, _FEEDS_RESIDUAL_ATTR)
             reverted += 1
         if hasattr(module, _ROUTER_GRAD_ATTR):
             module.weight.requires_grad_(getattr(module, _ROUTER_GRAD_ATTR))
@@ -148,7 +159,7 @@ def _sparse_moe_block_forward(self: Qwen3MoeSparseMoeBlock, hidden_states: torch
         down_lora=loras.get("down_proj"),
         backend=getattr(self, _BACKEND_ATTR),
         # Qwen3MoeDecoderLayer returns residual + mlp(...): in the graphs' recompute nothing reads it
-        output_needed=not recomputing_for_backward(),
+        output_needed=not (getattr(self, _FEEDS_RESIDUAL_ATTR) and recomputing_for_backward()),
     )
     return out_TD.view_as(hidden_states)
 

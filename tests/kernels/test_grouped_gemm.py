@@ -114,21 +114,23 @@ def _reference(case: Case, topk_idx: torch.Tensor, t: dict) -> torch.Tensor:
     return (y * t["topk_weight"][..., None]).sum(dim=1)
 
 
-def _run(backend, case, topk_idx, tensors, dtype, grad_out, act_fn=torch.nn.SiLU()):
+def _run(backend, case, topk_idx, tensors, dtype, grad_out, act_fn=torch.nn.SiLU(), trainable=None, output_needed=True):
     """Forward + backward of one backend; returns the output and the grads of the trainable tensors.
 
     ``nn.SiLU`` (what transformers' experts hold) takes the fused SwiGLU kernel with the routing
-    weight folded in; any other callable takes the plain-torch activation path.
+    weight folded in; any other callable takes the plain-torch activation path. ``trainable``: the
+    tensors that require grad (default: `_trainable`).
     """
-    t = {name: v.detach().to(dtype).requires_grad_(name in _trainable(case)) for name, v in tensors.items()}
+    trainable = _trainable(case) if trainable is None else trainable
+    t = {name: v.detach().to(dtype).requires_grad_(name in trainable) for name, v in tensors.items()}
     gate_up_lora, down_lora = _loras(case, t)
     routing = sort_by_expert(topk_idx, case.experts)
     out = moe_experts(
         t["x"], t["topk_weight"], routing, t["w_gate_up"], t["w_down"], act_fn,
-        gate_up_lora=gate_up_lora, down_lora=down_lora, backend=backend,
+        gate_up_lora=gate_up_lora, down_lora=down_lora, backend=backend, output_needed=output_needed,
     )
     out.backward(grad_out.to(dtype))
-    return out, {name: t[name].grad for name in _trainable(case)}
+    return out, {name: t[name].grad for name in trainable}
 
 
 def _reference_run(case, topk_idx, tensors, grad_out):
@@ -178,6 +180,40 @@ def test_plain_activation_path_equals_the_fused_one(backend, device):
     torch.testing.assert_close(plain[0], fused[0], rtol=1e-5, atol=1e-5)
     for name, grad in fused[1].items():
         torch.testing.assert_close(plain[1][name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("trainable", [("x",), ("topk_weight", "gate_up_B"), ("gate_up_A", "down_B"), ("down_A",)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_what_requires_grad_gets_the_reference_gradient(backend, trainable, device):
+    """Frozen inputs or LoRA factors: each backend's hand-written backward skips them, the rest is exact."""
+    _skip_unless_runnable(backend, device)
+    case = CASES["e6_top1_empty"]
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    _, expected = _reference_run(case, topk_idx, tensors, grad_out)
+    _, grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out, trainable=trainable)
+    for name in trainable:
+        _assert_close(grads[name], expected[name], torch.float32, f"{backend} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unneeded_output_is_zeros_with_the_same_gradients(backend, device):
+    """``output_needed=False`` (a recompute that only differentiates): grouped_mm and triton skip the
+    down projection and return zeros, native_torch computes it; every gradient is unchanged."""
+    _skip_unless_runnable(backend, device)
+    case = CASES["odd_sizes"] if backend != "grouped_mm" else CASES["base"]  # grouped_mm: aligned sizes
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden).to(device)
+    out, grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out)
+    skipped, skipped_grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out, output_needed=False)
+    if backend == "native_torch":
+        torch.testing.assert_close(skipped, out, rtol=0, atol=0)
+    else:
+        assert skipped.shape == out.shape and not skipped.any()
+    for name, grad in grads.items():
+        torch.testing.assert_close(skipped_grads[name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,7 +14,9 @@ import warnings
 import pytest
 import torch
 
+import lightning_ft.modules.moe
 from lightning_ft.data.packing import collate_packed
+from lightning_ft.kernels.moe import moe_experts
 from lightning_ft.modules.cuda_graphs import _STATE_ATTR, apply_cuda_graphs, cuda_graph_stats, revert_cuda_graphs
 from lightning_ft.modules.finetune_module import FinetuneModule, _use_cuda_graphs
 
@@ -92,7 +94,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, cuda: bool) -> bool:
 @pytest.mark.parametrize(
     "kind, moe_backend", [("llama", "hf"), ("qwen3_moe", "native_torch"), ("qwen3_moe", "grouped_mm"), ("qwen3_moe", "triton")]
 )
-def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend, device):
+def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend, device, monkeypatch):
     """The same row sequence through the graphed model (train) and the eager one (eval: no graphs, no
     checkpointing), with an in-place weight update after each row so replays must read current weights.
     grouped_mm and triton skip the experts' down projection in the recompute (its value is unread)."""
@@ -102,6 +104,13 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
     if moe_backend == "native_torch" and cuda:
         pytest.skip("native_torch syncs once per layer: refused with CUDA graphs (test_what_cannot_be_replayed...)")
     module = _module(kind, device, moe_backend=moe_backend)
+    output_needed = []  # what the MoE blocks ask of the experts: False in the backward graphs' recompute
+
+    def spy(*args, **kwargs):
+        output_needed.append(kwargs["output_needed"])
+        return moe_experts(*args, **kwargs)
+
+    monkeypatch.setattr(lightning_ft.modules.moe, "moe_experts", spy)
     layers = apply_cuda_graphs(module.model)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     assert layers == TINY[kind]["num_hidden_layers"]
@@ -121,6 +130,8 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
             for n, p in module.model.named_parameters():
                 if p.requires_grad:
                     p.add_(want[n], alpha=-0.1)
+    if kind == "qwen3_moe":  # the eager model and the forward graphs computed the output, the recompute did not
+        assert True in output_needed and False in output_needed
 
 
 def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():

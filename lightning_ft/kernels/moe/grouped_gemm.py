@@ -178,24 +178,8 @@ def _configs(names: tuple[str, str, str], gpu: list[tuple[int, ...]], interpret:
 _AUTOTUNE_KW = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
-@triton.autotune(
-    configs=_configs(
-        ("BLOCK_M", "BLOCK_N", "BLOCK_C"),
-        gpu=[
-            (64, 128, 64, 4, 3),
-            (128, 64, 64, 4, 4),
-            (128, 128, 64, 8, 3),
-            (64, 64, 64, 4, 4),
-        ],
-        interpret=(16, 64, 64),
-    ),
-    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "ACCUMULATE"],
-    prune_configs_by={"early_config_prune": _prune_gemm_configs},
-    restore_value=["out_ptr"],  # autotuning runs each config: an accumulating call must add once
-    **_AUTOTUNE_KW,
-)
 @triton.jit
-def _grouped_gemm_kernel(
+def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr,
     N, C, R, E, scaling,
     stride_src_m, stride_src_c,
@@ -293,6 +277,27 @@ def _grouped_gemm_kernel(
     if ACCUMULATE:
         acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+_GEMM_AUTOTUNE = dict(
+    configs=_configs(
+        ("BLOCK_M", "BLOCK_N", "BLOCK_C"),
+        gpu=[
+            (64, 128, 64, 4, 3),
+            (128, 64, 64, 4, 4),
+            (128, 128, 64, 8, 3),
+            (64, 64, 64, 4, 4),
+        ],
+        interpret=(16, 64, 64),
+    ),
+    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "ACCUMULATE"],
+    prune_configs_by={"early_config_prune": _prune_gemm_configs},
+    **_AUTOTUNE_KW,
+)
+_grouped_gemm_kernel = triton.autotune(**_GEMM_AUTOTUNE)(_grouped_gemm_body)
+# Tuning runs every config on the real arguments: an accumulating call must find its output as it
+# was before each run (restore_value clones it around each timing, so only these calls pay for it).
+_grouped_gemm_accumulate_kernel = triton.autotune(**_GEMM_AUTOTUNE, restore_value=["out_ptr"])(_grouped_gemm_body)
 
 
 @triton.autotune(
@@ -453,7 +458,8 @@ def grouped_gemm(
         max_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + min(num_experts, num_rows) - 1
         return max(1, max_tiles), triton.cdiv(n_dim, meta["BLOCK_N"])
 
-    _grouped_gemm_kernel[grid](
+    kernel = _grouped_gemm_kernel if accumulate_into is None else _grouped_gemm_accumulate_kernel
+    kernel[grid](
         src, src_idx_S if src_idx_S is not None else offsets_E, w_ECN, out,
         out_idx_S if out_idx_S is not None else offsets_E,
         row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E,
@@ -748,8 +754,18 @@ def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | Non
     return y
 
 
+def _refuse_host_sync_in_capture(x: torch.Tensor, why: str) -> None:
+    """Raise a clear error where a CUDA graph is being recorded and the path about to run syncs."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"the MoE experts cannot be recorded in a CUDA graph: {why}; "
+            "set moe.backend=triton (sync-free for every dtype and size) or model.cuda_graphs=false"
+        )
+
+
 def _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
     # Note: the one host sync of this backend (offsets read back once per call); backward has none.
+    _refuse_host_sync_in_capture(x_SD, "the native_torch expert loop reads the offsets back to the host")
     ends = routing.offsets_E.tolist()
     outputs, start = [], 0
     for expert, end in enumerate(ends):
@@ -791,6 +807,7 @@ class _GroupedMMLinear(torch.autograd.Function):
             xa_SR = _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E).mul_(scaling)
         ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E)
         ctx.scaling = scaling
+        ctx.copy_weights = copy_weights
         if not compute_output:
             return x_SC.new_empty(x_SC.shape[0], w_ENC.shape[1])
         w_ECN = w_ENC.transpose(1, 2)
@@ -806,7 +823,9 @@ class _GroupedMMLinear(torch.autograd.Function):
         dy_SN = dy_SN.contiguous()
         dx_SC = dw_ENC = da_ERC = db_ENR = None
         if needs_x:
-            dx_SC = _GROUPED_MM(dy_SN, w_ENC, offs=offsets_E)
+            # in "copies" mode, the layout the probe found correct: a view of the contiguous [E, C, N]
+            w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if ctx.copy_weights else w_ENC
+            dx_SC = _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
         if a_ERC is not None and (needs_x or needs_a):
             dyb_SR = _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E).mul_(ctx.scaling)  # s dy B_e: [S, R]
             if needs_x:
@@ -936,6 +955,8 @@ def _run_grouped_mm(
             "Use moe.backend=triton to stay sync-free.",
         )
         return _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down), True
+    if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
+        _refuse_host_sync_in_capture(x_SD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
     y_SD = _experts_grouped_mm(
         x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed
     )
