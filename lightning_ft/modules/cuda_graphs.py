@@ -391,7 +391,13 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     return _GraphedLayer.apply(graphs, static, kwargs, hidden_states, *graphs.params)
 
 
-def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: float, moe_backend: str | None = None) -> None:
+def check_cuda_graphs(
+    gradient_checkpointing: bool,
+    attention: str,
+    dropout: float,
+    moe_backend: str | None = None,
+    output_router_logits: bool = False,
+) -> None:
     """Raise where the graphs cannot replay a model set up so (from the config, or the built model).
 
     Args:
@@ -399,11 +405,13 @@ def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: flo
         attention: the resolved ``model.attention`` backend (``varlen``, ``sdpa``, ``flex``).
         dropout: the largest dropout probability in the layers (``lora.dropout``, attention dropout).
         moe_backend: ``moe.backend`` (requested, or as resolved by ``apply_moe``), if any.
+        output_router_logits: the model config's flag that collects router logits for the MoE
+            load-balancing loss (through forward hooks, which a replayed layer does not run).
 
     Raises:
         ValueError: checkpointing off, an attention other than varlen or sdpa, dropout > 0, or the
             ``native_torch`` MoE backend (it reads the expert offsets back to the host once per
-            layer, which a graph cannot record), naming the key to change.
+            layer, which a graph cannot record), or router logits to collect, naming the key to change.
     """
     if not gradient_checkpointing:
         raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
@@ -418,6 +426,12 @@ def check_cuda_graphs(gradient_checkpointing: bool, attention: str, dropout: flo
         raise ValueError(
             "model.cuda_graphs=true cannot record moe.backend=native_torch (its expert loop reads the offsets back "
             "to the host once per layer): set moe.backend=grouped_mm or triton, or model.cuda_graphs=false"
+        )
+    if output_router_logits:
+        raise ValueError(
+            "model.cuda_graphs=true cannot collect router logits for the MoE load-balancing loss (transformers "
+            "collects them with Python hooks, which replayed layers do not run): set "
+            "model.config.output_router_logits=false or model.cuda_graphs=false"
         )
 
 
@@ -450,6 +464,7 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8) -> int:
         gradient_checkpointing=all(layer.gradient_checkpointing for layer in layers),
         attention={name: backend for backend, name in ATTENTION_NAMES.items()}.get(implementation, implementation),
         dropout=max([*dropouts, getattr(config, "attention_dropout", 0.0) or 0.0]),
+        output_router_logits=bool(getattr(config, "output_router_logits", False)),
     )
     windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
     if windowed:

@@ -182,6 +182,12 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
         _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, None)
     with pytest.raises(ValueError, match="cannot record moe.backend=native_torch"):
         _use_cuda_graphs(graphs, LORA, "varlen", cuda, None, "native_torch")
+    with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
+        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, None)
+    moe = _module("qwen3_moe", "cpu")
+    moe.model.config.output_router_logits = True  # e.g. from a checkpoint's config.json
+    with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
+        apply_cuda_graphs(moe.model)
     cpu_graphs = FinetuneModule(
         model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True},
         lora={**LORA, "target_parameters": None},
