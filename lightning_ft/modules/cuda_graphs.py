@@ -86,7 +86,6 @@ def recomputing_for_backward() -> bool:
     return _RECOMPUTING[0]
 
 
-
 class _Ungraphable(Exception):
     """A call that the graphs cannot replay; it runs eagerly."""
 
