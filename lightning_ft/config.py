@@ -28,6 +28,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     attention: str = "auto"  # auto | varlen | flex | sdpa packed attention (auto: varlen on CUDA in bf16/fp16, else sdpa)
     cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs in training (CUDA, checkpointing, varlen|sdpa, no dropout)
+    cuda_graphs_keep_attention: bool = True  # with cuda_graphs: keep attention's output for the backward (skips its recompute; [T, heads, head_dim] per layer, while it fits)
     trust_remote_code: bool = False
 
 

@@ -37,6 +37,13 @@ waits on the device:
     flex    the BlockMask: its block structure computed on the host, copied; document ids [T] on the device
     sdpa    the [1, 1, T, T] bool mask
 
+Kept attention (with CUDA graphs, `lightning_ft.modules.cuda_graphs`): inside `keeping_attention`
+the varlen backend (and sdpa on the CPU) calls its kernel's forward and backward ops directly
+(`AttentionKernel`: cuDNN for a one-document row on Hopper, flash-attention 2 for several
+documents, the CPU's flash kernel), so a layer's forward can keep attention's output and
+log-sum-exp (`KeptAttention`) and the backward's recompute returns them instead of running
+attention's forward again; its backward calls the same backward op autograd would.
+
 Shape suffixes: T tokens of the packed row, N documents, Hq query heads, Hkv key/value heads, D head
 dim, M = ceil(T / block) blocks of a BlockMask.
 
@@ -49,8 +56,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +253,187 @@ def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
+@dataclass(frozen=True)
+class AttentionKernel:
+    """An attention kernel called through its forward and backward ops, so its saved tensors are explicit.
+
+    ``forward(q, k, v) -> (out, aux)``: ``out`` [1, Hq, T, D] (a view, in the kernel's layout) and
+    ``aux`` what the backward needs besides q, k, v and out (the log-sum-exp [1, Hq, T] or [Hq, T]
+    fp32, RNG state, sequence offsets). ``backward(grad_out, q, k, v, out, aux) -> (dq, dk, dv)``,
+    each shaped like its input. q, k, v are the layouts the backend passes (see the ``*_kernel``
+    functions); ``scale`` and the mask are bound in.
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, tuple]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _cudnn_causal_forward(q, k, v, scale):
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset = result[:8]
+    return out, (lse, seed, offset, cum_q, cum_k, max_q, max_k)
+
+
+def _cudnn_causal_backward(grad_out, q, k, v, out, aux, scale):
+    lse, seed, offset, cum_q, cum_k, max_q, max_k = aux
+    if grad_out.stride() != out.stride():  # cuDNN reads dO in O's layout
+        grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+    )
+
+
+def cudnn_causal_kernel(scale: float | None) -> AttentionKernel:
+    """cuDNN's fused causal attention (what SDPA runs for one document on Hopper), GQA native.
+
+    q [1, Hq, T, D], k/v [1, Hkv, T, D], bf16/fp16 on CUDA. Ops: ``aten::_scaled_dot_product_cudnn_attention``
+    and its ``_backward`` (the pair SDPA's autograd calls; torch 2.11 and 2.13).
+    """
+    return AttentionKernel(partial(_cudnn_causal_forward, scale=scale), partial(_cudnn_causal_backward, scale=scale))
+
+
+def _flash_window(sliding_window: int | None) -> dict[str, int]:
+    return {"window_size_left": sliding_window - 1 if sliding_window is not None else -1, "window_size_right": 0}
+
+
+def _flash_varlen_forward(q, k, v, cu_seqlens, max_seqlen, scale, sliding_window):
+    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale,
+        **_flash_window(sliding_window),
+    )  # fmt: skip
+    return out, (lse, rng_state, unused)
+
+
+def _flash_varlen_backward(grad_out, q, k, v, out, aux, cu_seqlens, max_seqlen, scale, sliding_window):
+    lse, rng_state, unused = aux
+    return torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
+        rng_state, unused, scale=scale, **_flash_window(sliding_window),
+    )  # fmt: skip
+
+
+def flash_varlen_kernel(
+    cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None, sliding_window: int | None
+) -> AttentionKernel:
+    """flash-attention 2 over the documents of a packed row (what `varlen_attn` runs), GQA native.
+
+    q [T, Hq, D], k/v [T, Hkv, D], bf16/fp16 on CUDA; ``cu_seqlens`` [N + 1] int32 on the device.
+    Ops: ``aten::_flash_attention_forward`` / ``_backward`` (the pair behind ``torch.nn.attention.varlen``).
+    """
+    bound = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale, sliding_window=sliding_window)
+    return AttentionKernel(partial(_flash_varlen_forward, **bound), partial(_flash_varlen_backward, **bound))
+
+
+def _cpu_flash_forward(q, k, v, mask, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    return out, (lse,)
+
+
+def _cpu_flash_backward(grad_out, q, k, v, out, aux, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, aux[0], 0.0, False, attn_mask=mask, scale=scale
+    )
+
+
+def cpu_flash_kernel(mask: torch.Tensor, scale: float | None) -> AttentionKernel:
+    """The CPU's flash attention with an additive mask (what SDPA runs on the CPU).
+
+    q/k/v [1, H, T, D] with the same head count; ``mask`` [1, 1, T, T] in q's dtype (0 kept, -inf
+    masked). Ops: ``aten::_scaled_dot_product_flash_attention_for_cpu`` / ``_backward``.
+    """
+    return AttentionKernel(partial(_cpu_flash_forward, mask=mask, scale=scale), partial(_cpu_flash_backward, mask=mask, scale=scale))
+
+
+class _KeptAttentionOutput(torch.autograd.Function):
+    """Attention whose output was computed earlier (kept): returns it, and differentiates through the kernel's backward op."""
+
+    @staticmethod
+    def forward(ctx, backward: Callable, aux: tuple, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        ctx.kernel_backward, ctx.aux = backward, aux
+        ctx.save_for_backward(out, q, k, v)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        out, q, k, v = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel_backward(grad_out, q, k, v, out, ctx.aux)
+        return None, None, None, dq, dk, dv
+
+
+@dataclass
+class KeptAttention:
+    """One decoder layer's attention results, kept by its forward for its recompute (CUDA graphs).
+
+    In the forward (``recompute=False``) each attention call runs its `AttentionKernel` forward and
+    keeps (out, aux); in the recompute the same call returns the kept ``out`` and its backward calls
+    the kernel's backward op: the recompute skips attention's forward, the most expensive op of a
+    long row after the GEMMs (0.89 ms of 14.5 per layer-step at 8K tokens on the Qwen3-30B-A3B
+    shape, H200; benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype
+    plus [Hq, T] fp32 per layer.
+
+    Attributes:
+        allow: asked once, with the bytes one forward keeps, whether this layer may keep them
+            (a memory budget); if not, the layer recomputes attention as before.
+        enabled: that answer (None until the first forward).
+        nbytes: the bytes kept.
+    """
+
+    allow: Callable[[int], bool]
+    enabled: bool | None = None
+    nbytes: int = 0
+    kept: list[tuple[torch.Tensor, tuple]] = field(default_factory=list)
+    recompute: bool = False
+    calls: int = 0
+
+
+_ACTIVE_KEEP: list[KeptAttention | None] = [None]
+
+
+@contextmanager
+def keeping_attention(keep: KeptAttention, recompute: bool) -> Iterator[None]:
+    """Within: the packed attention calls keep their results in ``keep`` (forward) or reuse them (recompute)."""
+    keep.recompute, keep.calls = recompute, 0
+    if not recompute:
+        keep.kept = []
+    _ACTIVE_KEEP[0] = keep
+    try:
+        yield
+    finally:
+        _ACTIVE_KEEP[0] = None
+
+
+def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``kernel``'s output through the active `KeptAttention`, or None where none is active or it keeps nothing."""
+    keep = _ACTIVE_KEEP[0]
+    if keep is None or keep.enabled is False:
+        return None
+    if keep.recompute:
+        if keep.calls >= len(keep.kept):
+            raise RuntimeError("kept attention: the recompute made more attention calls than its forward")
+        out, aux = keep.kept[keep.calls]
+        keep.calls += 1
+        return _KeptAttentionOutput.apply(kernel.backward, aux, out, q, k, v)
+    with torch.no_grad():
+        out, aux = kernel.forward(q, k, v)
+    if keep.enabled is None:
+        nbytes = sum(t.nbytes for t in (out, *aux) if isinstance(t, torch.Tensor))
+        keep.enabled = keep.allow(nbytes)
+        keep.nbytes = nbytes if keep.enabled else 0
+    if keep.enabled:
+        keep.kept.append((out, aux))
+    return out
+
+
+def _cudnn_runs(q: torch.Tensor) -> bool:
+    """Whether cuDNN's attention takes these inputs: Hopper or newer (where SDPA prefers it), D <= 128, D % 8 == 0."""
+    D = q.shape[-1]
+    return (
+        torch.backends.cuda.cudnn_sdp_enabled()
+        and torch.cuda.get_device_capability(q.device) >= (9, 0)
+        and D <= 128 and D % 8 == 0
+    )  # fmt: skip
+
+
 def varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -271,10 +461,17 @@ def varlen_attention(
         # One document: plain causal attention, which SDPA runs with cuDNN's fused kernel on Hopper
         # (FlashAttention-3 class) where varlen has flash-attention 2 only; a host-side check, no sync.
         q, k, v = (t.transpose(0, 1)[None] for t in (q_THD, k_THD, v_THD))  # [1, H, T, D] views of the cast inputs
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != Hq)
+        keeping = _ACTIVE_KEEP[0] is not None and _cudnn_runs(q)
+        out = _attend_kept(cudnn_causal_kernel(scaling), q, k, v) if keeping else None
+        if out is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != Hq)
         return out.transpose(1, 2)
     check_varlen_size(T, batch.num_docs, Hq, D)
     cu_seqlens = batch.cached(("cu_seqlens", q_THD.device), lambda: device_cu_seqlens(batch.cu_seqlens, q_THD.device))
+    if _ACTIVE_KEEP[0] is not None:
+        kernel = flash_varlen_kernel(cu_seqlens, batch.max_seqlen, scaling, sliding_window)
+        if (out_THD := _attend_kept(kernel, q_THD, k_THD, v_THD)) is not None:
+            return out_THD[None]
     varlen_attn, takes_enable_gqa = _varlen_api()
     extra = {"enable_gqa": True} if takes_enable_gqa and k_THD.shape[1] != Hq else {}
     window = (sliding_window - 1 if sliding_window is not None else -1, 0)
@@ -325,7 +522,15 @@ def sdpa_attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    out = None
+    if query.device.type == "cpu" and not dropout and _ACTIVE_KEEP[0] is not None:
+        additive = batch.cached(
+            ("sdpa_additive_mask", query.device, sliding_window, query.dtype),
+            lambda: torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf")),
+        )
+        out = _attend_kept(cpu_flash_kernel(additive, scaling), query, key, value)
+    if out is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous()
 
 

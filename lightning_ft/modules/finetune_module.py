@@ -309,7 +309,8 @@ class FinetuneModule(L.LightningModule):
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
         if cuda_graphs:
-            rank_zero_info(f"cuda graphs: {apply_cuda_graphs(model)} decoder layers replayed from CUDA graphs in training")
+            layers = apply_cuda_graphs(model, keep_attention=cfg.get("cuda_graphs_keep_attention", True))
+            rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
         self.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())

@@ -87,6 +87,58 @@ def test_backend_equals_per_document_sdpa_fp32(backend, lengths, sliding_window)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+MIXED = [1, 37, 1, 150, 1, 129, 64, 1]
+
+
+@pytest.mark.parametrize(
+    "device, lengths, dtype",
+    [
+        ("cpu", MIXED, torch.float32),
+        ("cpu", [211], torch.float32),
+        ("cpu", [211], torch.bfloat16),
+        pytest.param("cuda", MIXED, torch.bfloat16, marks=pytest.mark.gpu),  # flash-attention varlen
+        pytest.param("cuda", [1001], torch.bfloat16, marks=pytest.mark.gpu),  # one document: cuDNN on Hopper
+    ],
+    ids=["cpu-mixed-fp32", "cpu-one-fp32", "cpu-one-bf16", "cuda-mixed-bf16", "cuda-one-bf16"],
+)
+def test_kept_attention_reuses_the_forward_output_and_gives_the_same_gradients(device, lengths, dtype):
+    """What the CUDA graphs do with `KeptAttention`: a forward (no grad) keeps attention's output and
+    log-sum-exp; the recompute returns that output and differentiates through the kernel's backward
+    op. Against the backend run plainly with autograd: the same output, gradients equal on the CPU
+    (the same kernel) and within bf16 rounding on CUDA (flash's dq is accumulated with atomics)."""
+    cuda = device == "cuda"
+    backend = attention.varlen_attention if cuda else attention.sdpa_attention
+    batch = collate_packed(_docs(lengths))
+    g = torch.Generator().manual_seed(2)
+    T, D = sum(lengths), 64
+    # transformers' layout: [1, T, H, D] in memory, passed as [1, H, T, D] views; GQA 4:2
+    q, k, v = (torch.randn(1, T, h, D, generator=g).to(device, dtype).transpose(1, 2) for h in (4, 2, 2))
+    dout = torch.randn(1, T, 4, D, generator=g).to(device, dtype)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    want = backend(*inputs, batch, 0.125, None)
+    want_grads = torch.autograd.grad(want, inputs, dout)
+
+    keep = attention.KeptAttention(allow=lambda nbytes: nbytes > 0)
+    with torch.no_grad(), attention.keeping_attention(keep, recompute=False):
+        forward_out = backend(q, k, v, batch, 0.125, None)
+    assert keep.enabled and len(keep.kept) == 1 and keep.nbytes >= T * 4 * D * q.element_size()
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    with attention.keeping_attention(keep, recompute=True):
+        got = backend(*inputs, batch, 0.125, None)
+    assert got.data_ptr() == keep.kept[0][0].data_ptr()  # the kept output, not a recomputed one
+    got_grads = torch.autograd.grad(got, inputs, dout)
+    torch.testing.assert_close(got, forward_out, rtol=0, atol=0)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if cuda else dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tolerance)
+    for name, a, b in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(a, b, **tolerance, msg=lambda m: f"d{name}: {m}")
+
+    refused = attention.KeptAttention(allow=lambda nbytes: False)  # over budget: the plain backend both times
+    with torch.no_grad(), attention.keeping_attention(refused, recompute=False):
+        backend(q, k, v, batch, 0.125, None)
+    assert refused.enabled is False and not refused.kept
+
+
 @pytest.mark.parametrize("takes_enable_gqa", [False, True], ids=["torch2.11", "torch2.12+"])
 def test_varlen_glue_calls_the_api_as_documented(monkeypatch, takes_enable_gqa):
     """The varlen path on the CPU with a stand-in for `varlen_attn` that follows its documented

@@ -132,6 +132,33 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
                     p.add_(want[n], alpha=-0.1)
     if kind == "qwen3_moe":  # the eager model and the forward graphs computed the output, the recompute did not
         assert True in output_needed and False in output_needed
+    kept = [graphs.attention.enabled for graphs in state.graphs.values()]
+    assert kept and all(kept)  # every recompute reused its forward's attention output
+
+
+@pytest.mark.parametrize("keep_attention", [True, False])
+def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention):
+    """Both rows' forwards run before the backward of their sum, so each layer's forward graph last
+    ran on the second row when the first row's backward comes: with kept attention its outputs are
+    the second row's, and the backward replays the first row's forward to restore them. Without
+    (``keep_attention=False``) the recompute computes attention itself."""
+    module = _module("llama", "cpu")
+    apply_cuda_graphs(module.model, keep_attention=keep_attention)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    first, second = _batch("one", "cpu", seed=1), _batch("one", "cpu", seed=2)
+    for step in range(3):  # eager, recorded, replayed
+        results = []
+        for train in (False, True):
+            module.model.train(train)
+            loss = module.loss_sum(first) + module.loss_sum(second)
+            loss.backward()
+            results.append({n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None})
+            module.model.zero_grad(set_to_none=True)
+        want, got = results
+        assert got.keys() == want.keys()
+        assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want), f"step {step}"
+    assert state.captures == 3
+    assert all(graphs.attention.enabled is keep_attention for graphs in state.graphs.values())
 
 
 def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():
