@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from lightning_ft.data.packing import PackedBatch
 
@@ -257,9 +258,9 @@ def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 class AttentionKernel:
     """An attention kernel called through its forward and backward ops, so its saved tensors are explicit.
 
-    ``forward(q, k, v) -> (out, aux)``: ``out`` [1, Hq, T, D] (a view, in the kernel's layout) and
-    ``aux`` what the backward needs besides q, k, v and out (the log-sum-exp [1, Hq, T] or [Hq, T]
-    fp32, RNG state, sequence offsets). ``backward(grad_out, q, k, v, out, aux) -> (dq, dk, dv)``,
+    ``forward(q, k, v) -> (out, aux)``: ``out`` shaped like q (in the kernel's memory layout) and
+    ``aux`` what the backward needs besides q, k, v and out (the log-sum-exp, [1, Hq, T] or
+    [Hq, T] fp32; RNG state; sequence offsets). ``backward(grad_out, q, k, v, out, aux) -> (dq, dk, dv)``,
     each shaped like its input. q, k, v are the layouts the backend passes (see the ``*_kernel``
     functions); ``scale`` and the mask are bound in.
     """
@@ -354,6 +355,7 @@ class _KeptAttentionOutput(torch.autograd.Function):
         return out.view_as(out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         out, q, k, v = ctx.saved_tensors
         dq, dk, dv = ctx.kernel_backward(grad_out, q, k, v, out, ctx.aux)
@@ -369,13 +371,21 @@ class KeptAttention:
     the kernel's backward op: the recompute skips attention's forward, the most expensive op of a
     long row after the GEMMs (0.89 ms of 14.5 per layer-step at 8K tokens on the Qwen3-30B-A3B
     shape, H200; benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype
-    plus [Hq, T] fp32 per layer.
+    plus [Hq, T] fp32 per layer (and per CUDA-graph signature).
+
+    The first forward's results become the buffers; later forwards copy into them, so a forward
+    recorded into a CUDA graph writes memory allocated outside the graph's pool (which other
+    graphs may use as scratch): run the first forward eagerly.
 
     Attributes:
-        allow: asked once, with the bytes one forward keeps, whether this layer may keep them
-            (a memory budget); if not, the layer recomputes attention as before.
-        enabled: that answer (None until the first forward).
+        allow: asked once, with the bytes the first attention call keeps, whether this layer may
+            keep (a memory budget); if not, the layer recomputes attention as before.
+        enabled: that answer (None until a forward made a call that can keep).
         nbytes: the bytes kept.
+
+    Raises:
+        RuntimeError: a first forward under CUDA-graph capture, or a recompute whose attention
+            calls do not match the forward's.
     """
 
     allow: Callable[[int], bool]
@@ -393,13 +403,17 @@ _ACTIVE_KEEP: list[KeptAttention | None] = [None]
 def keeping_attention(keep: KeptAttention, recompute: bool) -> Iterator[None]:
     """Within: the packed attention calls keep their results in ``keep`` (forward) or reuse them (recompute)."""
     keep.recompute, keep.calls = recompute, 0
-    if not recompute:
-        keep.kept = []
     _ACTIVE_KEEP[0] = keep
     try:
         yield
     finally:
         _ACTIVE_KEEP[0] = None
+    if keep.enabled and keep.calls != len(keep.kept):
+        raise RuntimeError(f"kept attention: {keep.calls} attention calls, the layer's first forward made {len(keep.kept)}")
+
+
+def _kept_bytes(out: torch.Tensor, aux: tuple) -> int:
+    return sum(t.nbytes for t in (out, *aux) if isinstance(t, torch.Tensor))
 
 
 def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -409,26 +423,38 @@ def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: t
         return None
     if keep.recompute:
         if keep.calls >= len(keep.kept):
-            raise RuntimeError("kept attention: the recompute made more attention calls than its forward")
+            raise RuntimeError("kept attention: the recompute made more attention calls than the layer's first forward")
         out, aux = keep.kept[keep.calls]
         keep.calls += 1
         return _KeptAttentionOutput.apply(kernel.backward, aux, out, q, k, v)
     with torch.no_grad():
         out, aux = kernel.forward(q, k, v)
     if keep.enabled is None:
-        nbytes = sum(t.nbytes for t in (out, *aux) if isinstance(t, torch.Tensor))
-        keep.enabled = keep.allow(nbytes)
-        keep.nbytes = nbytes if keep.enabled else 0
-    if keep.enabled:
+        keep.enabled = keep.allow(_kept_bytes(out, aux))
+        if not keep.enabled:
+            return out
+    if keep.calls < len(keep.kept):  # a later forward (a graph's recording or replay): into the buffers
+        kept_out, kept_aux = keep.kept[keep.calls]
+        kept_out.copy_(out)
+        for buffer, value in zip(kept_aux, aux):
+            if isinstance(buffer, torch.Tensor):
+                buffer.copy_(value)
+    else:
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kept attention: a layer's first forward must run eagerly (its buffers would land in the graph's pool)")
         keep.kept.append((out, aux))
+        keep.nbytes += _kept_bytes(out, aux)
+    keep.calls += 1
     return out
 
 
 def _cudnn_runs(q: torch.Tensor) -> bool:
-    """Whether cuDNN's attention takes these inputs: Hopper or newer (where SDPA prefers it), D <= 128, D % 8 == 0."""
+    """Whether cuDNN's attention takes these inputs: Hopper or newer (where SDPA prefers it), D <= 128, D % 8 == 0,
+    not in deterministic mode."""
     D = q.shape[-1]
     return (
         torch.backends.cuda.cudnn_sdp_enabled()
+        and not torch.are_deterministic_algorithms_enabled()  # SDPA does not pick cuDNN then either
         and torch.cuda.get_device_capability(q.device) >= (9, 0)
         and D <= 128 and D % 8 == 0
     )  # fmt: skip
@@ -524,11 +550,12 @@ def sdpa_attention(
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = None
     if query.device.type == "cpu" and not dropout and _ACTIVE_KEEP[0] is not None:
+        q, k, v = _autocast_inputs(query, key, value)  # the op is called directly: cast as SDPA's autocast would
         additive = batch.cached(
-            ("sdpa_additive_mask", query.device, sliding_window, query.dtype),
-            lambda: torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf")),
+            ("sdpa_additive_mask", q.device, sliding_window, q.dtype),
+            lambda: torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf")),
         )
-        out = _attend_kept(cpu_flash_kernel(additive, scaling), query, key, value)
+        out = _attend_kept(cpu_flash_kernel(additive, scaling), q, k, v)
     if out is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous()

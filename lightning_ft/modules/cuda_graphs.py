@@ -23,13 +23,15 @@ under no_grad, as checkpointing's first forward needs nothing saved); the tests 
 eager layer.
 
 Kept attention (``keep_attention``, on by default): the forward graph also keeps each layer's
-attention output and log-sum-exp ([T, Hq, D] in bf16 plus [Hq, T] fp32 per layer), and the
-backward graph's recompute reuses them instead of running attention's forward again
+attention output and log-sum-exp ([T, Hq, D] in bf16 plus [Hq, T] fp32 per layer and signature),
+and the backward graph's recompute reuses them instead of running attention's forward again
 (`lightning_ft.modules.attention.KeptAttention`): at 8K tokens that is 0.9 of 14.5 ms per layer-step
 on the Qwen3-30B-A3B shape (H200). Layers keep while the kept tensors fit in 90% of the GPU's memory
-after the steps so far (`_ModelGraphs.allow_keep`); the others recompute attention. A layer whose
-forward ran again before its backward (two forwards, one backward) replays its forward graph once
-more in backward to restore them.
+(`_ModelGraphs.allow_keep`); the others recompute attention. The kept tensors live outside the
+graphs' pool (a layer's first forward runs eagerly to allocate them, the recorded forward copies
+into them): the pool's memory is reused as scratch by every graph. A layer whose forward ran again
+before its backward (two forwards, one backward) replays its forward graph once more in backward
+to restore them.
 
 When graphs are recorded: per input signature (shapes, dtypes, autocast, requires_grad, the packed
 batch's layout, every non-tensor keyword), the second time a layer sees it; the first call runs
@@ -212,11 +214,12 @@ def _fingerprint(layer: torch.nn.Module) -> tuple:
 class _ModelGraphs:
     """The graphs of one model: signatures, static inputs, the shared pool and capture stream."""
 
-    def __init__(self, max_signatures: int, varlen: bool, keep_attention: bool = True):
+    def __init__(self, max_signatures: int, varlen: bool, keep_attention: bool = True, optimizer_bytes: int = 0):
         self.max_signatures = max_signatures
         self.varlen = varlen
         self.keep_attention = keep_attention
-        self.keep_budget: int | None = None  # bytes left for kept attention outputs (set at the first request)
+        self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
+        self.kept_bytes = 0  # attention outputs kept by the layers' graphs
         self.statics: dict[tuple, _StaticInputs] = {}
         self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
         self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
@@ -237,22 +240,19 @@ class _ModelGraphs:
     def allow_keep(self, nbytes: int, device: torch.device) -> bool:
         """Whether one more layer may keep ``nbytes`` of attention outputs (`KeptAttention`).
 
-        On CUDA the budget is what the steps so far left of 90% of the GPU's memory, measured at
-        the first request (after at least one eager step: `graphs_for` records a signature the
-        second time it is seen, so the peak includes the optimizer states); layers that do not fit
-        recompute attention instead.
+        On CUDA: while the peak reserved so far, the outputs kept so far, these, and
+        ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
+        stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. Layers
+        that do not fit recompute attention instead. Off CUDA: always.
         """
         if not self.keep_attention:
             return False
-        if device.type != "cuda":
-            return True
-        if self.keep_budget is None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            self.keep_budget = int(0.9 * total) - torch.cuda.max_memory_reserved(device)
-        if nbytes > self.keep_budget:
-            self.log_once("not enough GPU memory to keep more layers' attention outputs: the rest recompute attention")
-            return False
-        self.keep_budget -= nbytes
+        if device.type == "cuda":
+            limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
+            if torch.cuda.max_memory_reserved(device) + self.kept_bytes + nbytes + self.optimizer_bytes > limit:
+                self.log_once("not enough GPU memory to keep more layers' attention outputs: the rest recompute attention")
+                return False
+        self.kept_bytes += nbytes
         return True
 
     def graphs_for(self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple | None:
@@ -278,8 +278,7 @@ class _ModelGraphs:
             if graphs.fingerprint == _fingerprint(layer):
                 return graphs, self.statics[signature]
             self.log_once("a layer's weights moved or changed requires_grad: recording its graphs again")
-            if self.keep_budget is not None:
-                self.keep_budget += graphs.attention.nbytes
+            self.kept_bytes -= graphs.attention.nbytes
             del self.graphs[key]
         if not hidden.requires_grad and not any(p.requires_grad for p in layer.parameters()):
             return None  # nothing to differentiate: a checkpointed eager call costs nothing in backward
@@ -359,11 +358,17 @@ class _ModelGraphs:
                     buffer.copy_(grad)
 
         if hidden.is_cuda:
+            run_forward()  # eagerly first: the kept attention buffers are allocated outside the graphs' pool
             graphs = self._capture(static, (run_forward, run_backward))
         else:
             graphs = [_EagerReplay(run_forward), _EagerReplay(run_backward)]
         self.captures += 1
         self.log_once(f"recording each layer's forward and backward graphs for input {tuple(hidden.shape)}")
+        if self.keep_attention and attention.enabled is None:
+            self.log_once(
+                "attention outputs not kept for some layers: their attention has no kept kernel here (kept: varlen with "
+                "flash-attention, or cuDNN for one-document rows on Hopper; sdpa on the CPU)"
+            )
         return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), attention)
 
     def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
@@ -521,7 +526,13 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8, keep_atte
             "set model.cuda_graphs=false"
         )
     revert_cuda_graphs(model)
-    state = _ModelGraphs(max_signatures, varlen=implementation == ATTENTION_NAMES["varlen"], keep_attention=keep_attention)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = _ModelGraphs(
+        max_signatures,
+        varlen=implementation == ATTENTION_NAMES["varlen"],
+        keep_attention=keep_attention,
+        optimizer_bytes=2 * trainable_bytes,
+    )
     for layer in layers:
         setattr(layer, _CHECKPOINTING_ATTR, layer.__dict__.get("gradient_checkpointing"))
         layer.gradient_checkpointing = False  # ours recomputes; HF's must not wrap it again

@@ -139,6 +139,23 @@ def test_kept_attention_reuses_the_forward_output_and_gives_the_same_gradients(d
     assert refused.enabled is False and not refused.kept
 
 
+def test_kept_attention_casts_under_autocast_and_refuses_a_recompute_that_differs():
+    batch = collate_packed(_docs([5, 20]))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 25, 16, generator=g) for h in (4, 2, 2))
+    keep = attention.KeptAttention(allow=lambda nbytes: True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = attention.sdpa_attention(q, k, v, batch, 0.25, None)
+        with torch.no_grad(), attention.keeping_attention(keep, recompute=False):
+            attention.sdpa_attention(q, k, v, batch, 0.25, None)
+            got = attention.sdpa_attention(q, k, v, batch, 0.25, None)  # a second call: kept too
+    assert got.dtype == want.dtype == torch.bfloat16 and len(keep.kept) == 2
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="1 attention calls, the layer's first forward made 2"):
+        with attention.keeping_attention(keep, recompute=True):
+            attention.sdpa_attention(q, k, v, batch, 0.25, None)
+
+
 @pytest.mark.parametrize("takes_enable_gqa", [False, True], ids=["torch2.11", "torch2.12+"])
 def test_varlen_glue_calls_the_api_as_documented(monkeypatch, takes_enable_gqa):
     """The varlen path on the CPU with a stand-in for `varlen_attn` that follows its documented

@@ -146,7 +146,7 @@ def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention)
     apply_cuda_graphs(module.model, keep_attention=keep_attention)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     first, second = _batch("one", "cpu", seed=1), _batch("one", "cpu", seed=2)
-    for step in range(3):  # eager, recorded, replayed
+    for step in range(3):  # step 0: the first row eager, the second recorded; the forward replayed again from step 1 on
         results = []
         for train in (False, True):
             module.model.train(train)
@@ -159,6 +159,22 @@ def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention)
         assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want), f"step {step}"
     assert state.captures == 3
     assert all(graphs.attention.enabled is keep_attention for graphs in state.graphs.values())
+
+
+def test_kept_attention_fits_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
+    from lightning_ft.modules.cuda_graphs import _ModelGraphs
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 100 * gib}))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 80 * gib)  # the peak so far; limit 90 GiB
+    cuda = torch.device("cuda")
+    state = _ModelGraphs(max_signatures=8, varlen=True)
+    assert [state.allow_keep(4 * gib, cuda) for _ in range(3)] == [True, True, False]  # 8 GiB kept, 2 left
+    assert state.allow_keep(2 * gib, cuda) and state.kept_bytes == 10 * gib
+    before_a_step = _ModelGraphs(max_signatures=8, varlen=True, optimizer_bytes=6 * gib)
+    assert before_a_step.allow_keep(4 * gib, cuda) and not before_a_step.allow_keep(1, cuda)
+    assert not _ModelGraphs(max_signatures=8, varlen=True, keep_attention=False).allow_keep(1, cuda)
+    assert _ModelGraphs(max_signatures=8, varlen=True).allow_keep(10**15, torch.device("cpu"))  # tests: no budget
 
 
 def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():
