@@ -252,7 +252,6 @@ class _ModelGraphs:
             if torch.cuda.max_memory_reserved(device) + self.kept_bytes + nbytes + self.optimizer_bytes > limit:
                 self.log_once("not enough GPU memory to keep more layers' attention outputs: the rest recompute attention")
                 return False
-        self.kept_bytes += nbytes
         return True
 
     def graphs_for(self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple | None:
@@ -357,12 +356,13 @@ class _ModelGraphs:
                 if grad is not None:
                     buffer.copy_(grad)
 
+        run_forward()  # eagerly first: the kept attention buffers are allocated outside the graphs' pool
         if hidden.is_cuda:
-            run_forward()  # eagerly first: the kept attention buffers are allocated outside the graphs' pool
             graphs = self._capture(static, (run_forward, run_backward))
         else:
             graphs = [_EagerReplay(run_forward), _EagerReplay(run_backward)]
         self.captures += 1
+        self.kept_bytes += attention.nbytes
         self.log_once(f"recording each layer's forward and backward graphs for input {tuple(hidden.shape)}")
         if self.keep_attention and attention.enabled is None:
             self.log_once(
