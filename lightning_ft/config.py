@@ -1,14 +1,15 @@
 """Structured configs: the schema Hydra checks every run's config against.
 
 `fit.yaml` lists ``fit_schema`` first in its defaults, so a misspelt key (``data.max_token=``) or a
-wrong type fails at composition with Hydra's error naming the key. Group options (``model=``,
+wrong type fails at composition with Hydra's error naming the key; one added with ``+`` (which Hydra
+lets through) is refused when the run starts (`unknown_schema_keys`). Group options (``model=``,
 ``data=``, ...) are YAML files under ``configs/``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -193,9 +194,36 @@ def override_hints(overrides: list[str]) -> list[str]:
     return hints
 
 
-def _is_schema_node(node: Any) -> bool:
-    from dataclasses import is_dataclass
+def unknown_schema_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Keys of a composed config that are not in the schema (`FitConfig`), each with a close schema key.
 
+    Hydra's ``+key=value`` adds a key even under a schema node, where nothing reads it (a misspelt
+    ``+data.max_token=`` would be ignored); keys under free-form nodes (``trainer``, ``callbacks``,
+    ``model.config``, ``optimizer``, ...) are not checked.
+
+    Returns:
+        ``"<dotted key> (did you mean <key>?)"`` or ``"<dotted key>"`` per unknown key.
+    """
+    import difflib
+    from dataclasses import fields
+
+    from omegaconf import DictConfig, OmegaConf
+
+    found = []
+    schema = OmegaConf.get_type(cfg)
+    if not (isinstance(cfg, DictConfig) and is_dataclass(schema)):
+        return found
+    names = [f.name for f in fields(schema)]
+    for key in cfg.keys():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            found.append(f"{prefix}{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+        else:
+            found += unknown_schema_keys(cfg._get_node(key), f"{prefix}{key}.")
+    return found
+
+
+def _is_schema_node(node: Any) -> bool:
     from omegaconf import OmegaConf
 
     return is_dataclass(OmegaConf.get_type(node))

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.summary import RunSummary
+from lightning_ft.config import unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 _RESUMABLE_CHANGES = (
     "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
     "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
+    "model.cuda_graphs", "model.cuda_graphs_keep_attention",
 )
 _CONFIG_FILE = "config.json"  # the resolved config of the run, written before training starts
 
@@ -60,6 +62,12 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ValueError(f"required but not set: {', '.join(missing)} (e.g. data.path=train.jsonl)")
+    unknown = unknown_schema_keys(cfg)
+    if unknown:
+        raise ValueError(
+            f"not keys of the config, nothing would read them: {', '.join(unknown)}. `+key=value` adds keys only where any "
+            "key goes (trainer., callbacks., model.config., optimizer.); `python -m lightning_ft fit --cfg job` shows the keys"
+        )
     run_dir = Path(cfg.run_dir)
     if cfg.model.init == "pretrained" and not cfg.model.name_or_path:
         raise ValueError("model.name_or_path is required with model.init=pretrained: a local checkpoint folder or a hub name")

@@ -127,6 +127,9 @@ def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
     proc = run_cli(tmp_path, "model=qwen3_tiny", ok=False)
     assert "hint: model=qwen3_tiny: not an option of the `model` group; options: " in proc.stderr
     assert "qwen3_moe_tiny" in proc.stderr
+    proc = run_cli(tmp_path / "plus", "+data.max_token=3", "+lora.rnk=4", ok=False)  # `+` adds them: refused, not ignored
+    assert "not keys of the config, nothing would read them: data.max_token (did you mean data.max_tokens?), lora.rnk (did you mean lora.rank?)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "plus" / "config.json").exists()
 
 
 @pytest.mark.slow
@@ -208,7 +211,8 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "lora.rank=4", ok=False)
     assert "lora.rank: 16 in the interrupted run, 4 now" in proc.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
-    run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")  # a longer run of the same config is fine
+    # a longer run of the same config is fine, and so is a switch that does not change the math
+    run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.cuda_graphs_keep_attention=false")
     assert summary(tmp_path)["steps"] == 5
     # the first run's metrics survive the resume beside the new file
     assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1

@@ -547,7 +547,9 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
 
     Returns:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
-        graphs, and ``recordings`` (layer × signature).
+        graphs, ``recordings`` (layer × signature), and of the recordings alive now those that keep
+        attention's outputs (``kept_attention_recordings``) and the bytes they keep
+        (``kept_attention_bytes``).
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):
@@ -557,6 +559,8 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
                 "eager_layer_calls": state.eager,
                 "signatures": len(state.statics),
                 "recordings": state.captures,
+                "kept_attention_recordings": sum(bool(g.attention.enabled) for g in state.graphs.values()),
+                "kept_attention_bytes": state.kept_bytes,
             }
     return None
 

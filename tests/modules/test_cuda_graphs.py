@@ -333,4 +333,7 @@ def test_the_stats_count_replayed_and_eager_layer_calls():
     for name in ["one", "one", "one", "a"]:  # eager, recorded (replayed), replayed, eager (first sighting)
         _loss_and_grads(module, _batch(name, "cpu"), train=True)
     _loss_and_grads(module, _batch("one", "cpu"), train=False)  # evaluation: not counted
-    assert cuda_graph_stats(module.model) == {"replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3}
+    stats = cuda_graph_stats(module.model)
+    kept = stats.pop("kept_attention_bytes")
+    assert stats == {"replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3, "kept_attention_recordings": 3}
+    assert kept == 3 * (64 * 4 * 16 * 4 + 4 * 64 * 4)  # per layer: out [1, 4, 64, 16] and lse [1, 4, 64], fp32
