@@ -210,10 +210,9 @@ def unknown_schema_keys(cfg: Any, prefix: str = "") -> list[str]:
     from omegaconf import DictConfig, OmegaConf
 
     found = []
-    schema = OmegaConf.get_type(cfg)
-    if not (isinstance(cfg, DictConfig) and is_dataclass(schema)):
+    if not (isinstance(cfg, DictConfig) and _is_schema_node(cfg)):
         return found
-    names = [f.name for f in fields(schema)]
+    names = [f.name for f in fields(OmegaConf.get_type(cfg))]
     for key in cfg.keys():
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)

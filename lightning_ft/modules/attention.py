@@ -293,23 +293,26 @@ def cudnn_causal_kernel(scale: float | None) -> AttentionKernel:
     return AttentionKernel(partial(_cudnn_causal_forward, scale=scale), partial(_cudnn_causal_backward, scale=scale))
 
 
-def _flash_window(sliding_window: int | None) -> dict[str, int]:
-    return {"window_size_left": sliding_window - 1 if sliding_window is not None else -1, "window_size_right": 0}
+def _flash_window(sliding_window: int | None) -> tuple[int, int]:
+    """flash-attention's (left, right) window of a causal layer: keys with ``q - k < sliding_window`` (-1: all)."""
+    return (sliding_window - 1 if sliding_window is not None else -1, 0)
 
 
 def _flash_varlen_forward(q, k, v, cu_seqlens, max_seqlen, scale, sliding_window):
+    left, right = _flash_window(sliding_window)
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale,
-        **_flash_window(sliding_window),
+        window_size_left=left, window_size_right=right,
     )  # fmt: skip
     return out, (lse, rng_state, unused)
 
 
 def _flash_varlen_backward(grad_out, q, k, v, out, aux, cu_seqlens, max_seqlen, scale, sliding_window):
     lse, rng_state, unused = aux
+    left, right = _flash_window(sliding_window)
     return torch.ops.aten._flash_attention_backward(
         grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
-        rng_state, unused, scale=scale, **_flash_window(sliding_window),
+        rng_state, unused, scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
 
 
@@ -500,7 +503,7 @@ def varlen_attention(
             return out_THD[None]
     varlen_attn, takes_enable_gqa = _varlen_api()
     extra = {"enable_gqa": True} if takes_enable_gqa and k_THD.shape[1] != Hq else {}
-    window = (sliding_window - 1 if sliding_window is not None else -1, 0)
+    window = _flash_window(sliding_window)
     out_THD = varlen_attn(
         q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, batch.max_seqlen, batch.max_seqlen,
         scale=scaling, window_size=window, **extra,

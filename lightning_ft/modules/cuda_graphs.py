@@ -219,7 +219,6 @@ class _ModelGraphs:
         self.varlen = varlen
         self.keep_attention = keep_attention
         self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
-        self.kept_bytes = 0  # attention outputs kept by the layers' graphs
         self.statics: dict[tuple, _StaticInputs] = {}
         self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
         self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
@@ -236,6 +235,11 @@ class _ModelGraphs:
         if message not in self.logged:
             self.logged.add(message)
             logger.info("cuda graphs: %s", message)
+
+    @property
+    def kept_bytes(self) -> int:
+        """The attention outputs the layers' recorded graphs keep (`KeptAttention.nbytes`)."""
+        return sum(graphs.attention.nbytes for graphs in self.graphs.values())
 
     def allow_keep(self, nbytes: int, device: torch.device) -> bool:
         """Whether one more layer may keep ``nbytes`` of attention outputs (`KeptAttention`).
@@ -277,7 +281,6 @@ class _ModelGraphs:
             if graphs.fingerprint == _fingerprint(layer):
                 return graphs, self.statics[signature]
             self.log_once("a layer's weights moved or changed requires_grad: recording its graphs again")
-            self.kept_bytes -= graphs.attention.nbytes
             del self.graphs[key]
         if not hidden.requires_grad and not any(p.requires_grad for p in layer.parameters()):
             return None  # nothing to differentiate: a checkpointed eager call costs nothing in backward
@@ -362,7 +365,6 @@ class _ModelGraphs:
         else:
             graphs = [_EagerReplay(run_forward), _EagerReplay(run_backward)]
         self.captures += 1
-        self.kept_bytes += attention.nbytes
         self.log_once(f"recording each layer's forward and backward graphs for input {tuple(hidden.shape)}")
         if self.keep_attention and attention.enabled is None:
             self.log_once(

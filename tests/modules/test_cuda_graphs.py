@@ -9,6 +9,7 @@ autograd wiring and recording policy); the ``gpu`` cases record real CUDA graphs
 
 import math
 import os
+import types
 import warnings
 
 import pytest
@@ -170,7 +171,7 @@ def test_kept_attention_fits_in_90_percent_of_the_gpu_with_room_for_the_optimize
     cuda = torch.device("cuda")
     state = _ModelGraphs(max_signatures=8, varlen=True)
     assert state.allow_keep(10 * gib, cuda) and not state.allow_keep(10 * gib + 1, cuda)
-    state.kept_bytes = 8 * gib  # what the layers recorded so far keep
+    state.graphs[(0, ())] = types.SimpleNamespace(attention=types.SimpleNamespace(nbytes=8 * gib))  # a layer recorded so far
     assert state.allow_keep(2 * gib, cuda) and not state.allow_keep(2 * gib + 1, cuda)
     before_a_step = _ModelGraphs(max_signatures=8, varlen=True, optimizer_bytes=6 * gib)
     assert before_a_step.allow_keep(4 * gib, cuda) and not before_a_step.allow_keep(4 * gib + 1, cuda)
