@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 _RESUMABLE_CHANGES = (
     "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
     "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
-    "model.cuda_graphs", "model.cuda_graphs_keep_attention",
+    "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.activation_offload",
 )
 _CONFIG_FILE = "config.json"  # the resolved config of the run, written before training starts
 

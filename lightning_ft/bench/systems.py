@@ -71,18 +71,26 @@ def _hf_model(spec: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
+def adamw(params: list[torch.nn.Parameter], spec: dict[str, Any]) -> torch.optim.AdamW:
+    """Every system's optimizer: AdamW, lr 1e-4, fused on CUDA (one kernel per step and no
+    temporaries; the foreach default holds a copy of every trainable tensor during the step)."""
+    return torch.optim.AdamW(params, lr=1e-4, fused=spec["device"].startswith("cuda"))
+
+
 def _train(model: torch.nn.Module, spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
     """The plain training loop of ``hf_peft``, ``liger`` and ``unsloth``: forward under autocast with
-    ``labels=input_ids``, backward, AdamW (lr 1e-4) on the trainable parameters; returns (seconds per
-    step, last loss, profile summary)."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ``labels=input_ids``, backward, `adamw` on the trainable parameters; returns (seconds per step,
+    last loss, profile summary)."""
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], spec)
     timer = StepTimer(spec)
     loss = torch.zeros(())
     for _ in range(num_steps):
         timer.on_train_batch_start()
         with _autocast(spec["device"]):
             loss = model(input_ids=input_ids, labels=input_ids).loss
+        timer.on_before_backward()
         loss.backward()
+        timer.on_after_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.on_train_batch_end()
@@ -222,7 +230,7 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
         lora=spec["lora"],
         kernels=spec["kernels"],
         moe=spec["moe"],
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+        optimizer=lambda params: adamw(params, spec),
     )
     cuda = spec["device"].startswith("cuda")
     trainer = L.Trainer(
@@ -243,10 +251,17 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
 
 
 class StepTimer:
-    """Times each training batch with the device synchronised at both ends.
+    """Times each training batch with the device synchronised at both ends; peak memory per phase.
 
     Plain loops call the hooks themselves; `lightning_ft_steps` mixes it into a Lightning callback
     (not subclassed here: importing Lightning imports transformers, see the module docstring).
+
+    On CUDA, `summary` also gets the peak allocated memory (GiB) of each phase of the timed steps
+    (``peak_mem_gib_forward``: from the batch's start to its backward, ``_backward``,
+    ``_optimizer``: the optimizer step to the batch's end) and of everything before them
+    (``peak_mem_gib_warmup``: the build and the warm-up steps: compilation, graph recording). The
+    allocator's peak is reset at each phase boundary: the run's peak is the largest of these and
+    the allocator's peak since the last reset.
 
     With ``spec["profile"]`` (a file path) the timed steps (those after ``spec["warmup_steps"]``)
     also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time
@@ -263,6 +278,20 @@ class StepTimer:
         self._profiler: torch.profiler.profile | None = None
         self._t0 = 0.0
 
+    def _memory_phase(self, phase: str) -> None:
+        if not self.device.startswith("cuda"):
+            return
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        key = f"peak_mem_gib_{phase}" if len(self.times) >= self.warmup_steps else "peak_mem_gib_warmup"
+        self.summary[key] = max(self.summary.get(key, 0.0), peak / 2**30)
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._memory_phase("forward")
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._memory_phase("backward")
+
     def on_train_batch_start(self, *args: Any) -> None:
         if self.profile_path and len(self.times) == self.warmup_steps:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -275,6 +304,7 @@ class StepTimer:
 
     def on_train_batch_end(self, *args: Any) -> None:
         _sync(self.device)
+        self._memory_phase("optimizer")
         self.times.append(time.perf_counter() - self._t0)
 
     def on_train_end(self, *args: Any) -> None:
@@ -288,7 +318,7 @@ class StepTimer:
         host_names = {e.key for e in events if e.device_type != torch.autograd.DeviceType.CUDA}
         device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in host_names]
         if device_events:
-            self.summary = {
+            self.summary |= {
                 "device_busy_ms_per_step": sum(e.self_device_time_total for e in device_events) / 1e3 / steps,
                 "kernels_per_step": sum(e.count for e in device_events) / steps,
             }

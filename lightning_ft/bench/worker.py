@@ -2,7 +2,7 @@
 
 Builds the system named in the spec, runs ``warmup_steps + timed_steps`` training steps on one
 sequence of ``seq_len`` seeded random tokens, and prints one line ``BENCH_ROW {json}`` with the
-median step time, tokens/s, MFU, peak device memory and the last loss (with ``spec["profile"]``,
+median step time, tokens/s, MFU, peak device memory (also per phase, see `StepTimer`) and the last loss (with ``spec["profile"]``,
 also the device-busy time and kernel launches per step; see `StepTimer`), and the first step's time
 (compilation, which the median leaves out). An out-of-memory error is a row with ``status: OOM``,
 not a crash; any other error, a peer that fails to import included, is a row with the message.
@@ -57,7 +57,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": spec["seq_len"] / seconds,
         "tflops_per_s": flops / seconds / 1e12,
         "mfu": flops / seconds / peak_flops if peak_flops else None,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        # the allocator's peak since the step timer's last reset, or an earlier phase's (`StepTimer`)
+        "peak_mem_gib": max([torch.cuda.max_memory_allocated() / 2**30, *(v for k, v in profile.items() if k.startswith("peak_mem_gib_"))])
+        if cuda else None,
         "loss_last": loss,
         **profile,
     }

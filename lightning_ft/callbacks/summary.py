@@ -164,6 +164,12 @@ class RunSummary(L.Callback):
                 100 * graphs["replayed_layer_calls"] / calls, calls, graphs["signatures"],
                 graphs["kept_attention_recordings"], graphs["kept_attention_bytes"] / 2**30,
             )
+        if graphs and "offloaded_inputs" in graphs:
+            log.info(
+                "activation offloading: %d layer inputs (%.2f GiB) waited in host memory for the backward; %d of "
+                "their reloads were prefetched",
+                graphs["offloaded_inputs"], graphs["offloaded_bytes"] / 2**30, graphs["prefetched_loads"],
+            )
         write_json_atomic(self.run_dir / "summary.json", self.summary)
         if losses:
             plot_loss_curve(losses, self.run_dir / "loss_curve.png")

@@ -33,6 +33,10 @@ into them): the pool's memory is reused as scratch by every graph. A layer whose
 before its backward (two forwards, one backward) replays its forward graph once more in backward
 to restore them.
 
+Activation offloading (``activation_offload``, off by default): each layer's input, the one
+tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
+(`lightning_ft.strategies.offload`), for replayed and eager calls alike.
+
 When graphs are recorded: per input signature (shapes, dtypes, autocast, requires_grad, the packed
 batch's layout, every non-tensor keyword), the second time a layer sees it; the first call runs
 eagerly (checkpointed), so a shape seen once never pays for a recording. At most
@@ -76,6 +80,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.modules.attention import ATTENTION_NAMES, KeptAttention, device_cu_seqlens, keeping_attention
+from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "recomputing_for_backward", "revert_cuda_graphs"]
 
@@ -83,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_lightning_ft_cuda_graphs"  # on each patched layer: the model's `_ModelGraphs`
 _CHECKPOINTING_ATTR = "_lightning_ft_cuda_graphs_checkpointing"  # the layer's own flag before patching
+_INDEX_ATTR = "_lightning_ft_cuda_graphs_index"  # on each patched layer: its position among the decoder layers
 _SCALARS = (type(None), bool, int, float, str)
 _RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
 _FORWARD_IDS = itertools.count(1)
@@ -214,10 +220,18 @@ def _fingerprint(layer: torch.nn.Module) -> tuple:
 class _ModelGraphs:
     """The graphs of one model: signatures, static inputs, the shared pool and capture stream."""
 
-    def __init__(self, max_signatures: int, varlen: bool, keep_attention: bool = True, optimizer_bytes: int = 0):
+    def __init__(
+        self,
+        max_signatures: int,
+        varlen: bool,
+        keep_attention: bool = True,
+        optimizer_bytes: int = 0,
+        offload: ActivationOffload | None = None,
+    ):
         self.max_signatures = max_signatures
         self.varlen = varlen
         self.keep_attention = keep_attention
+        self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
         self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
         self.statics: dict[tuple, _StaticInputs] = {}
         self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
@@ -400,17 +414,21 @@ class _GraphedLayer(torch.autograd.Function):
     """A decoder layer replayed from its graphs; saves only its input (checkpointing)."""
 
     @staticmethod
-    def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, kwargs: dict, hidden: torch.Tensor, *params):
+    def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, kwargs: dict, offload, index: int, hidden: torch.Tensor, *params):
+        ctx.offload = offload
+        if offload is None:
+            ctx.save_for_backward(hidden)
+        else:
+            ctx.offloaded = offload.save(hidden, index)  # before the replay: the copy overlaps it
         static.load(hidden, kwargs)
         graphs.forward.replay()
         graphs.forward_id = ctx.forward_id = next(_FORWARD_IDS)
         ctx.graphs, ctx.static, ctx.kwargs = graphs, static, kwargs
-        ctx.save_for_backward(hidden)
         return static.out.clone()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (hidden,) = ctx.saved_tensors
+        (hidden,) = ctx.saved_tensors if ctx.offload is None else (ctx.offload.load(ctx.offloaded),)
         static: _StaticInputs = ctx.static
         static.load(hidden, ctx.kwargs)
         static.grad_out.copy_(grad_out)
@@ -420,13 +438,13 @@ class _GraphedLayer(torch.autograd.Function):
             ctx.graphs.forward.replay()
             ctx.graphs.forward_id = ctx.forward_id
         ctx.graphs.backward.replay()
-        grad_in = static.grad_in.clone() if ctx.needs_input_grad[3] else None
+        grad_in = static.grad_in.clone() if ctx.needs_input_grad[5] else None
         # fresh tensors (one multi-tensor kernel): the buffers are overwritten by the next layer's replay
         graphs: _LayerGraphs = ctx.graphs
         used = [g for g, unused in zip(graphs.param_grads, graphs.unused) if not unused]
         fresh = iter(torch._foreach_mul(used, 1.0) if used else [])
         grads = [None if unused else next(fresh) for unused in graphs.unused]
-        return (None, None, None, grad_in, *grads)
+        return (None, None, None, None, None, grad_in, *grads)
 
 
 def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -435,12 +453,16 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     if state.recording or not (self.training and torch.is_grad_enabled()):
         return original(hidden_states, *args, **kwargs)
     found = state.graphs_for(self, hidden_states, kwargs) if not args else None
+    index = getattr(self, _INDEX_ATTR)
     if found is None:
         state.eager += 1
+        params = [p for p in self.parameters() if p.requires_grad]
+        if state.offload is not None and not args and (hidden_states.requires_grad or params):
+            return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
         return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
     state.replayed += 1
     graphs, static = found
-    return _GraphedLayer.apply(graphs, static, kwargs, hidden_states, *graphs.params)
+    return _GraphedLayer.apply(graphs, static, kwargs, state.offload, index, hidden_states, *graphs.params)
 
 
 def check_cuda_graphs(
@@ -487,7 +509,9 @@ def check_cuda_graphs(
         )
 
 
-def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8, keep_attention: bool = True) -> int:
+def apply_cuda_graphs(
+    model: torch.nn.Module, max_signatures: int = 8, keep_attention: bool = True, activation_offload: bool = False
+) -> int:
     """Run every decoder layer of ``model`` (HF or PEFT-wrapped) from CUDA graphs in training.
 
     Replaces gradient checkpointing for those layers (each graphed layer saves only its input and
@@ -501,6 +525,10 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8, keep_atte
         keep_attention: let each layer's forward graph keep attention's output and log-sum-exp for
             its backward graph, whose recompute then skips attention's forward (`KeptAttention`),
             while they fit in the memory budget of `_ModelGraphs.allow_keep`.
+        activation_offload: keep each layer's input (the checkpoint) in pinned host memory from its
+            forward to its backward, reloaded one layer ahead on a copy stream
+            (`lightning_ft.strategies.offload.ActivationOffload`; the last layer's stays on the GPU),
+            for graphed and eager calls alike (no positional arguments).
 
     Returns:
         The number of layers patched.
@@ -534,8 +562,10 @@ def apply_cuda_graphs(model: torch.nn.Module, max_signatures: int = 8, keep_atte
         varlen=implementation == ATTENTION_NAMES["varlen"],
         keep_attention=keep_attention,
         optimizer_bytes=2 * trainable_bytes,
+        offload=ActivationOffload(len(layers)) if activation_offload else None,
     )
-    for layer in layers:
+    for index, layer in enumerate(layers):
+        setattr(layer, _INDEX_ATTR, index)
         setattr(layer, _CHECKPOINTING_ATTR, layer.__dict__.get("gradient_checkpointing"))
         layer.gradient_checkpointing = False  # ours recomputes; HF's must not wrap it again
         setattr(layer, _STATE_ATTR, state)
@@ -551,7 +581,7 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
         graphs, ``recordings`` (layer × signature), and of the recordings alive now those that keep
         attention's outputs (``kept_attention_recordings``) and the bytes they keep
-        (``kept_attention_bytes``).
+        (``kept_attention_bytes``); with ``activation_offload``, `ActivationOffload.stats`.
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):
@@ -563,6 +593,7 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
                 "recordings": state.captures,
                 "kept_attention_recordings": sum(bool(g.attention.enabled) for g in state.graphs.values()),
                 "kept_attention_bytes": state.kept_bytes,
+                **(state.offload.stats() if state.offload is not None else {}),
             }
     return None
 
@@ -579,5 +610,6 @@ def revert_cuda_graphs(model: torch.nn.Module) -> int:
                 layer.gradient_checkpointing = previous
             delattr(layer, _STATE_ATTR)
             delattr(layer, _CHECKPOINTING_ATTR)
+            delattr(layer, _INDEX_ATTR)
             reverted += 1
     return reverted

@@ -199,8 +199,8 @@ def _use_cuda_graphs(
     """
     if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):
         rank_zero_warn(
-            "model.cuda_graphs=true is skipped under strategy=fsdp2 (FSDP2 gathers each layer's weights at new "
-            "addresses every step); set model.cuda_graphs=false to silence this"
+            "model.cuda_graphs=true (and with it model.activation_offload) is skipped under strategy=fsdp2 (FSDP2 "
+            "gathers each layer's weights at new addresses every step); set model.cuda_graphs=false to silence this"
         )
         return False
     if device.type != "cuda":
@@ -281,6 +281,10 @@ class FinetuneModule(L.LightningModule):
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
         moe_backend = self.moe_cfg.get("backend", "hf")
+        if cfg.get("activation_offload") and not cfg.get("cuda_graphs"):
+            raise ValueError(
+                "model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)"
+            )
         cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(
             cfg, self.lora_cfg, attention, device, self._trainer, moe_backend
         )
@@ -309,8 +313,13 @@ class FinetuneModule(L.LightningModule):
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
         if cuda_graphs:
-            layers = apply_cuda_graphs(model, keep_attention=cfg.get("cuda_graphs_keep_attention", True))
+            offload = bool(cfg.get("activation_offload", False))
+            layers = apply_cuda_graphs(
+                model, keep_attention=cfg.get("cuda_graphs_keep_attention", True), activation_offload=offload
+            )
             rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
+            if offload:
+                rank_zero_info("activation offloading: each decoder layer's input (but the last's) waits in host memory for the backward")
         self.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
@@ -402,6 +411,14 @@ class FinetuneModule(L.LightningModule):
             f"the update (train.on_nonfinite=stop), {kept}. Lower optimizer.lr, check the data, or set "
             "train.on_nonfinite=skip to skip such steps"
         )
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Free the gradients now. Lightning zeroes them in the next step's closure, after its
+        # training_step and before its backward, so they would sit through that forward: one copy of
+        # every trainable tensor (measured 0.6 GiB on 12 layers of Qwen3-30B-A3B with LoRA on the experts).
+        optimizer.zero_grad(set_to_none=True)
 
     @override
     def on_train_start(self) -> None:

@@ -93,12 +93,17 @@ def _close(got: torch.Tensor, want: torch.Tensor, cuda: bool) -> bool:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "kind, moe_backend", [("llama", "hf"), ("qwen3_moe", "native_torch"), ("qwen3_moe", "grouped_mm"), ("qwen3_moe", "triton")]
-)
-def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend, device, monkeypatch):
+    "kind, moe_backend, offload",
+    [
+        ("llama", "hf", False), ("llama", "hf", True), ("qwen3_moe", "native_torch", False),
+        ("qwen3_moe", "grouped_mm", False), ("qwen3_moe", "grouped_mm", True), ("qwen3_moe", "triton", False),
+    ],
+)  # fmt: skip
+def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend, offload, device, monkeypatch):
     """The same row sequence through the graphed model (train) and the eager one (eval: no graphs, no
     checkpointing), with an in-place weight update after each row so replays must read current weights.
-    grouped_mm and triton skip the experts' down projection in the recompute (its value is unread)."""
+    grouped_mm and triton skip the experts' down projection in the recompute (its value is unread).
+    With ``offload`` every layer input but the last's goes to the host and back, eager calls too."""
     cuda = device == "cuda"
     if moe_backend == "triton" and not (cuda or TRITON_ON_CPU):
         pytest.skip("the triton MoE backend runs on the CPU only under TRITON_INTERPRET=1")
@@ -112,7 +117,7 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         return moe_experts(*args, **kwargs)
 
     monkeypatch.setattr(lightning_ft.modules.moe, "moe_experts", spy)
-    layers = apply_cuda_graphs(module.model)
+    layers = apply_cuda_graphs(module.model, activation_offload=offload)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     assert layers == TINY[kind]["num_hidden_layers"]
     # varlen shares graphs between layouts "a" and "b" (same bucket); sdpa records each exact layout
@@ -135,16 +140,24 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         assert True in output_needed and False in output_needed
     kept = [graphs.attention.enabled for graphs in state.graphs.values()]
     assert kept and all(kept)  # every recompute reused its forward's attention output
+    if offload:  # every training step: all inputs but the last layer's, each reload started one layer ahead
+        offloaded = (layers - 1) * len(sequence)
+        stats = cuda_graph_stats(module.model)
+        assert stats["offloaded_inputs"] == stats["prefetched_loads"] == offloaded
+        assert stats["offloaded_bytes"] == offloaded * 64 * TINY[kind]["hidden_size"] * (2 if cuda else 4)
+    else:
+        assert "offloaded_inputs" not in cuda_graph_stats(module.model)
 
 
-@pytest.mark.parametrize("keep_attention", [True, False])
-def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention):
+@pytest.mark.parametrize("keep_attention, offload", [(True, False), (False, False), (True, True)])
+def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention, offload):
     """Both rows' forwards run before the backward of their sum, so each layer's forward graph last
     ran on the second row when the first row's backward comes: with kept attention its outputs are
     the second row's, and the backward replays the first row's forward to restore them. Without
-    (``keep_attention=False``) the recompute computes attention itself."""
+    (``keep_attention=False``) the recompute computes attention itself. Offloaded, each forward's
+    inputs have their own host copies."""
     module = _module("llama", "cpu")
-    apply_cuda_graphs(module.model, keep_attention=keep_attention)
+    apply_cuda_graphs(module.model, keep_attention=keep_attention, activation_offload=offload)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     first, second = _batch("one", "cpu", seed=1), _batch("one", "cpu", seed=2)
     for step in range(3):  # step 0: the first row eager, the second recorded; the forward replayed again from step 1 on
@@ -240,12 +253,19 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     )
     with pytest.raises(ValueError, match="model.cuda_graphs=true needs a CUDA device"):
         cpu_graphs.configure_model()
+    offload_alone = FinetuneModule(
+        model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True},
+        lora={**LORA, "target_parameters": None},
+    )
+    with pytest.raises(ValueError, match="model.activation_offload=true needs model.cuda_graphs=true"):
+        offload_alone.configure_model()
 
 
 @pytest.mark.gpu
-def test_a_replayed_training_step_never_syncs():
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_replayed_training_step_never_syncs(offload):
     module = _module("qwen3_moe", "cuda")
-    apply_cuda_graphs(module.model)
+    apply_cuda_graphs(module.model, activation_offload=offload)
     optimizer = torch.optim.AdamW([p for p in module.model.parameters() if p.requires_grad], lr=1e-3)
 
     def step(name, seed):

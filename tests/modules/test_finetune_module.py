@@ -160,3 +160,42 @@ def test_mixed_precision_skips_peft_input_casts_with_the_same_result():
     assert torch.equal(losses[0][0], losses[1][0])
     for name, grad in losses[0][1].items():
         assert torch.equal(grad, losses[1][1][name]), name
+
+
+def test_gradients_are_freed_right_after_the_optimizer_step_and_still_accumulate():
+    """Lightning zeroes gradients only after the next step's forward; ours are gone at the step's end.
+    Two micro-batches per step: the first's gradient survives into the second's (accumulation)."""
+    import lightning as L
+
+    seen = []
+
+    class Watch(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(("step", all(p.grad is not None for p in optimizer.param_groups[0]["params"])))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            params = [p for p in pl_module.model.parameters() if p.requires_grad]
+            seen.append(("end", sum(p.grad is not None for p in params), len(params)))
+
+    module = _module()
+    module.model = None  # built by the Trainer, as in a run
+    module.optimizer_factory = partial(torch.optim.AdamW, lr=1e-3)
+    before = None
+
+    class Keep(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            nonlocal before
+            before = {n: p.detach().clone() for n, p in pl_module.model.named_parameters() if p.requires_grad}
+
+    micro = [_docs([12, 5], seed) for seed in range(4)]
+    batches = [collate_packed(docs, step_tokens=34, step_target_tokens=17) for docs in micro]
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch(), Keep()],
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    params = len(before)
+    # micro-batch 1: gradients kept for micro-batch 2; then the step sees them all and frees them
+    assert seen == [("end", params, params), ("step", True), ("end", 0, params)] * 2
+    after = dict(module.model.named_parameters())
+    assert all(not torch.equal(before[n], after[n].detach()) for n in before)

@@ -1,0 +1,221 @@
+"""Activation offloading: checkpointed decoder-layer inputs wait in pinned host memory for the backward.
+
+With gradient checkpointing a decoder layer keeps only its input x ([batch, T, hidden], the
+residual stream) from its forward to its backward, but all L layers' inputs are alive at once: on
+the Qwen3-30B-A3B shape at 32K tokens that is 128 MiB per layer, 6 GiB over 48 layers. Here each
+input is copied to the host in forward and back in backward, overlapped with compute:
+
+- forward (`ActivationOffload.save`): a side copy stream waits for the compute stream (x is
+  written), then copies x to a pinned host tensor without blocking; x's GPU memory goes back to the
+  caching allocator once that copy has run (``record_stream``). Called before the layer's own
+  kernels are queued, so the copy overlaps the layer's forward.
+- backward (`ActivationOffload.load`): layers run in reverse. Loading layer i's input also starts
+  the copy of layer i-1's (prefetch, one layer ahead), so it overlaps layer i's backward; the
+  compute stream waits only on the event of the copy it needs. At most two reloaded inputs are on
+  the GPU at a time (double buffering): the one in use and the one arriving.
+- the last layer's input stays on the GPU: its backward comes first, with nothing to hide a copy.
+
+No host-device sync: non-blocking copies between device and pinned memory, CUDA events. Host
+tensors come from torch's caching host allocator, which reuses them across steps and does not hand
+a block out again before the copies that used it have run. Each saved input owns its host tensor,
+so two forwards before one backward are safe. Off CUDA (tests) a saved input is a host copy and
+the prefetch bookkeeping is the same.
+
+At ~55 GB/s pinned bandwidth (H200) a 128 MiB input moves in ~2.4 ms each way, well under a
+layer's forward or backward at 32K tokens; at short rows the copies are small but so is the saving
+(turn it on for long contexts).
+
+Sources: CUDA streams and events (CUDA C++ Programming Guide); ``torch.Tensor.record_stream``;
+the offloaded checkpoints of Unsloth (a side stream, one staging buffer plus a second when memory
+allows) and torchtune's ``OffloadActivations`` (saved-tensor hooks, reload on demand), as described
+in ../shared/PRIOR_ART.md: ours prefetches one layer ahead and skips the last layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["ActivationOffload", "OffloadedTensor", "offloaded_checkpoint"]
+
+
+class OffloadedTensor:
+    """One decoder layer's input, in host memory from its forward to its backward.
+
+    Attributes:
+        host: the host copy (pinned on CUDA), same shape and dtype as the input; None for the last
+            layer's input (kept on the device) and once loaded.
+        device: where the input came from and is loaded back to.
+        layer_index: the decoder layer it is the input of.
+        previous: the input saved just before it (layer ``layer_index - 1`` of the same forward),
+            whose reload this one's load starts; None once started or when there is none.
+        loaded: the input on the device: the last layer's, or a reload in flight or not used yet.
+        ready: the copy stream's event after that reload (CUDA).
+        consumed: `ActivationOffload.load` has returned it.
+    """
+
+    __slots__ = ("host", "device", "layer_index", "previous", "loaded", "ready", "consumed")
+
+    def __init__(self, host: torch.Tensor | None, device: torch.device, layer_index: int, previous: OffloadedTensor | None):
+        self.host = host
+        self.device = device
+        self.layer_index = layer_index
+        self.previous = previous
+        self.loaded: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        self.consumed = False
+
+
+class ActivationOffload:
+    """Offloads the checkpointed inputs of ``num_layers`` decoder layers (see the module docstring).
+
+    Args:
+        num_layers: decoder layers in the model; the last one's input is not offloaded.
+
+    Attributes (counters over the run): ``saved`` inputs offloaded, ``saved_bytes`` copied to the
+    host, ``prefetched`` loads whose copy had been started by the next layer's load.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.last: OffloadedTensor | None = None
+        self.saved = 0
+        self.saved_bytes = 0
+        self.prefetched = 0
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def save(self, x: torch.Tensor, layer_index: int) -> OffloadedTensor:
+        """Start copying decoder layer ``layer_index``'s input ``x`` to the host (the last layer's stays).
+
+        Call it when ``x`` is written and before the layer's kernels are queued; drop every
+        reference to ``x`` after the layer's forward (its memory is reused once the copy has run).
+
+        Returns:
+            the `OffloadedTensor` to `load` in the backward.
+        """
+        x = x.detach()
+        last = self.last
+        previous = last if last is not None and last.layer_index == layer_index - 1 and not last.consumed else None
+        if layer_index >= self.num_layers - 1:
+            saved = self.last = OffloadedTensor(None, x.device, layer_index, previous)
+            saved.loaded = x
+            return saved
+        if x.is_cuda:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            stream = self._stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                host.copy_(x, non_blocking=True)
+            x.record_stream(stream)
+        else:
+            host = x.clone()
+        saved = self.last = OffloadedTensor(host, x.device, layer_index, previous)
+        self.saved += 1
+        self.saved_bytes += x.numel() * x.element_size()
+        return saved
+
+    def _start_load(self, saved: OffloadedTensor) -> None:
+        if saved.device.type != "cuda":
+            saved.loaded = saved.host
+            return
+        compute = torch.cuda.current_stream(saved.device)
+        stream = self._stream(saved.device)
+        # allocated on the compute stream, which may have just freed that memory: the copy waits for it
+        loaded = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            loaded.copy_(saved.host, non_blocking=True)
+            saved.ready = stream.record_event()
+        loaded.record_stream(stream)  # freed unused (an abandoned backward): not reused before the copy ran
+        saved.loaded = loaded
+
+    def load(self, saved: OffloadedTensor) -> torch.Tensor:
+        """The input `save` took, back on its device; starts reloading the previous layer's input.
+
+        The compute stream waits for this input's copy (an event, no host sync). Each saved input
+        is loaded once.
+
+        Raises:
+            RuntimeError: ``saved`` was loaded before.
+        """
+        if saved.consumed:
+            raise RuntimeError(f"decoder layer {saved.layer_index}'s offloaded input was loaded already (one backward per forward)")
+        saved.consumed = True
+        if saved.loaded is None:
+            self._start_load(saved)
+        elif saved.host is not None:
+            self.prefetched += 1
+        previous, saved.previous = saved.previous, None
+        if previous is not None and previous.loaded is None and not previous.consumed:
+            self._start_load(previous)  # overlaps this layer's backward
+        loaded, saved.loaded, saved.host = saved.loaded, None, None
+        if saved.ready is not None:
+            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            saved.ready = None
+        return loaded
+
+    def stats(self) -> dict[str, int]:
+        """``offloaded_inputs``, ``offloaded_bytes`` (copied to the host) and ``prefetched_loads`` so far."""
+        return {"offloaded_inputs": self.saved, "offloaded_bytes": self.saved_bytes, "prefetched_loads": self.prefetched}
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """Checkpointing whose one saved tensor, the input, is offloaded (see `offloaded_checkpoint`)."""
+
+    @staticmethod
+    def forward(ctx, run: Callable, offload: ActivationOffload, layer_index: int, hidden: torch.Tensor, *params):
+        device_type = hidden.device.type
+        ctx.amp = dict(
+            device_type=device_type,
+            dtype=torch.get_autocast_dtype(device_type),
+            enabled=torch.is_autocast_enabled(device_type),
+        )
+        ctx.run, ctx.offload, ctx.params = run, offload, params
+        ctx.saved = offload.save(hidden, layer_index)
+        return run(hidden)  # autograd is off inside a Function's forward: nothing else is saved
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x = ctx.offload.load(ctx.saved).detach().requires_grad_(ctx.needs_input_grad[3])
+        params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:]) if needed]
+        with torch.enable_grad(), torch.autocast(**ctx.amp):
+            out = ctx.run(x)
+        inputs = [x, *params] if x.requires_grad else params
+        grads = iter(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+        grad_in = next(grads) if x.requires_grad else None
+        return (None, None, None, grad_in, *(next(grads) if needed else None for needed in ctx.needs_input_grad[4:]))
+
+
+def offloaded_checkpoint(
+    run: Callable[[torch.Tensor], torch.Tensor],
+    offload: ActivationOffload,
+    layer_index: int,
+    hidden: torch.Tensor,
+    params: list[torch.nn.Parameter],
+) -> torch.Tensor:
+    """``run(hidden)`` checkpointed, its input ``hidden`` offloaded by ``offload`` until the backward.
+
+    Like ``torch.utils.checkpoint`` (Chen et al., 2016), the forward keeps nothing but the input;
+    the backward loads it (`ActivationOffload.load`), runs ``run`` again with gradients under the
+    forward's autocast state and returns the gradients of ``hidden`` and ``params`` (the weights
+    ``run`` reads that require grad) as this function's own, so they reach ``.grad`` (and DDP's
+    hooks) as any other gradient. The RNG state is not restored: ``run`` must draw no random
+    numbers (no dropout; `lightning_ft.modules.cuda_graphs.check_cuda_graphs` refuses it).
+
+    Args:
+        run: the layer's forward with its keyword arguments bound; ``hidden`` [batch, T, hidden].
+        offload: the model's `ActivationOffload`.
+        layer_index: the decoder layer's position in the model (its input order in forward).
+        hidden: the layer input.
+        params: the trainable weights ``run`` reads.
+
+    Returns:
+        ``run(hidden)``.
+    """
+    return _OffloadedCheckpoint.apply(run, offload, layer_index, hidden, *params)

@@ -1,0 +1,103 @@
+"""Offloaded layer inputs come back unchanged, one layer ahead, and checkpointing through them gives autograd's gradients.
+
+    python -m pytest -q tests/strategies/test_offload.py            (CPU)
+    python -m pytest -q -m gpu tests/strategies/test_offload.py     (GPU: streams, pinned memory, no sync)
+"""
+
+import pytest
+import torch
+
+from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
+
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _forward(offload: ActivationOffload, inputs: list[torch.Tensor]) -> list:
+    return [offload.save(x, i) for i, x in enumerate(inputs)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_come_back_unchanged_and_each_load_prefetches_the_layer_before(device):
+    offload = ActivationOffload(num_layers=4)
+    inputs = [torch.randn(1, 37, 29, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    saved = _forward(offload, [x.clone() for x in inputs])
+    assert saved[3].host is None and saved[3].loaded is not None  # the last layer's stays on the device
+    assert all(isinstance(s.host, torch.Tensor) and s.loaded is None for s in saved[:3])
+    if device == "cuda":
+        assert all(s.host.is_pinned() and s.host.device.type == "cpu" for s in saved[:3])
+    loaded = [None] * 4
+    for i in reversed(range(4)):  # the backward's order
+        loaded[i] = offload.load(saved[i])
+        if i > 0:
+            assert saved[i - 1].loaded is not None  # its copy was started by this load
+    assert all(torch.equal(got, want) for got, want in zip(loaded, inputs))
+    assert all(got.device == want.device for got, want in zip(loaded, inputs))
+    assert offload.stats() == {"offloaded_inputs": 3, "offloaded_bytes": 3 * 37 * 29 * 2, "prefetched_loads": 3}
+    with pytest.raises(RuntimeError, match="decoder layer 2's offloaded input was loaded already"):
+        offload.load(saved[2])
+
+
+def test_two_forwards_before_one_backward_keep_their_own_inputs():
+    """The second forward's inputs do not overwrite the first's; nothing links across forwards."""
+    offload = ActivationOffload(num_layers=3)
+    first = [torch.full((2, 5), float(i)) for i in range(3)]
+    second = [torch.full((2, 5), 10.0 + i) for i in range(3)]
+    saved_first, saved_second = _forward(offload, first), _forward(offload, second)
+    assert saved_second[0].previous is None  # layer 0 of the second forward: not linked to layer 1 of the first
+    for saved, inputs in ((saved_second, second), (saved_first, first)):
+        assert all(torch.equal(offload.load(s), x) for s, x in zip(reversed(saved), reversed(inputs)))
+
+
+@pytest.mark.parametrize(
+    "device, dtype", [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)]
+)
+def test_checkpointing_through_offloaded_inputs_gives_the_plain_autograd_gradients(device, dtype):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(23, 23, device=device) for _ in range(3))
+    layers[1].weight.requires_grad_(False)  # a frozen weight gets no gradient
+    x = torch.randn(2, 7, 23, device=device, requires_grad=True)
+    autocast = dict(device_type=device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+    def run(checkpointed: bool):
+        offload = ActivationOffload(num_layers=3)
+        with torch.autocast(**autocast):
+            h = x
+            for i, layer in enumerate(layers):
+                fn = lambda t, layer=layer: torch.nn.functional.silu(layer(t)) + t  # noqa: E731
+                params = [p for p in layer.parameters() if p.requires_grad]
+                h = offloaded_checkpoint(fn, offload, i, h, params) if checkpointed else fn(h)
+        h.float().square().sum().backward()
+        grads = [x.grad.clone(), *(p.grad.clone() for p in layers.parameters() if p.grad is not None)]
+        x.grad = None
+        layers.zero_grad(set_to_none=True)
+        return h.detach(), grads, offload
+
+    want_out, want = run(checkpointed=False)[:2]
+    got_out, got, offload = run(checkpointed=True)
+    assert layers[1].weight.grad is None and len(got) == len(want) == 6
+    if device == "cpu":  # the same kernels on the same values
+        assert torch.equal(got_out, want_out) and all(torch.equal(g, w) for g, w in zip(got, want))
+    else:  # the same too, but cuBLAS may pick another algorithm on a second call
+        assert torch.allclose(got_out, want_out, rtol=1e-2, atol=1e-2)
+        assert all(torch.allclose(g, w, rtol=1e-3, atol=1e-4) for g, w in zip(got, want))
+    assert offload.stats()["offloaded_inputs"] == 2
+
+
+@pytest.mark.gpu
+def test_offloading_frees_the_inputs_on_the_gpu_and_never_syncs():
+    mib = 2**20
+    offload = ActivationOffload(num_layers=5)
+    inputs = [torch.randn(mib // 2, device="cuda", dtype=torch.bfloat16) for _ in range(5)]  # 1 MiB each
+    want = [x.clone() for x in inputs]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        saved = [offload.save(x, i) for i, x in enumerate(inputs)]
+        del inputs
+        freed = before - torch.cuda.memory_allocated()
+        loaded = [offload.load(s) for s in reversed(saved)][::-1]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert freed == 4 * mib  # all but the last layer's
+    assert all(torch.equal(got, w) for got, w in zip(loaded, want))
