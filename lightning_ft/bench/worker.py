@@ -57,11 +57,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": spec["seq_len"] / seconds,
         "tflops_per_s": flops / seconds / 1e12,
         "mfu": flops / seconds / peak_flops if peak_flops else None,
+        **profile,
         # the allocator's peak since the step timer's last reset, or an earlier phase's (`StepTimer`)
         "peak_mem_gib": max([torch.cuda.max_memory_allocated() / 2**30, *(v for k, v in profile.items() if k.startswith("peak_mem_gib_"))])
         if cuda else None,
+        **({"peak_reserved_gib": max(torch.cuda.max_memory_reserved() / 2**30, profile.get("peak_reserved_gib", 0.0))} if cuda else {}),
         "loss_last": loss,
-        **profile,
     }
 
 

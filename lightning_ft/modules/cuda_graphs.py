@@ -35,7 +35,8 @@ to restore them.
 
 Activation offloading (``activation_offload``, off by default): each layer's input, the one
 tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
-(`lightning_ft.strategies.offload`), for replayed and eager calls alike.
+(`lightning_ft.strategies.offload`), for replayed and eager calls alike (but eager calls with
+positional arguments or keyword tensors that require grad: those are checkpointed on the device).
 
 When graphs are recorded: per input signature (shapes, dtypes, autocast, requires_grad, the packed
 batch's layout, every non-tensor keyword), the second time a layer sees it; the first call runs
@@ -139,6 +140,17 @@ def _signature(value: Any, varlen: bool) -> Any:
     if isinstance(value, _SCALARS):
         return value
     raise _Ungraphable(f"a keyword of type {type(value).__name__}")
+
+
+def _requires_grad(value: Any) -> bool:
+    """Whether a keyword argument holds a tensor that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(_requires_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_requires_grad(v) for v in value.values())
+    return False
 
 
 def _static_like(value: Any, device: torch.device, varlen: bool) -> Any:
@@ -411,7 +423,7 @@ class _ModelGraphs:
 
 
 class _GraphedLayer(torch.autograd.Function):
-    """A decoder layer replayed from its graphs; saves only its input (checkpointing)."""
+    """A decoder layer replayed from its graphs; saves only its input (checkpointing), or offloads it."""
 
     @staticmethod
     def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, kwargs: dict, offload, index: int, hidden: torch.Tensor, *params):
@@ -456,9 +468,12 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     index = getattr(self, _INDEX_ATTR)
     if found is None:
         state.eager += 1
-        params = [p for p in self.parameters() if p.requires_grad]
-        if state.offload is not None and not args and (hidden_states.requires_grad or params):
-            return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
+        if state.offload is not None:
+            params = [p for p in self.parameters() if p.requires_grad]
+            if args or _requires_grad(kwargs):  # gradients only reach the input and the layer's weights
+                state.log_once("calls with positional arguments or keyword tensors that require grad are not offloaded")
+            elif hidden_states.requires_grad or params:
+                return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
         return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
     state.replayed += 1
     graphs, static = found
@@ -528,7 +543,8 @@ def apply_cuda_graphs(
         activation_offload: keep each layer's input (the checkpoint) in pinned host memory from its
             forward to its backward, reloaded one layer ahead on a copy stream
             (`lightning_ft.strategies.offload.ActivationOffload`; the last layer's stays on the GPU),
-            for graphed and eager calls alike (no positional arguments).
+            for graphed and eager calls alike (eager calls with positional arguments or keyword
+            tensors that require grad excepted: they are checkpointed on the device).
 
     Returns:
         The number of layers patched.

@@ -5,34 +5,43 @@ residual stream) from its forward to its backward, but all L layers' inputs are 
 the Qwen3-30B-A3B shape at 32K tokens that is 128 MiB per layer, 6 GiB over 48 layers. Here each
 input is copied to the host in forward and back in backward, overlapped with compute:
 
-- forward (`ActivationOffload.save`): a side copy stream waits for the compute stream (x is
-  written), then copies x to a pinned host tensor without blocking; x's GPU memory goes back to the
-  caching allocator once that copy has run (``record_stream``). Called before the layer's own
-  kernels are queued, so the copy overlaps the layer's forward.
+- forward (`ActivationOffload.save`, called before the layer's kernels are queued): a side copy
+  stream waits for the compute stream (x is written), then copies x to a pinned host tensor
+  without blocking, while the layer's forward computes. x is held until the next layer's
+  ``save``, which makes the compute stream wait for that copy's event and then lets x go: its
+  memory returns to the compute stream's pool at once, ordered after the copy. (``record_stream``
+  would instead keep the block from being reused until the allocator sees the copy finish, which
+  with the host running ahead of the GPU means new segments: more reserved memory, not less.)
 - backward (`ActivationOffload.load`): layers run in reverse. Loading layer i's input also starts
   the copy of layer i-1's (prefetch, one layer ahead), so it overlaps layer i's backward; the
-  compute stream waits only on the event of the copy it needs. At most two reloaded inputs are on
-  the GPU at a time (double buffering): the one in use and the one arriving.
+  compute stream waits only on the event of the copy it needs. Two reloaded inputs are alive at a
+  time (double buffering): the one in use and the one arriving.
 - the last layer's input stays on the GPU: its backward comes first, with nothing to hide a copy.
 
-No host-device sync: non-blocking copies between device and pinned memory, CUDA events. Host
-tensors come from torch's caching host allocator, which reuses them across steps and does not hand
-a block out again before the copies that used it have run. Each saved input owns its host tensor,
-so two forwards before one backward are safe. Off CUDA (tests) a saved input is a host copy and
-the prefetch bookkeeping is the same.
+No host-device sync in steady state: non-blocking copies between device and pinned memory, CUDA
+events. Host tensors come from torch's caching host allocator, which does not hand a block out
+again before the copies that used it have run, and keeps it for reuse across steps (the first step
+allocates: slower; sizes are rounded up to powers of two; the memory is not returned): about
+(L-1) × T × hidden × 2 bytes of pinned host memory per process, 12 GiB at 64K tokens on
+Qwen3-30B-A3B. Each saved input owns its host tensor, so two forwards before one backward are safe.
+Off CUDA (tests) a saved input is a copy on its own device and the prefetch bookkeeping is the same.
+Layers are told their index (their order in the model): a model that calls them in another order
+gets the right values with less overlap.
 
 At ~55 GB/s pinned bandwidth (H200) a 128 MiB input moves in ~2.4 ms each way, well under a
 layer's forward or backward at 32K tokens; at short rows the copies are small but so is the saving
 (turn it on for long contexts).
 
-Sources: CUDA streams and events (CUDA C++ Programming Guide); ``torch.Tensor.record_stream``;
-the offloaded checkpoints of Unsloth (a side stream, one staging buffer plus a second when memory
-allows) and torchtune's ``OffloadActivations`` (saved-tensor hooks, reload on demand), as described
-in ../shared/PRIOR_ART.md: ours prefetches one layer ahead and skips the last layer.
+Sources: CUDA streams and events (CUDA C++ Programming Guide); the caching allocators' stream
+semantics (``torch.cuda`` memory management notes); the offloaded checkpoints of Unsloth (a side
+stream, one staging buffer plus a second when memory allows) and torchtune's ``OffloadActivations``
+(saved-tensor hooks, reload on demand), as described in ../shared/PRIOR_ART.md: ours prefetches
+one layer ahead and skips the last layer.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -50,19 +59,28 @@ class OffloadedTensor:
         layer_index: the decoder layer it is the input of.
         previous: the input saved just before it (layer ``layer_index - 1`` of the same forward),
             whose reload this one's load starts; None once started or when there is none.
+        source: the input itself, held until the copy to the host is ordered before its reuse.
+        version: the input's version counter when saved (an in-place change later is an error).
+        copied: the copy stream's event after the copy to the host (CUDA).
         loaded: the input on the device: the last layer's, or a reload in flight or not used yet.
         ready: the copy stream's event after that reload (CUDA).
         consumed: `ActivationOffload.load` has returned it.
     """
 
-    __slots__ = ("host", "device", "layer_index", "previous", "loaded", "ready", "consumed")
+    __slots__ = (
+        "host", "device", "layer_index", "previous", "source", "version", "copied", "loaded", "ready", "consumed",
+        "__weakref__",
+    )  # fmt: skip
 
-    def __init__(self, host: torch.Tensor | None, device: torch.device, layer_index: int, previous: OffloadedTensor | None):
+    def __init__(self, x: torch.Tensor, host: torch.Tensor | None, layer_index: int, previous: OffloadedTensor | None):
         self.host = host
-        self.device = device
+        self.device = x.device
         self.layer_index = layer_index
         self.previous = previous
-        self.loaded: torch.Tensor | None = None
+        self.source: torch.Tensor | None = x if host is not None else None
+        self.version = x._version
+        self.copied: torch.cuda.Event | None = None
+        self.loaded: torch.Tensor | None = None if host is not None else x
         self.ready: torch.cuda.Event | None = None
         self.consumed = False
 
@@ -80,7 +98,9 @@ class ActivationOffload:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.last: OffloadedTensor | None = None
+        self.last: weakref.ref[OffloadedTensor] | None = None  # the input saved last (not kept alive)
+        self.holding: OffloadedTensor | None = None  # the one input whose device memory is still held
+        self.inflight: list[OffloadedTensor] = []  # reloads started whose event the compute stream has not waited on
         self.saved = 0
         self.saved_bytes = 0
         self.prefetched = 0
@@ -90,34 +110,65 @@ class ActivationOffload:
             self.streams[device] = torch.cuda.Stream(device)
         return self.streams[device]
 
+    def _let_go(self) -> None:
+        """Order the held input's reuse after its copy (compute stream waits on it), then drop it.
+
+        Raises:
+            RuntimeError: the input was changed in place after `save` (the copy may have raced it).
+        """
+        saved, self.holding = self.holding, None
+        if saved is None or saved.source is None:
+            return
+        if saved.source._version != saved.version:
+            raise RuntimeError(
+                f"decoder layer {saved.layer_index}'s input was changed in place during its forward, while activation "
+                "offloading copied it to the host: set model.activation_offload=false"
+            )
+        if saved.copied is not None:
+            torch.cuda.current_stream(saved.device).wait_event(saved.copied)
+        saved.source = None
+
+    def _wait_abandoned(self) -> None:
+        """Reloads of a backward that stopped early: order their memory's reuse after their copies."""
+        for saved in self.inflight:
+            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            saved.loaded = saved.ready = None
+        self.inflight.clear()
+
     def save(self, x: torch.Tensor, layer_index: int) -> OffloadedTensor:
         """Start copying decoder layer ``layer_index``'s input ``x`` to the host (the last layer's stays).
 
-        Call it when ``x`` is written and before the layer's kernels are queued; drop every
-        reference to ``x`` after the layer's forward (its memory is reused once the copy has run).
+        Call it when ``x`` is written and before the layer's kernels are queued. ``x`` is held
+        until the next call (the next layer's input), which orders its reuse after the copy.
 
         Returns:
             the `OffloadedTensor` to `load` in the backward.
+
+        Raises:
+            RuntimeError: the input saved before was changed in place since.
         """
+        self._let_go()
+        self._wait_abandoned()
         x = x.detach()
-        last = self.last
+        last = self.last() if self.last is not None else None
         previous = last if last is not None and last.layer_index == layer_index - 1 and not last.consumed else None
         if layer_index >= self.num_layers - 1:
-            saved = self.last = OffloadedTensor(None, x.device, layer_index, previous)
-            saved.loaded = x
-            return saved
-        if x.is_cuda:
+            saved = OffloadedTensor(x, None, layer_index, previous)
+        elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             stream = self._stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
                 host.copy_(x, non_blocking=True)
-            x.record_stream(stream)
+                copied = stream.record_event()
+            saved = self.holding = OffloadedTensor(x, host, layer_index, previous)
+            saved.copied = copied
         else:
-            host = x.clone()
-        saved = self.last = OffloadedTensor(host, x.device, layer_index, previous)
-        self.saved += 1
-        self.saved_bytes += x.numel() * x.element_size()
+            saved = self.holding = OffloadedTensor(x, x.clone(), layer_index, previous)
+        if saved.host is not None:
+            self.saved += 1
+            self.saved_bytes += x.numel() * x.element_size()
+        self.last = weakref.ref(saved)
         return saved
 
     def _start_load(self, saved: OffloadedTensor) -> None:
@@ -132,8 +183,8 @@ class ActivationOffload:
         with torch.cuda.stream(stream):
             loaded.copy_(saved.host, non_blocking=True)
             saved.ready = stream.record_event()
-        loaded.record_stream(stream)  # freed unused (an abandoned backward): not reused before the copy ran
         saved.loaded = loaded
+        self.inflight.append(saved)
 
     def load(self, saved: OffloadedTensor) -> torch.Tensor:
         """The input `save` took, back on its device; starts reloading the previous layer's input.
@@ -142,10 +193,13 @@ class ActivationOffload:
         is loaded once.
 
         Raises:
-            RuntimeError: ``saved`` was loaded before.
+            RuntimeError: ``saved`` was loaded before (a second backward through the same forward),
+                or the input was changed in place since `save`.
         """
         if saved.consumed:
             raise RuntimeError(f"decoder layer {saved.layer_index}'s offloaded input was loaded already (one backward per forward)")
+        if self.holding is saved:  # its forward was the last: the input is still on the device
+            self._let_go()
         saved.consumed = True
         if saved.loaded is None:
             self._start_load(saved)
@@ -158,6 +212,7 @@ class ActivationOffload:
         if saved.ready is not None:
             torch.cuda.current_stream(saved.device).wait_event(saved.ready)
             saved.ready = None
+            self.inflight.remove(saved)
         return loaded
 
     def stats(self) -> dict[str, int]:

@@ -358,3 +358,29 @@ def test_the_stats_count_replayed_and_eager_layer_calls():
     kept = stats.pop("kept_attention_bytes")
     assert stats == {"replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3, "kept_attention_recordings": 3}
     assert kept == 3 * (64 * 4 * 16 * 4 + 4 * 64 * 4)  # per layer: out [1, 4, 64, 16] and lse [1, 4, 64], fp32
+
+
+def test_offloading_leaves_calls_with_keyword_tensors_that_require_grad_to_checkpointing():
+    """RoPE's cos/sin requiring grad: the call runs eagerly (not graphable), checkpointed on the
+    device rather than offloaded, and cos still gets its gradient, as without the patch."""
+    module = _module("llama", "cpu")
+    base = module.model.get_base_model()
+    layer = base.model.layers[0]
+    x = torch.randn(1, 9, TINY["llama"]["hidden_size"], requires_grad=True)
+    position_ids = torch.arange(9)[None]
+
+    def grads():
+        cos, sin = base.model.rotary_emb(x, position_ids)
+        cos.requires_grad_()
+        layer(x, position_ids=position_ids, position_embeddings=(cos, sin)).square().sum().backward()
+        out = (x.grad.clone(), cos.grad.clone())
+        x.grad = None
+        return out
+
+    module.model.train()
+    want = grads()
+    apply_cuda_graphs(module.model, activation_offload=True)
+    state = getattr(layer, _STATE_ATTR)
+    got = grads()
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-7) for g, w in zip(got, want))
+    assert state.offload.stats()["offloaded_inputs"] == 0 and state.eager == 1

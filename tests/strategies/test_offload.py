@@ -101,3 +101,52 @@ def test_offloading_frees_the_inputs_on_the_gpu_and_never_syncs():
         torch.cuda.set_sync_debug_mode("default")
     assert freed == 4 * mib  # all but the last layer's
     assert all(torch.equal(got, w) for got, w in zip(loaded, want))
+
+
+def test_an_input_changed_in_place_during_its_forward_is_an_error():
+    offload = ActivationOffload(num_layers=3)
+    x = torch.randn(4, 5)
+    offload.save(x, 0)
+    x.mul_(2)  # the asynchronous copy to the host may have read either value
+    with pytest.raises(RuntimeError, match="decoder layer 0's input was changed in place during its forward"):
+        offload.save(torch.randn(4, 5), 1)
+
+
+def test_a_forward_without_backward_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    offload = ActivationOffload(num_layers=3)
+    saved = _forward(offload, [torch.randn(4, 5) for _ in range(3)])
+    refs = [weakref.ref(s) for s in saved]
+    del saved
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.gpu
+def test_offloading_lowers_reserved_memory_while_the_gpu_lags_behind_the_host():
+    """Under CUDA graphs the host runs ahead of the GPU. An input's memory must be reusable at once
+    by the compute stream (ordered after its copy), not kept back until the allocator sees the copy
+    finish (``record_stream``), which would make the allocator reserve new memory for every layer."""
+
+    def reserved_peak(offload: ActivationOffload | None) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        x = torch.randn(4 * 2**20, device="cuda")  # 16 MiB
+        saved = []
+        for i in range(16):
+            torch.cuda._sleep(1_000_000)  # the layer's work: the GPU falls behind
+            saved.append(offload.save(x, i) if offload else x)
+            x = x * 1.001  # the layer's output, the next layer's input
+        for s in reversed(saved):
+            y = offload.load(s) if offload else s
+            torch.cuda._sleep(1_000_000)
+            x = x + y
+        del saved, s, y
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved()
+
+    plain, offloaded = reserved_peak(None), reserved_peak(ActivationOffload(num_layers=16))
+    assert offloaded < 0.5 * plain, (offloaded, plain)
