@@ -23,7 +23,10 @@ events. Host tensors come from torch's caching host allocator, which does not ha
 again before the copies that used it have run, and keeps it for reuse across steps (the first step
 allocates: slower; sizes are rounded up to powers of two; the memory is not returned): about
 (L-1) × T × hidden × 2 bytes of pinned host memory per process, 12 GiB at 64K tokens on
-Qwen3-30B-A3B. Each saved input owns its host tensor, so two forwards before one backward are safe.
+Qwen3-30B-A3B. The allocator checks that a block's copies have run without waiting: a host far ahead
+of the GPU at the next step allocates new blocks (up to twice that memory), and each power-of-two size
+keeps its own blocks (rows of varying length). Each saved input owns its host tensor, so two forwards
+before one backward are safe.
 Off CUDA (tests) a saved input is a copy on its own device and the prefetch bookkeeping is the same.
 Layers are told their index (their order in the model): a model that calls them in another order
 gets the right values with less overlap.
@@ -47,6 +50,14 @@ from typing import Callable
 import torch
 
 __all__ = ["ActivationOffload", "OffloadedTensor", "offloaded_checkpoint"]
+
+
+def _check_version(saved: OffloadedTensor, x: torch.Tensor) -> None:
+    if x._version != saved.version:
+        raise RuntimeError(
+            f"decoder layer {saved.layer_index}'s input was changed in place after its forward started; activation "
+            "offloading keeps (or copies) it as it was then: set model.activation_offload=false"
+        )
 
 
 class OffloadedTensor:
@@ -119,14 +130,10 @@ class ActivationOffload:
         saved, self.holding = self.holding, None
         if saved is None or saved.source is None:
             return
-        if saved.source._version != saved.version:
-            raise RuntimeError(
-                f"decoder layer {saved.layer_index}'s input was changed in place during its forward, while activation "
-                "offloading copied it to the host: set model.activation_offload=false"
-            )
         if saved.copied is not None:
             torch.cuda.current_stream(saved.device).wait_event(saved.copied)
-        saved.source = None
+        source, saved.source = saved.source, None
+        _check_version(saved, source)
 
     def _wait_abandoned(self) -> None:
         """Reloads of a backward that stopped early: order their memory's reuse after their copies."""
@@ -150,6 +157,8 @@ class ActivationOffload:
         self._let_go()
         self._wait_abandoned()
         x = x.detach()
+        if not x.is_contiguous():  # made here, on the compute stream (the copy would make one on the side stream)
+            x = x.contiguous()
         last = self.last() if self.last is not None else None
         previous = last if last is not None and last.layer_index == layer_index - 1 and not last.consumed else None
         if layer_index >= self.num_layers - 1:
@@ -194,17 +203,20 @@ class ActivationOffload:
 
         Raises:
             RuntimeError: ``saved`` was loaded before (a second backward through the same forward),
-                or the input was changed in place since `save`.
+                or the input was changed in place since `save` (checked where it stayed on the device).
         """
         if saved.consumed:
             raise RuntimeError(f"decoder layer {saved.layer_index}'s offloaded input was loaded already (one backward per forward)")
-        if self.holding is saved:  # its forward was the last: the input is still on the device
-            self._let_go()
         saved.consumed = True
-        if saved.loaded is None:
+        if self.holding is saved:  # the last input saved, still on the device: no reload
+            saved.loaded = saved.source
+            self._let_go()
+        elif saved.loaded is None:
             self._start_load(saved)
         elif saved.host is not None:
             self.prefetched += 1
+        else:  # the last layer's input, kept on the device
+            _check_version(saved, saved.loaded)
         previous, saved.previous = saved.previous, None
         if previous is not None and previous.loaded is None and not previous.consumed:
             self._start_load(previous)  # overlaps this layer's backward
