@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
@@ -51,6 +52,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: no tokenizer can be named (neither ``model.tokenizer`` nor ``model.name_or_path``),
+            model switches that need a GPU or each other (`_check_model_switches`),
             ``eval.generate`` without validation data or with ``strategy=fsdp2``, or ``ckpt_path=last``
             with no last checkpoint.
         FileNotFoundError: the tokenizer cannot be loaded from the named path.
@@ -73,6 +75,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("model.name_or_path is required with model.init=pretrained: a local checkpoint folder or a hub name")
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     _check_trainer_arguments(trainer_kwargs)
+    _check_model_switches(cfg.model, trainer_kwargs)
     if trainer_kwargs.get("strategy", "auto") == "auto" and _processes(trainer_kwargs) > 1:
         trainer_kwargs["strategy"] = DDP_STRATEGY  # what Lightning's auto picks (DDP), built on the training stream
         if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -87,6 +90,24 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     with _run_dir_lock(run_dir):
         (run_dir / _CONFIG_FILE).write_text(json.dumps(written, indent=2, default=str) + "\n")
         return _train(cfg, run_dir, trainer_kwargs)
+
+
+def _check_model_switches(model: DictConfig, trainer_kwargs: dict[str, Any]) -> None:
+    """Model switches that need each other or a GPU, checked before anything is written.
+
+    Raises:
+        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, or ``model.cuda_graphs``
+            with ``trainer.accelerator=cpu`` or no CUDA device, naming every key to change.
+    """
+    offload = bool(model.get("activation_offload"))
+    if offload and not model.get("cuda_graphs"):
+        raise ValueError("model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)")
+    on_cpu = trainer_kwargs.get("accelerator") == "cpu"
+    if model.get("cuda_graphs") and (on_cpu or not torch.cuda.is_available()):
+        keys = "model.cuda_graphs=false" + (" model.activation_offload=false" if offload else "")
+        where = "trainer.accelerator=cpu" if on_cpu else "no CUDA device here"
+        hint = "" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)"
+        raise ValueError(f"model.cuda_graphs=true needs a CUDA device ({where}): set {keys}{hint}")
 
 
 @contextlib.contextmanager
@@ -170,7 +191,10 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         named = [k for k in settings if re.search(rf"\b{k}\b", str(err))] or list(settings)  # the keys it names
         if "gpu backend" in str(err).lower():  # a GPU config on a machine without one
             named = ["accelerator"]
-            hint = "; no GPU here: trainer=cpu precision=fp32 (and model.cuda_graphs=false for the GPU model configs)"
+            hint = (
+                "; no GPU here: trainer=cpu precision=fp32 (and model.cuda_graphs=false model.activation_offload=false "
+                "for the GPU model configs)"
+            )
         else:
             hint = "; several devices: strategy=ddp or strategy=fsdp2" if "strategy" in named else ""
         shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named)
@@ -274,7 +298,8 @@ def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path)
         raise ValueError(
             f"ckpt_path={ckpt_path}: this config differs from the interrupted run's ({saved_file}): "
             + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
-            + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger and eval may change)"
+            + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
+            "model.cuda_graphs, model.cuda_graphs_keep_attention and model.activation_offload may change)"
         )
 
 

@@ -210,7 +210,13 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert summary(tmp_path)["checkpoint_path"].endswith("last.ckpt")  # short runs name their last checkpoint too
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "lora.rank=4", ok=False)
     assert "lora.rank: 16 in the interrupted run, 4 now" in proc.stderr
+    # switches a resume may change, but not on this machine: refused before anything is written too
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.activation_offload=true", ok=False)
+    assert "model.activation_offload=true needs model.cuda_graphs=true" in proc.stderr
+    proc = run_cli(tmp_path, *FAST, "ckpt_path=last", "model.cuda_graphs=true", "model.activation_offload=true", ok=False)
+    assert "set model.cuda_graphs=false model.activation_offload=false" in proc.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
+    assert not (tmp_path / "logs" / "metrics.1.csv").exists()
     # a longer run of the same config is fine, and so is a switch that does not change the math
     run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.cuda_graphs_keep_attention=false")
     assert summary(tmp_path)["steps"] == 5

@@ -204,7 +204,8 @@ def _use_cuda_graphs(
         )
         return False
     if device.type != "cuda":
-        raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false")
+        also = " model.activation_offload=false" if model.get("activation_offload") else ""
+        raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false{also}")
     dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
     router_logits = bool((model.get("config") or {}).get("output_router_logits", False))
     check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits)
