@@ -124,6 +124,11 @@ def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
     cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", "systems=[hf_peft,unslot]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "systems: unknown ['unslot']" in proc.stderr and "Traceback" not in proc.stderr
+    for override, message in (("+model.activation_offloading=true", "model.activation_offloading: Key 'activation_offloading' not in"),
+                              ("+model.activation_offload=maybe", "model.activation_offload: Value 'maybe' is not a valid bool")):
+        cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", override]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     if not __import__("torch").cuda.is_available():  # the GPU presets on a machine without one
         cmd = [sys.executable, "-m", "lightning_ft", "bench", f"hydra.run.dir={tmp_path / 'gpu'}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -8,6 +8,7 @@ transformers classes) never leak from one to the next.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
 from lightning_ft.callbacks.summary import write_json_atomic
+from lightning_ft.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,11 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"systems: unknown {unknown}; known: {list(SYSTEMS)}")
+    try:  # the model keys as `fit` reads them: a typo or a bad value would otherwise be a row measuring something else
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
+    except (ConfigKeyError, ValidationError) as err:
+        keys = ", ".join(f.name for f in dataclasses.fields(ModelConfig))
+        raise ValueError(f"model.{err.key}: {err.msg.splitlines()[0]} (the model config's keys: {keys})") from None
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
             f"device={cfg.device}, but this machine has no CUDA GPU: run a CPU preset (+bench=tiny_cpu) or set device=cpu"
