@@ -27,7 +27,7 @@ from lightning_ft.config import unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
-from lightning_ft.modules.finetune_module import FinetuneModule
+from lightning_ft.modules.finetune_module import FinetuneModule, check_model_switches
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
@@ -52,7 +52,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: no tokenizer can be named (neither ``model.tokenizer`` nor ``model.name_or_path``),
-            model switches that need a GPU or each other (`_check_model_switches`),
+            model switches that need a GPU or each other (`check_model_switches`),
             ``eval.generate`` without validation data or with ``strategy=fsdp2``, or ``ckpt_path=last``
             with no last checkpoint.
         FileNotFoundError: the tokenizer cannot be loaded from the named path.
@@ -75,7 +75,12 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("model.name_or_path is required with model.init=pretrained: a local checkpoint folder or a hub name")
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     _check_trainer_arguments(trainer_kwargs)
-    _check_model_switches(cfg.model, trainer_kwargs)
+    on_cpu = trainer_kwargs.get("accelerator") == "cpu"
+    check_model_switches(
+        cfg.model,
+        no_cuda="trainer.accelerator=cpu" if on_cpu else None if torch.cuda.is_available() else "no CUDA device here",
+        hint="" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)",
+    )
     if trainer_kwargs.get("strategy", "auto") == "auto" and _processes(trainer_kwargs) > 1:
         trainer_kwargs["strategy"] = DDP_STRATEGY  # what Lightning's auto picks (DDP), built on the training stream
         if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -90,24 +95,6 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     with _run_dir_lock(run_dir):
         (run_dir / _CONFIG_FILE).write_text(json.dumps(written, indent=2, default=str) + "\n")
         return _train(cfg, run_dir, trainer_kwargs)
-
-
-def _check_model_switches(model: DictConfig, trainer_kwargs: dict[str, Any]) -> None:
-    """Model switches that need each other or a GPU, checked before anything is written.
-
-    Raises:
-        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, or ``model.cuda_graphs``
-            with ``trainer.accelerator=cpu`` or no CUDA device, naming every key to change.
-    """
-    offload = bool(model.get("activation_offload"))
-    if offload and not model.get("cuda_graphs"):
-        raise ValueError("model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)")
-    on_cpu = trainer_kwargs.get("accelerator") == "cpu"
-    if model.get("cuda_graphs") and (on_cpu or not torch.cuda.is_available()):
-        keys = "model.cuda_graphs=false" + (" model.activation_offload=false" if offload else "")
-        where = "trainer.accelerator=cpu" if on_cpu else "no CUDA device here"
-        hint = "" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)"
-        raise ValueError(f"model.cuda_graphs=true needs a CUDA device ({where}): set {keys}{hint}")
 
 
 @contextlib.contextmanager

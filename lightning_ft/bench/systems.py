@@ -260,9 +260,9 @@ class StepTimer:
     (``peak_mem_gib_forward``: from the batch's start to its backward, ``_backward``,
     ``_optimizer``: the optimizer step to the batch's end) and of everything before them
     (``peak_mem_gib_warmup``: the build and the warm-up steps: compilation, graph recording), and
-    the run's peak reserved memory (``peak_reserved_gib``: allocated plus the allocator's cache).
-    The allocator's peaks are reset at each phase boundary: the run's peak is the largest of these
-    and the allocator's peak since the last reset.
+    the run's peaks so far (``peak_mem_gib``, and ``peak_reserved_gib``: allocated plus the
+    allocator's cache). The allocator's peaks are reset at each phase boundary: a run's peak is the
+    larger of these and the allocator's peak since the last reset.
 
     With ``spec["profile"]`` (a file path) the timed steps (those after ``spec["warmup_steps"]``)
     also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time
@@ -286,9 +286,9 @@ class StepTimer:
         reserved = torch.cuda.max_memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         key = f"peak_mem_gib_{phase}" if len(self.times) >= self.warmup_steps else "peak_mem_gib_warmup"
-        self.summary[key] = max(self.summary.get(key, 0.0), peak / 2**30)
-        # what the allocator held (allocated + cached): what the GPU must have
-        self.summary["peak_reserved_gib"] = max(self.summary.get("peak_reserved_gib", 0.0), reserved / 2**30)
+        # peak_reserved_gib: what the allocator held (allocated + cached), what the GPU must have
+        for name, value in ((key, peak), ("peak_mem_gib", peak), ("peak_reserved_gib", reserved)):
+            self.summary[name] = max(self.summary.get(name, 0.0), value / 2**30)
 
     def on_before_backward(self, *args: Any) -> None:
         self._memory_phase("forward")

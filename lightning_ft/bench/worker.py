@@ -58,10 +58,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "tflops_per_s": flops / seconds / 1e12,
         "mfu": flops / seconds / peak_flops if peak_flops else None,
         **profile,
-        # the allocator's peak since the step timer's last reset, or an earlier phase's (`StepTimer`)
-        "peak_mem_gib": max([torch.cuda.max_memory_allocated() / 2**30, *(v for k, v in profile.items() if k.startswith("peak_mem_gib_"))])
-        if cuda else None,
-        **({"peak_reserved_gib": max(torch.cuda.max_memory_reserved() / 2**30, profile.get("peak_reserved_gib", 0.0))} if cuda else {}),
+        # the step timer's peaks so far, or the allocator's since its last reset (`StepTimer`)
+        **({"peak_mem_gib": None} if not cuda else {
+            key: max(profile.get(key, 0.0), now / 2**30)
+            for key, now in (("peak_mem_gib", torch.cuda.max_memory_allocated()), ("peak_reserved_gib", torch.cuda.max_memory_reserved()))
+        }),
         "loss_last": loss,
     }
 

@@ -466,18 +466,18 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
         return original(hidden_states, *args, **kwargs)
     found = state.graphs_for(self, hidden_states, kwargs) if not args else None
     index = getattr(self, _INDEX_ATTR)
-    if found is None:
-        state.eager += 1
-        if state.offload is not None:
-            params = [p for p in self.parameters() if p.requires_grad]
-            if args or _requires_grad(kwargs):  # gradients only reach the input and the layer's weights
-                state.log_once("calls with positional arguments or keyword tensors that require grad are not offloaded")
-            elif hidden_states.requires_grad or params:
-                return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
-        return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
-    state.replayed += 1
-    graphs, static = found
-    return _GraphedLayer.apply(graphs, static, kwargs, state.offload, index, hidden_states, *graphs.params)
+    if found is not None:
+        state.replayed += 1
+        graphs, static = found
+        return _GraphedLayer.apply(graphs, static, kwargs, state.offload, index, hidden_states, *graphs.params)
+    state.eager += 1
+    if state.offload is not None and (args or _requires_grad(kwargs)):  # gradients reach only the input and the weights
+        state.log_once("calls with positional arguments or keyword tensors that require grad are not offloaded")
+    elif state.offload is not None:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if hidden_states.requires_grad or params:
+            return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
+    return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
 
 
 def check_cuda_graphs(

@@ -180,6 +180,26 @@ def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
             module.cast_input_dtype_enabled = False
 
 
+def check_model_switches(model: dict[str, Any], no_cuda: str | None = None, hint: str = "") -> None:
+    """The model switches that need each other or CUDA, from the config (`fit` checks them before writing anything).
+
+    Args:
+        model: the ``model`` config.
+        no_cuda: why no CUDA device will run the model (e.g. ``"trainer.accelerator=cpu"``), or None.
+        hint: appended to the no-CUDA error.
+
+    Raises:
+        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, or ``model.cuda_graphs``
+            where ``no_cuda`` says why it cannot run, naming every key to change.
+    """
+    offload = bool(model.get("activation_offload"))
+    if offload and not model.get("cuda_graphs"):
+        raise ValueError("model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)")
+    if model.get("cuda_graphs") and no_cuda:
+        keys = "model.cuda_graphs=false" + (" model.activation_offload=false" if offload else "")
+        raise ValueError(f"model.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
+
+
 def _use_cuda_graphs(
     model: dict[str, Any],
     lora: dict[str, Any],
@@ -203,9 +223,7 @@ def _use_cuda_graphs(
             "gathers each layer's weights at new addresses every step); set model.cuda_graphs=false to silence this"
         )
         return False
-    if device.type != "cuda":
-        also = " model.activation_offload=false" if model.get("activation_offload") else ""
-        raise ValueError(f"model.cuda_graphs=true needs a CUDA device, the model is on {device}: set model.cuda_graphs=false{also}")
+    check_model_switches(model, no_cuda=None if device.type == "cuda" else f"the model is on {device}")
     dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
     router_logits = bool((model.get("config") or {}).get("output_router_logits", False))
     check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits)
@@ -282,10 +300,7 @@ class FinetuneModule(L.LightningModule):
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
         moe_backend = self.moe_cfg.get("backend", "hf")
-        if cfg.get("activation_offload") and not cfg.get("cuda_graphs"):
-            raise ValueError(
-                "model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)"
-            )
+        check_model_switches(cfg)
         cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(
             cfg, self.lora_cfg, attention, device, self._trainer, moe_backend
         )
