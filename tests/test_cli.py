@@ -108,3 +108,18 @@ def test_optuna_search_space_names_real_keys(tmp_path):
     with initialize_config_dir(config_dir(), version_base="1.3"):
         composed = compose("fit", overrides=["hparams_search=optuna", f"run_dir={tmp_path}"], return_hydra_config=True)
     assert composed.optimized_metric == "val_loss" and composed.hydra.sweeper.n_trials > 0
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}),
+    ],
+)
+def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocator(environ, expected):
+    from lightning_ft.__main__ import default_allocator_settings
+
+    default_allocator_settings(environ)
+    assert environ == expected
