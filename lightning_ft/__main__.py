@@ -88,21 +88,29 @@ def _bench_task(cfg) -> None:
         raise RunError(f"error: {err}") from err
 
 
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
 def default_allocator_settings(environ: MutableMapping[str, str]) -> None:
     """Let PyTorch's CUDA caching allocator grow segments in place, unless the user configured it.
 
-    Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither it nor
-    ``PYTORCH_ALLOC_CONF`` is set (a user's setting, including ``expandable_segments:False``, is
-    kept). It must happen before CUDA is initialised, so the command line does it first; DDP ranks
-    inherit the environment. Why: with fixed-size segments the allocator reserved 12.8 GiB more
-    than it handed out at 32K tokens on Qwen3-30B-A3B (48 layers, offloaded checkpoints: 82.7 GiB
-    reserved for 69.9 GiB allocated on an H200, session 9); expandable segments cut that by
-    3.3 GiB with the same step time (benchmarks/RESULTS.md). Fragmentation, not allocated memory,
-    is what runs out first on long rows. PyTorch's notes on the setting: "CUDA memory management"
-    in the CUDA semantics docs.
+    Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when none of `ALLOCATOR_VARIABLES`
+    is set (a user's setting, including ``expandable_segments:False``, is kept), except on Windows,
+    WSL and NVIDIA Tegra boards, where the CUDA virtual-memory calls it is built on fail (as
+    Unsloth, which sets the same default, found: unslothai/unsloth#3511, #2401). It must happen
+    before CUDA is initialised, so the command line does it first; DDP ranks inherit the
+    environment. Why: with fixed-size segments the allocator reserved 12.8 GiB more than it handed
+    out at 32K tokens on Qwen3-30B-A3B (48 layers, offloaded checkpoints: 82.7 GiB reserved for
+    69.9 GiB allocated on an H200); expandable segments took 3.3 GiB of that off at 32K and 7.5 GiB
+    at 64K, at the same step time (benchmarks/RESULTS.md, session 9). PyTorch's notes on the
+    setting: "CUDA memory management" in the CUDA semantics docs.
     """
-    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
-        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if any(name in environ for name in ALLOCATOR_VARIABLES):
+        return
+    release = os.uname().release.lower() if hasattr(os, "uname") else ""
+    if os.name == "nt" or "microsoft" in release or "WSL_DISTRO_NAME" in environ or os.path.exists("/etc/nv_tegra_release"):
+        return
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,9 +22,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
-from lightning_ft.callbacks.summary import RunSummary
+from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
 from lightning_ft.config import unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
+from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.modules.finetune_module import FinetuneModule, check_model_switches
@@ -34,14 +35,18 @@ import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=f
 
 log = logging.getLogger(__name__)
 
-#: keys a resumed run may change (none of them changes the math of a step); everything else must
-#: match the interrupted run's config
+#: keys a resumed run may change (none of them changes the math of a step, but trainer.max_steps
+#: and trainer.max_epochs stretch the learning-rate schedule to the new length: warned); everything
+#: else must match the interrupted run's config
 _RESUMABLE_CHANGES = (
     "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
     "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
     "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.activation_offload",
 )
-_CONFIG_FILE = "config.json"  # the resolved config of the run, written before training starts
+_INT_TRAINER_KEYS = (
+    "max_steps", "min_steps", "max_epochs", "min_epochs", "accumulate_grad_batches", "log_every_n_steps",
+    "num_nodes", "num_sanity_val_steps",
+)
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
@@ -53,9 +58,13 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ValueError: no tokenizer can be named (neither ``model.tokenizer`` nor ``model.name_or_path``),
             model switches that need a GPU or each other (`check_model_switches`),
-            ``eval.generate`` without validation data or with ``strategy=fsdp2``, or ``ckpt_path=last``
-            with no last checkpoint.
-        FileNotFoundError: the tokenizer cannot be loaded from the named path.
+            ``eval.generate`` without validation data or with ``strategy=fsdp2``, ``ckpt_path=last``
+            with no last checkpoint, a ``trainer.`` value of the wrong type or ``trainer.max_steps=0``,
+            or a new run (no ``ckpt_path``) in a folder that holds a run already.
+        FileNotFoundError: the tokenizer, a data file or ``ckpt_path`` cannot be found.
+
+    Nothing is written into ``run_dir`` before every check that can be made without the model has
+    passed: a refused run leaves the folder (a finished run's files too) as it was.
     """
     if logging.getLogger().hasHandlers():
         # `import lightning` adds its own console handler that also propagates to the root logger,
@@ -89,12 +98,20 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     written = OmegaConf.to_container(cfg, resolve=False)
     if cfg.ckpt_path:
         _check_resumed_config(written, cfg.ckpt_path, run_dir)
+        if cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).is_file():
+            raise FileNotFoundError(
+                f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file (relative paths start from {Path.cwd()}); "
+                "ckpt_path=last resumes the run in hydra.run.dir"
+            )
     check_local_path("model.name_or_path", cfg.model.name_or_path)
     check_local_path("model.tokenizer", cfg.model.tokenizer)
+    check_data_path("data.path", cfg.data.path)
+    check_data_path("data.val_path", cfg.data.val_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _run_dir_lock(run_dir):
-        (run_dir / _CONFIG_FILE).write_text(json.dumps(written, indent=2, default=str) + "\n")
-        return _train(cfg, run_dir, trainer_kwargs)
+        if not cfg.ckpt_path:
+            _check_new_run_dir(run_dir)
+        return _train(cfg, run_dir, trainer_kwargs, written)
 
 
 @contextlib.contextmanager
@@ -116,8 +133,33 @@ def _run_dir_lock(run_dir: Path) -> Iterator[None]:
         yield
 
 
-def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Everything after the checks of `fit`: data, model, callbacks, Trainer, fit."""
+def _check_new_run_dir(run_dir: Path) -> None:
+    """Refuse to start a new run where one ran already: it would replace that run's summary,
+    config, adapter and metrics and mix its checkpoints with the new ones (the first process
+    only: the other DDP ranks join this run's folder on purpose).
+
+    Raises:
+        ValueError: ``run_dir`` holds ``summary.json`` or files under ``checkpoints/``.
+    """
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        return
+    found = [p.name for p in (run_dir / "summary.json",) if p.exists()]
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append("checkpoints/")
+    if found:
+        raise ValueError(
+            f"{run_dir} holds a run already ({', '.join(found)}): resume it with ckpt_path=last, or start the new run "
+            "in another folder (hydra.run.dir=...); delete the folder to start it over"
+        )
+
+
+def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
+    """Everything after the checks of `fit`: data, model, callbacks, Trainer, fit.
+
+    ``written`` goes to ``config.json`` when training starts (`RunSummary`): a run refused or
+    failed before that (a resume too) leaves the folder's config as it was.
+    """
     resolved = OmegaConf.to_container(cfg, resolve=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
@@ -149,7 +191,7 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         if not datamodule.has_validation:
             raise ValueError("eval.generate=true needs validation data: set data.val_fraction or data.val_path")
         callbacks.append(GenerationEval(cfg.eval.num_examples, cfg.eval.max_new_tokens))
-    summary = RunSummary(run_dir, resolved)
+    summary = RunSummary(run_dir, resolved, resuming=bool(cfg.ckpt_path), run_config=written)
     callbacks.append(summary)
     # callbacks.progress_bar=null means no progress bar at all (not Lightning's default one)
     trainer_kwargs.setdefault("enable_progress_bar", cfg.callbacks.get("progress_bar") is not None)
@@ -175,7 +217,7 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
         )
     except (MisconfigurationException, ValueError, TypeError) as err:
         settings = OmegaConf.to_container(cfg.trainer)
-        named = [k for k in settings if re.search(rf"\b{k}\b", str(err))] or list(settings)  # the keys it names
+        named = [k for k in settings if re.search(rf"\b{k}\b", str(err))]  # the keys it names
         if "gpu backend" in str(err).lower():  # a GPU config on a machine without one
             named = ["accelerator"]
             hint = (
@@ -184,17 +226,28 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any]) -> di
             )
         else:
             hint = "; several devices: strategy=ddp or strategy=fsdp2" if "strategy" in named else ""
-        shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named)
+        shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named) or "the trainer.* settings"
         raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
-        last = summary.summary.get("checkpoint_path")
-        raise TrainingStopped(
-            f"training stopped at step {trainer.global_step} by SIGTERM; "
-            + (f"resume from {last} with ckpt_path=last hydra.run.dir={run_dir}" if last else "no checkpoint was written")
-        ) from err
+        raise TrainingStopped(_stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
+    except SystemExit as err:
+        if not trainer.interrupted:
+            raise
+        # Ctrl-C: Lightning tore the run down and exits with status 1 after its one-line notice
+        raise TrainingStopped(_stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)")) from err
     return summary.summary
+
+
+def _stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: str) -> str:
+    """What stopped training, at which step, and how to resume (from which step the last checkpoint is)."""
+    last = summary.summary.get("checkpoint_path")
+    if not last:
+        return f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written"
+    saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", None)
+    at = f" (step {saved}: steps after it run again)" if saved is not None and saved < trainer.global_step else ""
+    return f"training stopped at step {trainer.global_step} by {by}; resume from {last}{at} with ckpt_path=last hydra.run.dir={run_dir}"
 
 
 def _keep_previous_metrics(run_dir: Path) -> None:
@@ -255,15 +308,20 @@ def _check_strategy(strategy: Any, generate: bool) -> None:
 
 
 def _check_trainer_arguments(kwargs: dict[str, Any]) -> None:
-    """Lightning raises a bare TypeError for an unknown argument; name the key and the closest ones."""
+    """Lightning raises a bare TypeError for an unknown argument, and a confusing one for a count
+    given as text; name the key, the closest ones, or what is expected."""
     known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    for key in kwargs:
+    for key, value in kwargs.items():
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)
             raise ValueError(
                 f"trainer.{key}: not an argument of lightning.Trainer"
                 + (f"; did you mean {', '.join('trainer.' + c for c in close)}?" if close else "")
             )
+        if key in _INT_TRAINER_KEYS and value is not None and type(value) is not int:
+            raise ValueError(f"trainer.{key}={value!r}: expected an integer")
+    if kwargs.get("max_steps") == 0:
+        raise ValueError("trainer.max_steps=0 trains nothing: set at least 1 (or -1 to run trainer.max_epochs)")
 
 
 def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) -> None:
@@ -272,14 +330,13 @@ def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path)
     The interrupted run's config is ``config.json`` in its run folder (``run_dir`` for
     ``ckpt_path=last``; two folders above the checkpoint file otherwise).
     """
-    saved_file = (run_dir if ckpt_path == "last" else Path(ckpt_path).resolve().parent.parent) / _CONFIG_FILE
+    saved_file = (run_dir if ckpt_path == "last" else Path(ckpt_path).resolve().parent.parent) / CONFIG_FILE
     if not saved_file.exists():
         return
     saved = json.loads(saved_file.read_text())
+    changes = _diff(saved, json.loads(json.dumps(config, default=str)))
     differences = [
-        f"{key}: {old!r} in the interrupted run, {new!r} now"
-        for key, old, new in _diff(saved, json.loads(json.dumps(config, default=str)))
-        if not key.startswith(_RESUMABLE_CHANGES)
+        f"{key}: {old!r} in the interrupted run, {new!r} now" for key, old, new in changes if not key.startswith(_RESUMABLE_CHANGES)
     ]
     if differences:
         raise ValueError(
@@ -287,6 +344,13 @@ def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path)
             + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
             + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
             "model.cuda_graphs, model.cuda_graphs_keep_attention and model.activation_offload may change)"
+        )
+    stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
+    if stretched and config.get("scheduler") and os.environ.get("LOCAL_RANK", "0") == "0":
+        # the schedule is built from trainer.estimated_stepping_batches, i.e. the new length
+        log.warning(
+            "resume with %s: the learning-rate schedule is rebuilt for the new length, so the rate from the resumed "
+            "step on differs from the interrupted run's", ", ".join(stretched),
         )
 
 

@@ -119,16 +119,18 @@ class BypassLora(L.Callback):
 
 
 class SignalAtStep(L.Callback):
-    """Sends this process SIGTERM (as a scheduler does) once ``step`` optimizer steps are done."""
+    """Sends this process ``signal_name`` (SIGTERM: as a scheduler does; SIGINT: Ctrl-C) once ``step``
+    optimizer steps are done."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, signal_name: str = "SIGTERM"):
         self.step = step
+        self.signal_name = signal_name
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step >= self.step:
             import signal
 
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
 class DumpTrainedModel(L.Callback):

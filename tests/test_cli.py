@@ -116,6 +116,8 @@ def test_optuna_search_space_names_real_keys(tmp_path):
         ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
         ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
         ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}),
+        ({"PYTORCH_HIP_ALLOC_CONF": "garbage_collection_threshold:0.6"}, {"PYTORCH_HIP_ALLOC_CONF": "garbage_collection_threshold:0.6"}),
+        ({"WSL_DISTRO_NAME": "Ubuntu"}, {"WSL_DISTRO_NAME": "Ubuntu"}),
     ],
 )
 def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocator(environ, expected):

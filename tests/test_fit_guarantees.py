@@ -8,6 +8,7 @@ adapters that get no gradient stop the run; sweeps get a summary table; validati
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,10 +216,28 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert "model.activation_offload=true needs model.cuda_graphs=true" in proc.stderr
     proc = run_cli(tmp_path, *FAST, "ckpt_path=last", "model.cuda_graphs=true", "model.activation_offload=true", ok=False)
     assert "set model.cuda_graphs=false model.activation_offload=false" in proc.stderr
+    # refused after the data is read (a change a resume may make, that this run cannot do): config.json kept too
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "eval.generate=true", ok=False)
+    assert "eval.generate=true needs validation data" in proc.stderr
+    # a new run (no ckpt_path) in this folder would replace the finished run's files
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=2", ok=False)
+    assert "holds a run already (summary.json, checkpoints/): resume it with ckpt_path=last" in proc.stderr
+    proc = run_cli(tmp_path, *FAST, "ckpt_path=checkpoints/nope.ckpt", ok=False)
+    assert "ckpt_path='checkpoints/nope.ckpt': no such checkpoint file" in proc.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
     assert not (tmp_path / "logs" / "metrics.1.csv").exists()
-    # a longer run of the same config is fine, and so is a switch that does not change the math
-    run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.cuda_graphs_keep_attention=false")
+    # a resume that fails before training resumes (a checkpoint that does not load) keeps the summary
+    last = Path(summary(tmp_path)["checkpoint_path"])
+    good = last.read_bytes()
+    last.write_bytes(b"not a checkpoint")
+    run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", ok=False)
+    assert (tmp_path / "summary.json").read_bytes() == before["summary.json"]
+    last.write_bytes(good)
+    (tmp_path / "logs" / "metrics.1.csv").rename(tmp_path / "logs" / "metrics.csv")  # as it was before that attempt
+    # a longer run of the same config is fine (its learning-rate schedule stretches: warned), and so is a
+    # switch that does not change the math
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.cuda_graphs_keep_attention=false")
+    assert "resume with trainer.max_steps: 3 → 5: the learning-rate schedule is rebuilt" in proc.stdout + proc.stderr
     assert summary(tmp_path)["steps"] == 5
     # the first run's metrics survive the resume beside the new file
     assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1
@@ -234,12 +253,29 @@ def test_sigterm_stops_with_a_failing_exit_status_and_a_summary(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_stops_with_a_message_that_says_how_to_resume(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "callbacks.checkpoint.every_n_train_steps=2",
+                   "+callbacks.term._target_=cli_helpers.SignalAtStep", "+callbacks.term.step=3",
+                   "+callbacks.term.signal_name=SIGINT", ok=False)
+    assert "training stopped at step 3 by Ctrl-C (SIGINT); resume from" in proc.stderr
+    assert "(step 2: steps after it run again) with ckpt_path=last" in proc.stderr
+    assert summary(tmp_path)["error"] == "KeyboardInterrupt: stopped by Ctrl-C (SIGINT)"
+
+
+@pytest.mark.slow
 def test_missing_required_values_and_trainer_typos_are_named(tmp_path):
     proc = run_cli(tmp_path / "a", "data=jsonl", ok=False)
     assert "required but not set: data.path" in proc.stderr
     proc = run_cli(tmp_path / "b", "+trainer.max_step=3", ok=False)
     assert "trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
     assert not (tmp_path / "b" / "summary.json").exists()
+    proc = run_cli(tmp_path / "e", "trainer.max_steps=five", ok=False)
+    assert "trainer.max_steps='five': expected an integer" in proc.stderr
+    proc = run_cli(tmp_path / "f", "trainer.max_steps=0", ok=False)
+    assert "trainer.max_steps=0 trains nothing" in proc.stderr
+    proc = run_cli(tmp_path / "g", "data=jsonl", f"data.path={tmp_path}", ok=False)
+    assert f"data.path='{tmp_path}' is a folder" in proc.stderr
+    assert not any((tmp_path / d / "config.json").exists() for d in "efg")  # refused before anything is written
     proc = run_cli(tmp_path / "c", "trainer.devices=0", ok=False)  # a value Lightning rejects: one line, the key named
     assert "trainer.devices=0: Lightning refused it" in proc.stderr
     assert "Traceback" not in proc.stderr

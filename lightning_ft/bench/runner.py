@@ -25,7 +25,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
-from lightning_ft.callbacks.summary import write_json_atomic
+from lightning_ft.callbacks.summary import allocator_settings, write_json_atomic
 from lightning_ft.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ def environment() -> dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "versions": versions,
+        # the CUDA allocator's settings every row starts with (the CLI's default, or the user's)
+        "allocator": allocator_settings(),
         "command": " ".join(["python", "-m", "lightning_ft", "bench", *sys.argv[1:]]),
     }
 

@@ -21,12 +21,20 @@ from lightning_ft.strategies.fsdp2 import gather_state_dict
 
 log = logging.getLogger(__name__)
 
+CONFIG_FILE = "config.json"  # the run's config as composed (unresolved), for a resume to compare with
+
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     """Peak memory of this process: allocated on the CUDA device, else the resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def allocator_settings() -> dict[str, str]:
+    """The PyTorch allocator variables of this process's environment (``PYTORCH_*ALLOC_CONF``):
+    they move the reserved-memory figures (the CLI sets ``expandable_segments:True`` by default)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PYTORCH_") and k.endswith("ALLOC_CONF")}
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -70,23 +78,43 @@ class RunSummary(L.Callback):
       statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``cuda_graphs``
       (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
       recorded, attention outputs kept; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`), ``world_size``
-      (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device`` and the
-      resolved ``config``.
+      (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
+      ``allocator`` (`allocator_settings`) and the resolved ``config``.
     - ``loss_curve.png``.
+
+    - ``config.json`` (``run_config``), when training starts (after the checkpoint of a resume is
+      restored).
+
+    A resumed run that fails before training starts (a checkpoint that does not load) leaves the
+    interrupted run's ``summary.json`` and ``config.json`` as they were: the error is the CLI's message.
 
     Args:
         run_dir: the Hydra run directory.
         config: the resolved config, stored in summary.json.
+        resuming: this run resumes from a checkpoint (``ckpt_path``).
+        run_config: the config as composed (unresolved), written to ``config.json``.
     """
 
-    def __init__(self, run_dir: str | Path, config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: dict[str, Any] | None = None,
+        resuming: bool = False,
+        run_config: dict[str, Any] | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.config = config or {}
+        self.resuming = resuming
+        self.run_config = run_config
         self.summary: dict[str, Any] = {}
         self._setup_peak: int | None = None
+        self._started = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = True
+        if self.run_config is not None and trainer.is_global_zero:
+            write_json_atomic(self.run_dir / CONFIG_FILE, self.run_config)
         if pl_module.device.type == "cuda":  # the peak of building (and sharding) the model, apart from training's
             self._setup_peak = torch.cuda.max_memory_allocated(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -104,8 +132,12 @@ class RunSummary(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if trainer.state.fn == "fit":
-            self._write(trainer, pl_module, exception)
+        if trainer.state.fn != "fit":
+            return
+        if self.resuming and not self._started and (self.run_dir / "summary.json").exists():
+            log.info("the run stopped before training resumed: %s is left as it was", self.run_dir / "summary.json")
+            return
+        self._write(trainer, pl_module, exception)
 
     @rank_zero_only
     def _write(
@@ -133,7 +165,7 @@ class RunSummary(L.Callback):
         metrics = trainer.callback_metrics
         self.summary = {
             "status": "completed" if error is None else "stopped",
-            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "error": None if error is None else _describe(error),
             "initial_loss": trained[0] if trained else None,
             "final_loss": trained[-1] if trained else None,
             "step_losses": losses,
@@ -154,6 +186,7 @@ class RunSummary(L.Callback):
             "cuda_graphs": cuda_graph_stats(pl_module.model) if getattr(pl_module, "model", None) is not None else None,
             "world_size": trainer.world_size,
             "device": str(pl_module.device),
+            "allocator": allocator_settings(),
             "config": self.config,
         }
         graphs = self.summary["cuda_graphs"]
@@ -174,6 +207,12 @@ class RunSummary(L.Callback):
         if losses:
             plot_loss_curve(losses, self.run_dir / "loss_curve.png")
         log.info("summary: %s", self.run_dir / "summary.json")
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, KeyboardInterrupt):
+        return "KeyboardInterrupt: stopped by Ctrl-C (SIGINT)"
+    return f"{type(error).__name__}: {error}"
 
 
 def _float(value: Any) -> float | None:

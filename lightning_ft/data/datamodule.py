@@ -233,6 +233,10 @@ class PackedDataModule(L.LightningDataModule):
             raise ValueError(f"data.max_tokens={max_tokens}: must be at least 2")
         if accumulate_grad_batches < 1:
             raise ValueError(f"trainer.accumulate_grad_batches={accumulate_grad_batches}: must be at least 1")
+        if num_examples is not None and num_examples < 1:
+            raise ValueError(f"data.num_examples={num_examples}: must be at least 1 (or null: every row)")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"data.val_fraction={val_fraction}: expected a share in [0, 1) (0: no validation)")
         if val_path and val_fraction > 0:
             raise ValueError(f"data.val_path={val_path!r} and data.val_fraction={val_fraction}: set one of them")
         if not 0 <= max_no_target_fraction <= 1:
@@ -263,11 +267,11 @@ class PackedDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._train_rows is not None:
             return
-        docs = self._tokenize(self._read(self.path, self.num_examples, self.seed), self.path, self.stats)
+        docs = self._tokenize(self._read(self.path, self.num_examples, self.seed, "data.path"), self.path, self.stats)
         rows = self._pack(docs)
         random.Random(self.seed).shuffle(rows)
         if self.val_path:
-            val_docs = self._tokenize(self._read(self.val_path, None, self.seed + 1), self.val_path, PackingStats())
+            val_docs = self._tokenize(self._read(self.val_path, None, self.seed + 1, "data.val_path"), self.val_path, PackingStats())
             self._val_rows, self._train_rows = self._pack(val_docs), rows
         else:
             n_val = int(round(len(rows) * self.val_fraction))
@@ -300,10 +304,10 @@ class PackedDataModule(L.LightningDataModule):
                 self.stats.dropped_too_long, self.stats.dropped_no_targets,
             )
 
-    def _read(self, path: str, num_examples: int | None, seed: int) -> list[dict[str, Any]]:
+    def _read(self, path: str, num_examples: int | None, seed: int, key: str) -> list[dict[str, Any]]:
         if path.startswith("builtin:"):
             return builtin_rows(path.removeprefix("builtin:"), num_examples or 4000, seed)
-        rows = read_rows(path, self.split)
+        rows = read_rows(path, self.split, key)
         return rows[:num_examples] if num_examples else rows
 
     def _tokenize(self, rows: Sequence[dict[str, Any]], source: str, stats: PackingStats) -> list[Document]:

@@ -54,8 +54,33 @@ class Example:
     source: str = ""
 
 
-def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
-    """Read all rows of a local file or a `datasets` name.
+_FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def check_data_path(key: str, path: str | None) -> None:
+    """Raise when ``path`` names a local data file that cannot be one (before any work starts).
+
+    A ``builtin:`` task and a name that is neither an existing path nor written as a file (a
+    `datasets` name) pass; they are checked when read.
+
+    Raises:
+        FileNotFoundError: a ``.jsonl``/``.json``/``.parquet`` path that does not exist.
+        ValueError: a folder, or an existing file of another type.
+    """
+    if not path or path.startswith("builtin:"):
+        return
+    local = Path(path).expanduser()
+    suffix = local.suffix.lower()
+    if local.is_dir():
+        raise ValueError(f"{key}={path!r} is a folder; expected a .jsonl, .json or .parquet file")
+    if local.exists() and suffix not in _FILE_TYPES:
+        raise ValueError(f"{key}={path!r}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
+    if not local.exists() and suffix in _FILE_TYPES:
+        raise FileNotFoundError(f"{key}={path!r}: no such file (relative paths start from {Path.cwd()})")
+
+
+def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[dict[str, Any]]:
+    """Read all rows of a local file or a `datasets` name (``key``: the config key that named it, for errors).
 
     Args:
         path: ``.jsonl``/``.json``/``.parquet`` file, or a dataset name for `datasets.load_dataset`.
@@ -67,26 +92,23 @@ def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
     """
     import datasets
 
+    check_data_path(key, path)
     local = Path(path).expanduser()
     suffix = local.suffix.lower()
     if local.exists():
-        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
-        if builder is None:
-            raise ValueError(f"{local}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
+        builder = _FILE_TYPES[suffix]
         if local.stat().st_size == 0 or suffix == ".jsonl" and _check_jsonl(local) == 0:
             raise ValueError(f"{local}: the file has no rows")
         try:
             ds = datasets.load_dataset(builder, data_files=str(local), split="train")
         except Exception as err:  # datasets wraps parser errors in its own types
             raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
-    elif suffix in (".jsonl", ".json", ".parquet"):
-        raise FileNotFoundError(f"data.path={path!r}: no such file (relative paths start from {Path.cwd()})")
     else:
         try:
             ds = datasets.load_dataset(path, split=split)
         except Exception as err:
             raise ValueError(
-                f"data.path={path!r} is not a local file and could not be loaded as a `datasets` name "
+                f"{key}={path!r} is not a local file and could not be loaded as a `datasets` name "
                 f"(split {split!r}): {err}"
             ) from err
     rows = ds.to_list()

@@ -96,6 +96,19 @@ def test_validation_file_and_generation_examples(tokenizer, tmp_path):
         PackedDataModule(tokenizer, val_path=str(val), val_fraction=0.1)
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"val_fraction": 1.5}, r"data.val_fraction=1.5: expected a share in \[0, 1\)"),
+        ({"val_fraction": -0.1}, r"data.val_fraction=-0.1: expected a share"),
+        ({"num_examples": 0}, r"data.num_examples=0: must be at least 1"),
+    ],
+)
+def test_out_of_range_options_name_their_key(tokenizer, option, message):
+    with pytest.raises(ValueError, match=message):
+        PackedDataModule(tokenizer, **option)
+
+
 def test_every_rank_runs_the_same_number_of_validation_batches_and_the_padding_counts_nothing(tokenizer):
     """FSDP2 all-gathers weights in every forward: a rank with one batch fewer would leave the others waiting."""
     dm = _datamodule(tokenizer, val_fraction=0.2)

@@ -59,6 +59,13 @@ def test_empty_and_missing_files(tmp_path):
         read_rows(str(empty))
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_rows(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"data.val_path='.*nope.jsonl': no such file"):
+        read_rows(str(tmp_path / "nope.jsonl"), key="data.val_path")
+    with pytest.raises(ValueError, match="is a folder; expected a .jsonl, .json or .parquet file"):
+        read_rows(str(tmp_path))
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"data.path='.*rows.csv': unsupported file type '.csv'"):
+        read_rows(str(tmp_path / "rows.csv"))
 
 
 def test_reads_jsonl_and_parquet(tmp_path):
