@@ -147,13 +147,28 @@ def config_groups() -> dict[str, list[str]]:
     }
 
 
+def trainer_key_hint(name: str) -> list[str]:
+    """``trainer.<name>``: [] for a `lightning.Trainer` argument, else one line naming the closest ones."""
+    import difflib
+    import inspect
+
+    import lightning as L
+
+    known = sorted(set(inspect.signature(L.Trainer.__init__).parameters) - {"self"})
+    if name in known:
+        return []
+    close = difflib.get_close_matches(name, known, n=3)
+    return [f"trainer.{name}: not an argument of lightning.Trainer" + (f"; did you mean {', '.join('trainer.' + c for c in close)}?" if close else "")]
+
+
 def override_hints(overrides: list[str]) -> list[str]:
     """Hints for command-line overrides of ``fit`` that failed to compose (printed after Hydra's error).
 
     For ``group=option`` with an unknown option: the group's options. For ``a.b=value`` with a key
-    that is not in the schema (`FitConfig`): the closest key names. Keys under free-form nodes
-    (``trainer.``, ``callbacks.``, ``model.config.``, ``optimizer.``) are not checked here; Hydra's
-    own message says to add them with ``+``. The last hint is always how to see the composed config.
+    that is not in the schema (`FitConfig`): the closest key names; for ``trainer.<name>`` that is
+    not a `lightning.Trainer` argument, the closest ones. Other keys under free-form nodes
+    (``callbacks.``, ``model.config.``, ``optimizer.``) are not checked here; Hydra's own message
+    says to add them with ``+``. The last hint is always how to see the composed config.
     """
     import difflib
     import re
@@ -174,6 +189,9 @@ def override_hints(overrides: list[str]) -> list[str]:
             unknown = [v for v in re.split(r"[,\s]+", value.strip("[]() ")) if v and v != "null" and v not in groups[key]]
             if unknown:
                 hints.append(f"{key}={','.join(unknown)}: not an option of the `{key}` group; options: {', '.join(groups[key])}")
+            continue
+        if key.startswith("trainer.") and key.count(".") == 1:
+            hints += trainer_key_hint(key.split(".")[1])
             continue
         node: Any = schema
         path = []

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import fcntl
-import inspect
 import json
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
-from lightning_ft.config import unknown_schema_keys
+from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
@@ -66,6 +65,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     Nothing is written into ``run_dir`` before every check that can be made without the model has
     passed: a refused run leaves the folder (a finished run's files too) as it was.
     """
+    _quiet_library_notices(resuming=bool(cfg.ckpt_path))
     if logging.getLogger().hasHandlers():
         # `import lightning` adds its own console handler that also propagates to the root logger,
         # which Hydra has configured: without this every Lightning message prints twice.
@@ -85,11 +85,9 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     _check_trainer_arguments(trainer_kwargs)
     on_cpu = trainer_kwargs.get("accelerator") == "cpu"
-    check_model_switches(
-        cfg.model,
-        no_cuda="trainer.accelerator=cpu" if on_cpu else None if torch.cuda.is_available() else "no CUDA device here",
-        hint="" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)",
-    )
+    no_cuda = "trainer.accelerator=cpu" if on_cpu else None if torch.cuda.is_available() else "no CUDA device here"
+    check_model_switches(cfg.model, no_cuda=no_cuda, hint="" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)")
+    _check_option_values(cfg, no_cuda)
     if trainer_kwargs.get("strategy", "auto") == "auto" and _processes(trainer_kwargs) > 1:
         trainer_kwargs["strategy"] = DDP_STRATEGY  # what Lightning's auto picks (DDP), built on the training stream
         if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -131,6 +129,36 @@ def _run_dir_lock(run_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             raise ValueError(f"{run_dir}: another run is using this folder; wait for it or choose another hydra.run.dir") from None
         yield
+
+
+def _quiet_library_notices(resuming: bool) -> None:
+    """Hide warnings every run printed that ask nothing of the user: deprecations inside
+    transformers and Lightning, and (on a resume, where the folders are expected to hold files)
+    Lightning's "directory exists and is not empty" notices, whose "previous log files ... will be
+    deleted" `_keep_previous_metrics` makes untrue for the metrics."""
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated")
+    if resuming:
+        warnings.filterwarnings("ignore", message=r"(Experiment logs|Checkpoint) directory .* exists and is not empty")
+
+
+def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
+    """Values the libraries would refuse only after the data and model are loaded, with their own
+    names for the keys (PEFT's ``r``, torch's "Invalid learning rate").
+
+    Raises:
+        ValueError: ``lora.rank`` < 1, ``lora.dropout`` outside [0, 1), a negative ``optimizer.lr``,
+            or ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
+    """
+    if cfg.lora.enabled and cfg.lora.rank < 1:
+        raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
+    if cfg.lora.enabled and not 0 <= cfg.lora.dropout < 1:
+        raise ValueError(f"lora.dropout={cfg.lora.dropout}: expected a probability in [0, 1)")
+    lr = cfg.optimizer.get("lr") if cfg.optimizer else None
+    if isinstance(lr, (int, float)) and lr < 0:
+        raise ValueError(f"optimizer.lr={lr}: must be at least 0")
+    if cfg.moe.backend == "triton" and no_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}): use moe=native_torch")
 
 
 def _check_new_run_dir(run_dir: Path) -> None:
@@ -310,14 +338,9 @@ def _check_strategy(strategy: Any, generate: bool) -> None:
 def _check_trainer_arguments(kwargs: dict[str, Any]) -> None:
     """Lightning raises a bare TypeError for an unknown argument, and a confusing one for a count
     given as text; name the key, the closest ones, or what is expected."""
-    known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
     for key, value in kwargs.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            raise ValueError(
-                f"trainer.{key}: not an argument of lightning.Trainer"
-                + (f"; did you mean {', '.join('trainer.' + c for c in close)}?" if close else "")
-            )
+        if unknown := trainer_key_hint(key):
+            raise ValueError(unknown[0])
         if key in _INT_TRAINER_KEYS and value is not None and type(value) is not int:
             raise ValueError(f"trainer.{key}={value!r}: expected an integer")
     if kwargs.get("max_steps") == 0:

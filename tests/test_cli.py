@@ -125,3 +125,20 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
 
     default_allocator_settings(environ)
     assert environ == expected
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.rank=0", "lora.rank=0: must be at least 1"),
+        ("lora.dropout=1.0", r"lora.dropout=1.0: expected a probability in \[0, 1\)"),
+        ("optimizer.lr=-1", "optimizer.lr=-1: must be at least 0"),
+        ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\): use moe=native_torch"),
+    ],
+)
+def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, message, monkeypatch):
+    from lightning_ft.fit import _check_option_values
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=message):
+        _check_option_values(_compose([override]), "trainer.accelerator=cpu")

@@ -125,6 +125,8 @@ def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
     assert "Key 'max_token' not in 'DataConfig'" in proc.stderr  # Hydra's
     assert "hint: data.max_token: no key 'max_token' in data; did you mean data.max_tokens?" in proc.stderr
     assert "--cfg job" in proc.stderr
+    proc = run_cli(tmp_path, "trainer.max_step=3", ok=False)  # not in the trainer config, nor a Trainer argument
+    assert "hint: trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
     proc = run_cli(tmp_path, "model=qwen3_tiny", ok=False)
     assert "hint: model=qwen3_tiny: not an option of the `model` group; options: " in proc.stderr
     assert "qwen3_moe_tiny" in proc.stderr

@@ -193,7 +193,7 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
         missing.append("output (or instances)")
     if missing:
         raise ValueError(
-            f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing {missing} "
+            f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing or null: {missing} "
             f"(the row has {sorted(k for k, v in row.items() if v is not None)})"
         )
     if fmt == "text":

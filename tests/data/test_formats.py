@@ -35,7 +35,7 @@ def test_system_prompt_is_prepended_once():
 
 
 def test_missing_fields_name_the_row_and_the_fields():
-    with pytest.raises(ValueError, match=r"data row 2: the 'qa' format needs .*missing \['answer'\]"):
+    with pytest.raises(ValueError, match=r"data row 2: the 'qa' format needs .*missing or null: \['answer'\]"):
         to_examples([{"question": "a", "answer": "b"}, {"question": "c"}], fmt="qa")
 
 
