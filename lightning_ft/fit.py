@@ -112,6 +112,11 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         return _train(cfg, run_dir, trainer_kwargs, written)
 
 
+def _first_process() -> bool:
+    """Whether this is the job's first process (not a DDP rank Lightning started, on any node)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
 @contextlib.contextmanager
 def _run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``run_dir`` for the whole run (the first process of the job only:
@@ -120,7 +125,7 @@ def _run_dir_lock(run_dir: Path) -> Iterator[None]:
     Raises:
         ValueError: another run holds the folder (two runs would interleave checkpoints and logs).
     """
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+    if not _first_process():
         yield
         return
     with open(run_dir / ".lock", "w") as f:
@@ -169,7 +174,7 @@ def _check_new_run_dir(run_dir: Path) -> None:
     Raises:
         ValueError: ``run_dir`` holds ``summary.json`` or files under ``checkpoints/``.
     """
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+    if not _first_process():
         return
     found = [p.name for p in (run_dir / "summary.json",) if p.exists()]
     checkpoints = run_dir / "checkpoints"
@@ -369,7 +374,7 @@ def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path)
             "model.cuda_graphs, model.cuda_graphs_keep_attention and model.activation_offload may change)"
         )
     stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
-    if stretched and config.get("scheduler") and os.environ.get("LOCAL_RANK", "0") == "0":
+    if stretched and config.get("scheduler") and _first_process():
         # the schedule is built from trainer.estimated_stepping_batches, i.e. the new length
         log.warning(
             "resume with %s: the learning-rate schedule is rebuilt for the new length, so the rate from the resumed "
