@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 
 from lightning_ft.kernels._utils import triton_can_run
+from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
 from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
 from lightning_ft.kernels.swiglu import swiglu_concat
 
@@ -126,13 +127,12 @@ class ExpertLoRA(NamedTuple):
 
         a_ERC is a view of ``lora_A`` (a cast copy when dtype differs). PEFT's B interleaves the
         experts (column ``j*E + e``), so b_ENR is always one copy that casts and lays each expert's
-        [N, R] out contiguously: the grouped GEMMs then read it coalesced, with no further copy.
+        [N, R] out contiguously (`expert_major_lora_b`, one Triton pass): the grouped GEMMs then
+        read it, or its transposed view, coalesced, with no further copy.
         """
         num_experts = self.num_experts
         a_ERC = self.lora_A.view(num_experts, -1, self.lora_A.shape[-1])
-        b_ENR = self.lora_B.view(self.lora_B.shape[0], -1, num_experts).permute(2, 0, 1)
-        # (`.to` returns the strided tensor itself when the dtype already matches: hence `.contiguous()`)
-        return a_ERC.to(dtype), b_ENR.to(dtype, memory_format=torch.contiguous_format).contiguous(), self.scaling
+        return a_ERC.to(dtype), expert_major_lora_b(self.lora_B, num_experts, dtype), self.scaling
 
 
 # --------------------------------------------------------------------------------------------------
@@ -812,8 +812,8 @@ class _GroupedMMLinear(torch.autograd.Function):
             return x_SC.new_empty(x_SC.shape[0], w_ENC.shape[1])
         w_ECN = w_ENC.transpose(1, 2)
         y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
-        if xa_SR is not None:  # B as [E, R, N], N contiguous: a copy of the small factor
-            _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2).contiguous(), offsets_E)
+        if xa_SR is not None:  # B as [E, R, N]: a view, R contiguous (the Triton kernel takes any strides)
+            _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E)
         return y_SN
 
     @staticmethod
