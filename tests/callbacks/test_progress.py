@@ -1,5 +1,7 @@
 from types import SimpleNamespace
 
+import pytest
+
 from lightning_ft.callbacks.progress import ProgressBar
 
 
@@ -9,3 +11,49 @@ def test_step_bounded_runs_show_the_epoch_alone_and_bounded_ones_lightnings_desc
     assert bar._get_train_description(3).strip() == "Epoch 3"
     bar._trainer = SimpleNamespace(max_epochs=5)
     assert bar._get_train_description(3).strip() == "Epoch 3/4"
+
+
+class _RecordingBar(ProgressBar):
+    """Records the training bar's (count, total) after every micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        task = self.progress.tasks[self.train_progress_bar_id]
+        self.seen.append((int(task.completed), task.total))
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "stopped_at", "max_steps", "expected"),
+    [
+        (1, 11, 20, [(n, 20) for n in range(12, 21)]),  # resumed after step 11 of a 20-batch epoch: was 12/8 .. 20/8
+        (2, 5, 10, [(n, 20) for n in range(11, 21)]),  # the same with 2 micro-batches per step: was 11/5 .. 20/5
+        (2, 5, 8, [(n, 16) for n in range(11, 17)]),  # max_steps ends the resumed epoch early: 16 of its 20 micro-batches
+        # and the next epoch, which max_steps ends after 10 micro-batches: was 11/10 .. 20/10, then 1/5 .. 10/5
+        (2, 5, 15, [(n, 20) for n in range(11, 21)] + [(n, 10) for n in range(1, 11)]),
+    ],
+)
+def test_the_bar_counts_and_totals_micro_batches_of_the_epoch_after_a_resume(tmp_path, accumulate, stopped_at, max_steps, expected):
+    """A run stopped after ``stopped_at`` optimizer steps (20 micro-batches an epoch), resumed from its last checkpoint."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    class Model(BoringModel):
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 40), batch_size=2)
+
+    def trainer(steps, *callbacks):
+        return L.Trainer(
+            max_epochs=-1, max_steps=steps, accumulate_grad_batches=accumulate, limit_val_batches=0, logger=False,
+            enable_model_summary=False, callbacks=[ModelCheckpoint(tmp_path, save_last=True), *callbacks],
+        )
+
+    trainer(stopped_at).fit(Model())
+    bar = _RecordingBar()
+    trainer(max_steps, bar).fit(Model(), ckpt_path=tmp_path / "last.ckpt")
+    assert bar.seen == expected
