@@ -24,11 +24,12 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
+from lightning_ft.config import COMMAND_CONFIGS
+
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 _task_started = False  # a failure before the task starts is a composition error
 
-COMMANDS = ("fit", "bench")
-_CONFIG_NAMES = {"fit": "fit", "bench": "benchmark"}
+COMMANDS = tuple(COMMAND_CONFIGS)
 USAGE = f"usage: python -m lightning_ft {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]"
 
 
@@ -78,6 +79,8 @@ def _raised_by_us(err: BaseException) -> bool:
 
 
 def _bench_task(cfg) -> None:
+    global _task_started
+    _task_started = True
     from lightning_ft.bench.runner import run_bench
 
     try:
@@ -134,14 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     sys.argv = [sys.argv[0], *overrides]
     task = {"fit": _fit_task, "bench": _bench_task}[command]
-    app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=_CONFIG_NAMES[command])(task)
+    app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=COMMAND_CONFIGS[command])(task)
     try:
         app()
     except SystemExit as exit_:
-        if exit_.code not in (0, None) and not _task_started and command == "fit":
+        if exit_.code not in (0, None) and not _task_started:
             from lightning_ft.config import override_hints
 
-            sys.stderr.write("".join(f"hint: {line}\n" for line in override_hints(overrides)))
+            sys.stderr.write("".join(f"hint: {line}\n" for line in override_hints(overrides, command)))
         raise
 
 

@@ -132,19 +132,39 @@ def config_dir() -> str:
     return str(Path(__file__).resolve().parent.parent / "configs")
 
 
+#: each command's primary config (``configs/<name>.yaml``)
+COMMAND_CONFIGS = {"fit": "fit", "bench": "benchmark"}
+#: the group each command adds with ``+group=NAME``: not in its defaults list, so that the ``+`` works
+ADDED_GROUPS = {"fit": "experiment", "bench": "bench"}
+
+
 def register_configs() -> None:
-    """Register `FitConfig` as ``fit_schema`` in Hydra's ConfigStore (idempotent)."""
+    """Register `FitConfig` as ``fit_schema`` in Hydra's ConfigStore and the ``lightning_ft.groups``
+    resolver of the ``--help`` page (`groups_help`); idempotent."""
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="fit_schema", node=FitConfig)
+    OmegaConf.register_new_resolver("lightning_ft.groups", groups_help, replace=True)
 
 
-def config_groups() -> dict[str, list[str]]:
-    """Every config group under `config_dir` and its options (the YAML file stems), sorted."""
+def config_groups(command: str) -> dict[str, list[str]]:
+    """The config groups ``command`` reads (its primary config's defaults list and its `ADDED_GROUPS`
+    group) and their options (the YAML file stems under `config_dir`), sorted."""
+    from omegaconf import DictConfig, OmegaConf
+
     root = Path(config_dir())
-    return {
-        d.name: sorted(f.stem for f in d.glob("*.yaml"))
-        for d in sorted(root.iterdir())
-        if d.is_dir() and not d.name.startswith(("_", "."))
-    }
+    defaults = OmegaConf.load(root / f"{COMMAND_CONFIGS[command]}.yaml").get("defaults", [])
+    read = {str(next(iter(entry))) for entry in defaults if isinstance(entry, DictConfig)} | {ADDED_GROUPS[command]}
+    return {name: sorted(f.stem for f in (root / name).glob("*.yaml")) for name in sorted(read) if (root / name).is_dir()}
+
+
+def groups_help(config_name: str) -> str:
+    """The config groups section of ``--help`` (``configs/hydra/help/lightning_ft.yaml``) for the command whose
+    primary config is ``config_name``, a ``+`` before the group it adds; Hydra's own section lists every
+    folder under ``configs/`` for each command (bench's presets under fit, fit's data under bench)."""
+    command = next(c for c, name in COMMAND_CONFIGS.items() if name == config_name)
+    added = ADDED_GROUPS[command]
+    return "".join(f"{'+' if name == added else ''}{name}: {', '.join(options)}\n" for name, options in config_groups(command).items())
 
 
 def trainer_key_hint(name: str) -> list[str]:
@@ -161,12 +181,13 @@ def trainer_key_hint(name: str) -> list[str]:
     return [f"trainer.{name}: not an argument of lightning.Trainer" + (f"; did you mean {', '.join('trainer.' + c for c in close)}?" if close else "")]
 
 
-def override_hints(overrides: list[str]) -> list[str]:
-    """Hints for command-line overrides of ``fit`` that failed to compose (printed after Hydra's error).
+def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
+    """Hints for command-line overrides of ``command`` that failed to compose (printed after Hydra's error).
 
-    For ``group=option`` with an unknown option: the group's options. For ``a.b=value`` with a key
-    that is not in the schema (`FitConfig`): the closest key names; for ``trainer.<name>`` that is
-    not a `lightning.Trainer` argument, the closest ones. Other keys under free-form nodes
+    For ``group=option`` with an unknown option (a group of `config_groups`, e.g. ``+bench=``): the
+    closest options and all of them. For ``fit``, for ``a.b=value`` with a key that is not in the
+    schema (`FitConfig`): the closest key names; for ``trainer.<name>`` that is not a
+    `lightning.Trainer` argument, the closest ones. Other keys under free-form nodes
     (``callbacks.``, ``model.config.``, ``optimizer.``) are not checked here; Hydra's own message
     says to add them with ``+``. The last hint is always how to see the composed config.
     """
@@ -175,21 +196,25 @@ def override_hints(overrides: list[str]) -> list[str]:
 
     from omegaconf import DictConfig, OmegaConf
 
-    groups = config_groups()
+    groups = config_groups(command)
     schema = OmegaConf.structured(FitConfig)
     hints = []
     for item in overrides:
         if item.startswith("-") or "=" not in item:
             continue
-        key, value = item.split("=", 1)
-        key = key.lstrip("+~")
+        typed, value = item.split("=", 1)
+        key = typed.lstrip("+~")
         if key.startswith("hydra"):
             continue
         if key in groups:
             unknown = [v for v in re.split(r"[,\s]+", value.strip("[]() ")) if v and v != "null" and v not in groups[key]]
             if unknown:
-                hints.append(f"{key}={','.join(unknown)}: not an option of the `{key}` group; options: {', '.join(groups[key])}")
+                close = sorted({c for v in unknown for c in difflib.get_close_matches(v, groups[key], n=1)})
+                suggestion = f"did you mean {', '.join(close)}? " if close else ""
+                hints.append(f"{typed}={','.join(unknown)}: not an option of the `{key}` group; {suggestion}options: {', '.join(groups[key])}")
             continue
+        if command != "fit":
+            continue  # no schema to check keys against
         if key.startswith("trainer.") and key.count(".") == 1:
             hints += trainer_key_hint(key.split(".")[1])
             continue
@@ -207,8 +232,8 @@ def override_hints(overrides: list[str]) -> list[str]:
             node = node._get_node(part)
             path.append(part)
     hints.append(
-        "`python -m lightning_ft fit --cfg job [overrides]` prints the composed config; "
-        "`python -m lightning_ft fit --help` lists the config groups and their options"
+        f"`python -m lightning_ft {command} --cfg job [overrides]` prints the composed config; "
+        f"`python -m lightning_ft {command} --help` lists the config groups and their options"
     )
     return hints
 

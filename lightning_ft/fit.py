@@ -137,14 +137,24 @@ def _run_dir_lock(run_dir: Path) -> Iterator[None]:
 
 
 def _quiet_library_notices(resuming: bool) -> None:
-    """Hide warnings every run printed that ask nothing of the user: deprecations inside
-    transformers and Lightning, and (on a resume, where the folders are expected to hold files)
+    """Hide notices every run printed that ask nothing of the user: deprecations inside
+    transformers and Lightning, Lightning's "💡 Tip:" advertisements of its cloud services
+    (`_not_a_lightning_tip`), and (on a resume, where the folders are expected to hold files)
     Lightning's "directory exists and is not empty" notices, whose "previous log files ... will be
     deleted" `_keep_previous_metrics` makes untrue for the metrics."""
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated")
+    # logged (not warned) at INFO by every Trainer; adding the same function again is a no-op
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_lightning_tip)
     if resuming:
         warnings.filterwarnings("ignore", message=r"(Experiment logs|Checkpoint) directory .* exists and is not empty")
+
+
+def _not_a_lightning_tip(record: logging.LogRecord) -> bool:
+    """A `logging` filter: False for the tips Lightning 2.6 logs when no ``LitLogger`` is used ("try
+    installing [litlogger]") or when it adds its own ModelCheckpoint ("[litmodels]"); every other
+    record, warnings included, passes."""
+    return not record.getMessage().startswith("💡 Tip: For seamless cloud")
 
 
 def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:

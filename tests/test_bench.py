@@ -4,6 +4,7 @@ checks the checkpoint folder, the arguments, the import order and the loop)."""
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -133,6 +134,28 @@ def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
         cmd = [sys.executable, "-m", "lightning_ft", "bench", f"hydra.run.dir={tmp_path / 'gpu'}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_bench_preset_gets_the_closest_and_all_presets(tmp_path):
+    cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cp", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "hint: +bench=tiny_cp: not an option of the `bench` group; did you mean tiny_cpu? options: llama8b, " in proc.stderr
+    assert "`python -m lightning_ft bench --help` lists the config groups and their options" in proc.stderr
+
+
+def test_the_peak_is_not_applicable_on_the_cpu_rather_than_none(tmp_path, caplog):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_ft.bench.runner import run_bench
+    from lightning_ft.config import config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir(), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["+bench=tiny_cpu", "systems=[]", "name=tiny", f"out_dir={tmp_path}"])
+    with caplog.at_level(logging.INFO, logger="lightning_ft.bench.runner"):
+        run_bench(cfg)  # no systems: only the header line
+    assert "bench: tiny on " in caplog.text and ", peak n/a (CPU)" in caplog.text
 
 
 def test_host_overhead_counts_fewer_python_calls_with_the_lora_switch(tmp_path):

@@ -1,6 +1,8 @@
 """The real CLI and the real configs, the way a user runs them."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,16 @@ def test_qwen3_moe_experiment_has_the_published_shape(tmp_path):
 def test_unknown_key_is_rejected_at_composition(tmp_path):
     with pytest.raises(Exception, match="max_token"):
         _compose(["data.max_token=3", f"run_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize(("command", "own_group", "other_group"), [("fit", "+experiment", "bench"), ("bench", "+bench", "data")])
+def test_help_names_the_command_and_lists_only_its_groups(command, own_group, other_group):
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", command, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: python -m lightning_ft {command} ") and "__main__" not in proc.stdout
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    names = [line.split(":")[0] for line in groups.splitlines()[2:] if line]
+    assert own_group in names and "model" in names and other_group not in names and other_group.lstrip("+") not in names
 
 
 @pytest.mark.slow

@@ -85,7 +85,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
         model_config["num_hidden_layers"] = cfg.num_layers
     peak = measured_peak_flops(cfg.device)
     env = {**environment(), "peak_bf16_tflops": peak / 1e12 if peak else None}
-    log.info("bench: %s on %s, peak %s", cfg.name, env["device"], env["peak_bf16_tflops"])
+    log.info("bench: %s on %s, peak %s", cfg.name, env["device"], _peak_text(env["peak_bf16_tflops"], cfg.device))
     rows = []
     for seq_len in cfg.seq_lens:
         for system in cfg.systems:
@@ -159,10 +159,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _peak_text(tflops: float | None, device: str) -> str:
+    """The measured bf16 matmul peak as the log and results.md print it (`measured_peak_flops` measures
+    it on CUDA only: ``n/a (CPU)`` on the CPU)."""
+    return f"{tflops:.0f} TFLOP/s" if tflops else f"n/a ({device.upper()})"
+
+
 def _write(out_dir: Path, env: dict[str, Any], rows: list[dict[str, Any]], cfg: DictConfig) -> None:
     write_json_atomic(out_dir / "results.json", {"environment": env, "config": OmegaConf.to_container(cfg, resolve=True), "rows": rows})
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    peak = f"{env['peak_bf16_tflops']:.0f} TFLOP/s" if env["peak_bf16_tflops"] else "n/a"
+    peak = _peak_text(env["peak_bf16_tflops"], cfg.device)
     header = f"## {cfg.name}: {env['date']}, {env['device']}\n\n{versions}; measured bf16 peak {peak}. `{env['command']}`\n\n"
     (out_dir / "results.md").write_text(header + markdown_table(rows) + "\n")
     _plot(rows, out_dir / "results.png", cfg.name)
