@@ -130,6 +130,11 @@ class SignalAtStep(L.Callback):
         if trainer.global_step >= self.step:
             import signal
 
+            if self.signal_name == "SIGINT" and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+                # A script that starts the tests in the background (`cmd &` without job control) starts every
+                # process with SIGINT ignored, and Python then installs no KeyboardInterrupt handler. Ctrl-C
+                # comes from a terminal, where Python's own handler is in place: put that one back.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
