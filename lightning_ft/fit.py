@@ -296,9 +296,9 @@ def _stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by:
 def _keep_previous_metrics(run_dir: Path) -> None:
     """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
     starts a fresh file in the same folder and would drop the interrupted run's rows.
-    Only the first process does it (the other ranks never write logs)."""
+    Only the job's first process does it (the other ranks, on any node, never write logs)."""
     metrics = run_dir / "logs" / "metrics.csv"
-    if os.environ.get("LOCAL_RANK", "0") != "0" or not metrics.exists():
+    if not _first_process() or not metrics.exists():
         return
     n = 1
     while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():

@@ -42,6 +42,22 @@ def test_processes_counts_devices_times_nodes_and_leaves_auto_to_lightning():
     assert [_processes({"devices": d, "num_nodes": n}) for d, n in ((None, 1), (2, None), (True, 1), (1.5, 1))] == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("rank_env,moved", [({}, True), ({"LOCAL_RANK": "1"}, False), ({"NODE_RANK": "1"}, False)])
+def test_only_the_jobs_first_process_moves_the_metrics_aside_on_resume(tmp_path, monkeypatch, rank_env, moved):
+    from lightning_ft.fit import _keep_previous_metrics
+
+    for name in ("LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in rank_env.items():  # another node's local rank 0 shares the folder too
+        monkeypatch.setenv(name, value)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "metrics.csv").write_text("step,loss\n1,2.0\n")
+    _keep_previous_metrics(tmp_path)
+    assert (logs / "metrics.1.csv").exists() == moved
+    assert (logs / "metrics.csv").exists() == (not moved)
+
+
 def test_lightnings_cloud_tips_are_hidden_and_its_other_notices_kept(caplog, tmp_path):
     import lightning as L
 
