@@ -281,11 +281,30 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
 
 
 @pytest.mark.slow
-def test_sigterm_stops_with_a_failing_exit_status_and_a_summary(tmp_path):
+def test_sigterm_stops_with_a_failing_exit_status_and_a_checkpoint_of_the_step_reached(tmp_path):
+    # before the first periodic checkpoint (every 50 steps by default): SIGTERM itself saves one. The signal
+    # comes as step 3's batch starts; Lightning stops after that batch, so at step 3.
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "+callbacks.term._target_=cli_helpers.SignalAtStep",
                    "+callbacks.term.step=2", ok=False)
-    assert "by SIGTERM" in proc.stderr and "training stopped at step" in proc.stderr
-    assert summary(tmp_path)["status"] == "stopped"
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert f"training stopped at step 3 by SIGTERM; resume from {last} with ckpt_path=last" in proc.stderr
+    assert "run again" not in proc.stderr  # the checkpoint is of the step reached
+    assert summary(tmp_path)["status"] == "stopped" and summary(tmp_path)["checkpoint_path"] == str(last)
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
+    resumed = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")
+    assert summary(tmp_path)["status"] == "completed" and summary(tmp_path)["steps"] == 5, resumed.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_accumulation_saves_nothing_half_accumulated(tmp_path):
+    # the signal comes as the first of step 3's two micro-batches starts; Lightning stops after that batch,
+    # which finished no step: the last periodic checkpoint (step 2) stays the one to resume from
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "trainer.accumulate_grad_batches=2",
+                   "callbacks.checkpoint.every_n_train_steps=2", "+callbacks.term._target_=cli_helpers.SignalAtStep",
+                   "+callbacks.term.step=2", ok=False)
+    assert "training stopped at step 2 by SIGTERM; resume from" in proc.stderr
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step000002.ckpt"]
 
 
 @pytest.mark.slow

@@ -137,6 +137,10 @@ class RunSummary(L.Callback):
         if self.resuming and not self._started and (self.run_dir / "summary.json").exists():
             log.info("the run stopped before training resumed: %s is left as it was", self.run_dir / "summary.json")
             return
+        # as in on_train_end: checkpoint callbacks run last, so let them save now (StepCheckpoint does on
+        # SIGTERM; the others return) and the summary names the checkpoint to resume from
+        for callback in trainer.checkpoint_callbacks:
+            callback.on_exception(trainer, pl_module, exception)
         self._write(trainer, pl_module, exception)
 
     @rank_zero_only
