@@ -185,7 +185,8 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
     """Hints for command-line overrides of ``command`` that failed to compose (printed after Hydra's error).
 
     For ``group=option`` with an unknown option (a group of `config_groups`, e.g. ``+bench=``): the
-    closest options and all of them. For ``fit``, for ``a.b=value`` with a key that is not in the
+    closest options and all of them; for a group only the other command reads (``fit +bench=``,
+    ``bench +experiment=``): that command. For ``fit``, for ``a.b=value`` with a key that is not in the
     schema (`FitConfig`): the closest key names; for ``trainer.<name>`` that is not a
     `lightning.Trainer` argument, the closest ones. Other keys under free-form nodes
     (``callbacks.``, ``model.config.``, ``optimizer.``) are not checked here; Hydra's own message
@@ -212,6 +213,9 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
                 close = sorted({c for v in unknown for c in difflib.get_close_matches(v, groups[key], n=1)})
                 suggestion = f"did you mean {', '.join(close)}? " if close else ""
                 hints.append(f"{typed}={','.join(unknown)}: not an option of the `{key}` group; {suggestion}options: {', '.join(groups[key])}")
+            continue
+        if other := next((c for c in COMMAND_CONFIGS if c != command and key in config_groups(c)), None):
+            hints.append(f"{typed}: `{key}` is a config group of `python -m lightning_ft {other}`, not of `{command}`")
             continue
         if command != "fit":
             continue  # no schema to check keys against

@@ -8,12 +8,14 @@ import json
 import logging
 import os
 import re
+import shlex
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
@@ -284,13 +286,27 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], writt
 
 
 def _stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: str) -> str:
-    """What stopped training, at which step, and how to resume (from which step the last checkpoint is)."""
+    """What stopped training, at which step, and the command that resumes it (from which step the last checkpoint is)."""
     last = summary.summary.get("checkpoint_path")
     if not last:
-        return f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written"
+        return (
+            f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written yet "
+            "(Ctrl-C saves none; they are written every callbacks.checkpoint.every_n_train_steps steps, and on SIGTERM)"
+        )
     saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", None)
     at = f" (step {saved}: steps after it run again)" if saved is not None and saved < trainer.global_step else ""
-    return f"training stopped at step {trainer.global_step} by {by}; resume from {last}{at} with ckpt_path=last hydra.run.dir={run_dir}"
+    return f"training stopped at step {trainer.global_step} by {by}; resume from {last}{at} with: {_resume_command(run_dir)}"
+
+
+def _resume_command(run_dir: Path) -> str:
+    """The command line that resumes the run in ``run_dir``: this run's own overrides as typed (Hydra's task
+    overrides; an earlier ``ckpt_path`` left out), then ``ckpt_path=last`` and the run folder."""
+    try:
+        typed = list(HydraConfig.get().overrides.task)
+    except ValueError:  # fit() called outside a Hydra app: no overrides to repeat
+        typed = []
+    kept = [o for o in typed if not o.lstrip("+~").startswith("ckpt_path=")]
+    return shlex.join(["python", "-m", "lightning_ft", "fit", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
 
 
 def _keep_previous_metrics(run_dir: Path) -> None:

@@ -144,6 +144,16 @@ def test_unknown_bench_preset_gets_the_closest_and_all_presets(tmp_path):
     assert "`python -m lightning_ft bench --help` lists the config groups and their options" in proc.stderr
 
 
+def test_a_group_of_the_other_command_is_named_as_such():
+    from lightning_ft.config import override_hints
+
+    assert override_hints(["+bench=tiny_cpu"], "fit")[0] == "+bench: `bench` is a config group of `python -m lightning_ft bench`, not of `fit`"
+    assert override_hints(["+experiment=gsm8k_tiny"], "bench")[0] == (
+        "+experiment: `experiment` is a config group of `python -m lightning_ft fit`, not of `bench`"
+    )
+    assert override_hints(["model=qwen3_moe_tiny"], "bench")[:-1] == []  # a group both read, a known option
+
+
 def test_the_peak_is_not_applicable_on_the_cpu_rather_than_none(tmp_path, caplog):
     from hydra import compose, initialize_config_dir
 

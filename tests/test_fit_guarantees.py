@@ -287,7 +287,10 @@ def test_sigterm_stops_with_a_failing_exit_status_and_a_checkpoint_of_the_step_r
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "+callbacks.term._target_=cli_helpers.SignalAtStep",
                    "+callbacks.term.step=2", ok=False)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    assert f"training stopped at step 3 by SIGTERM; resume from {last} with ckpt_path=last" in proc.stderr
+    resume = (f"training stopped at step 3 by SIGTERM; resume from {last} with: python -m lightning_ft fit "
+              f"{' '.join(FAST)} trainer.max_steps=50 +callbacks.term._target_=cli_helpers.SignalAtStep "
+              f"+callbacks.term.step=2 ckpt_path=last hydra.run.dir={tmp_path}")
+    assert resume in proc.stderr  # the run's own overrides, so the printed command is accepted as it is
     assert "run again" not in proc.stderr  # the checkpoint is of the step reached
     assert summary(tmp_path)["status"] == "stopped" and summary(tmp_path)["checkpoint_path"] == str(last)
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
@@ -313,7 +316,8 @@ def test_ctrl_c_stops_with_a_message_that_says_how_to_resume(tmp_path):
                    "+callbacks.term._target_=cli_helpers.SignalAtStep", "+callbacks.term.step=3",
                    "+callbacks.term.signal_name=SIGINT", ok=False)
     assert "training stopped at step 3 by Ctrl-C (SIGINT); resume from" in proc.stderr
-    assert "(step 2: steps after it run again) with ckpt_path=last" in proc.stderr
+    assert "(step 2: steps after it run again) with: python -m lightning_ft fit" in proc.stderr
+    assert f"ckpt_path=last hydra.run.dir={tmp_path}" in proc.stderr
     assert summary(tmp_path)["error"] == "KeyboardInterrupt: stopped by Ctrl-C (SIGINT)"
 
 
