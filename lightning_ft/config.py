@@ -198,6 +198,7 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
     from omegaconf import DictConfig, OmegaConf
 
     groups = config_groups(command)
+    other_groups = {other: config_groups(other) for other in COMMAND_CONFIGS if other != command}
     schema = OmegaConf.structured(FitConfig)
     hints = []
     for item in overrides:
@@ -214,7 +215,7 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
                 suggestion = f"did you mean {', '.join(close)}? " if close else ""
                 hints.append(f"{typed}={','.join(unknown)}: not an option of the `{key}` group; {suggestion}options: {', '.join(groups[key])}")
             continue
-        if other := next((c for c in COMMAND_CONFIGS if c != command and key in config_groups(c)), None):
+        if other := next((c for c, read in other_groups.items() if key in read), None):
             hints.append(f"{typed}: `{key}` is a config group of `python -m lightning_ft {other}`, not of `{command}`")
             continue
         if command != "fit":

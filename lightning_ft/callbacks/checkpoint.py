@@ -28,24 +28,17 @@ class StepCheckpoint(ModelCheckpoint):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._step_at_batch_start = -1
-        self._batch_finished_a_step = False
+        self._step_at_batch_start: int | None = None  # None: no training batch has started in this process
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
-        self._batch_finished_a_step = False
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._batch_finished_a_step = trainer.global_step != self._step_at_batch_start
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not (isinstance(exception, SIGTERMException) and self._batch_finished_a_step):
+        # SIGTERMException comes after the batch's end: global_step moved on iff that batch finished a step
+        finished_a_step = self._step_at_batch_start is not None and trainer.global_step != self._step_at_batch_start
+        if not (isinstance(exception, SIGTERMException) and finished_a_step):
             return
         # Lightning's path for the save (a step checkpoint, then last.ckpt; skipped when this step is saved)
         self.save_on_exception = True
