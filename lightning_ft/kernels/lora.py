@@ -5,7 +5,7 @@ a multiplication by the scaling and an addition: four module calls through Pytho
 hooks and argument checks) and two elementwise kernels per layer and pass. Here:
 
     h = x Aᵀ                              [T, r]
-    y = addmm(x Wᵀ + b, h, Bᵀ, alpha=s)    the scaling and the sum in the last GEMM's epilogue
+    y = addmm_(x Wᵀ + b, h, Bᵀ, alpha=s)   the scaling and the sum in the last GEMM's epilogue, in place
 
 three ops whose backward autograd runs in C++ (a custom autograd.Function would put Python back
 into every backward). Under autocast every product runs in the autocast dtype, as PEFT's do; the
@@ -51,8 +51,12 @@ def lora_linear(
     """
     y = F.linear(x, weight, bias)
     h = F.linear(x, lora_A)
-    y_TN = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), lora_B.t(), alpha=scaling)
-    return y_TN.view(y.shape)
+    # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
+    # copies y into a new [T, N] tensor (0.03 ms for q_proj at 8K tokens on Qwen3-30B-A3B, H200).
+    # In-place ops are not autocast: B is cast as autocast would have cast it.
+    lora_B_t = lora_B.t().to(h.dtype) if torch.is_autocast_enabled(x.device.type) else lora_B.t()
+    y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), lora_B_t, alpha=scaling)
+    return y
 
 
 def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:

@@ -46,7 +46,7 @@ def test_topk_routing_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(17, 2, 6), (9, 1, 8), (40, 4, 7), (0, 2, 4)])
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(17, 2, 6), (9, 1, 8), (40, 4, 7), (0, 2, 4), (300, 2, 256), (200, 3, 300)])  # uint8 and int16 sort keys
 def test_sort_by_expert_groups_pairs(device, num_tokens, top_k, num_experts):
     topk_idx = _distinct_topk(num_tokens, top_k, num_experts, empty=(1,)).to(device)
     routing = sort_by_expert(topk_idx, num_experts)
