@@ -153,9 +153,30 @@ def config_groups(command: str) -> dict[str, list[str]]:
     from omegaconf import DictConfig, OmegaConf
 
     root = Path(config_dir())
-    defaults = OmegaConf.load(root / f"{COMMAND_CONFIGS[command]}.yaml").get("defaults", [])
+    defaults = _primary_config(command).get("defaults", [])
     read = {str(next(iter(entry))) for entry in defaults if isinstance(entry, DictConfig)} | {ADDED_GROUPS[command]}
     return {name: sorted(f.stem for f in (root / name).glob("*.yaml")) for name in sorted(read) if (root / name).is_dir()}
+
+
+def _primary_config(command: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(Path(config_dir()) / f"{COMMAND_CONFIGS[command]}.yaml")
+
+
+def command_schema(command: str) -> type:
+    """The schema of ``command``'s config, for hints and checks: `FitConfig` for ``fit``; for ``bench`` a
+    dataclass of ``configs/benchmark.yaml``'s top-level keys (any value) and `FitConfig`'s fields of the
+    groups it reads (``model``, ``lora``, ...), so that a key missing from either is found as in ``fit``."""
+    from dataclasses import fields, make_dataclass
+    from typing import get_type_hints
+
+    if command == "fit":
+        return FitConfig
+    types, groups = get_type_hints(FitConfig), config_groups(command)
+    shared = [(f.name, types[f.name], field(default_factory=f.default_factory)) for f in fields(FitConfig) if f.name in groups]
+    keys = [(str(k), Any, None) for k in _primary_config(command) if k not in ("defaults", "hydra")]
+    return make_dataclass(f"{command.capitalize()}Config", keys + shared)
 
 
 def groups_help(config_name: str) -> str:
@@ -185,21 +206,21 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
     """Hints for command-line overrides of ``command`` that failed to compose (printed after Hydra's error).
 
     For ``group=option`` with an unknown option (a group of `config_groups`, e.g. ``+bench=``): the
-    closest options and all of them; for a group only the other command reads (``fit +bench=``,
-    ``bench +experiment=``): that command. For ``fit``, for ``a.b=value`` with a key that is not in the
-    schema (`FitConfig`): the closest key names; for ``trainer.<name>`` that is not a
-    `lightning.Trainer` argument, the closest ones. Other keys under free-form nodes
-    (``callbacks.``, ``model.config.``, ``optimizer.``) are not checked here; Hydra's own message
-    says to add them with ``+``. The last hint is always how to see the composed config.
+    closest options and all of them; for ``+group=option`` of a group in the defaults list: without the
+    ``+``; for a group only the other command reads (``fit +bench=``, ``bench +experiment=``): that
+    command. For ``a.b=value`` with a key that is not in the command's schema (`command_schema`):
+    `key_hint`; for fit's ``trainer.<name>`` that is not a `lightning.Trainer` argument, the closest
+    ones. Other keys under free-form nodes (``callbacks.``, ``model.config.``, ``optimizer.``) are not
+    checked here; Hydra's own message says to add them with ``+``. The last hint is always how to see the composed config.
     """
     import difflib
     import re
 
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import OmegaConf
 
     groups = config_groups(command)
     other_groups = {other: config_groups(other) for other in COMMAND_CONFIGS if other != command}
-    schema = OmegaConf.structured(FitConfig)
+    schema = OmegaConf.structured(command_schema(command))
     hints = []
     for item in overrides:
         if item.startswith("-") or "=" not in item:
@@ -210,7 +231,9 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
             continue
         if key in groups:
             unknown = [v for v in re.split(r"[,\s]+", value.strip("[]() ")) if v and v != "null" and v not in groups[key]]
-            if unknown:
+            if typed.startswith("+") and not typed.startswith("++") and key != ADDED_GROUPS[command]:
+                hints.append(f"{typed}={value}: `{key}` is in `{command}`'s defaults list: {key}={value}, without the +")
+            elif unknown:
                 close = sorted({c for v in unknown for c in difflib.get_close_matches(v, groups[key], n=1)})
                 suggestion = f"did you mean {', '.join(close)}? " if close else ""
                 hints.append(f"{typed}={','.join(unknown)}: not an option of the `{key}` group; {suggestion}options: {', '.join(groups[key])}")
@@ -218,29 +241,38 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
         if other := next((c for c, read in other_groups.items() if key in read), None):
             hints.append(f"{typed}: `{key}` is a config group of `python -m lightning_ft {other}`, not of `{command}`")
             continue
-        if command != "fit":
-            continue  # no schema to check keys against
-        if key.startswith("trainer.") and key.count(".") == 1:
+        if key.startswith("trainer.") and key.count(".") == 1 and "trainer" in schema:
             hints += trainer_key_hint(key.split(".")[1])
-            continue
-        node: Any = schema
-        path = []
-        for part in key.split("."):
-            if not isinstance(node, DictConfig) or not _is_schema_node(node):
-                break  # a free-form node: any key may be added with `+`
-            if part not in node:
-                close = difflib.get_close_matches(part, list(node.keys()), n=3)
-                where = ".".join(path) or "the top level"
-                suggestion = f"did you mean {', '.join('.'.join([*path, c]) for c in close)}? " if close else ""
-                hints.append(f"{key}: no key {part!r} in {where}; {suggestion}keys: {', '.join(node.keys())}")
-                break
-            node = node._get_node(part)
-            path.append(part)
+        elif hint := key_hint(key, schema):
+            hints.append(hint)
     hints.append(
         f"`python -m lightning_ft {command} --cfg job [overrides]` prints the composed config; "
         f"`python -m lightning_ft {command} --help` lists the config groups and their options"
     )
     return hints
+
+
+def key_hint(key: str, schema: Any) -> str | None:
+    """For a dotted ``key`` missing from ``schema`` (a structured config, `command_schema`): one line with the
+    closest keys where it goes astray and all the keys there; None for a key in the schema or under a
+    free-form node (``trainer.``, ``model.config.``, ...), where any key may be added."""
+    import difflib
+
+    from omegaconf import DictConfig
+
+    node: Any = schema
+    path: list[str] = []
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or not _is_schema_node(node):
+            return None
+        if part not in node:
+            close = difflib.get_close_matches(part, list(node.keys()), n=3)
+            where = ".".join(path) or "the top level"
+            suggestion = f"did you mean {', '.join('.'.join([*path, c]) for c in close)}? " if close else ""
+            return f"{key}: no key {part!r} in {where}; {suggestion}keys: {', '.join(node.keys())}"
+        node = node._get_node(part)
+        path.append(part)
+    return None
 
 
 def unknown_schema_keys(cfg: Any, prefix: str = "") -> list[str]:

@@ -8,11 +8,13 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from lightning_ft.bench.flops import matmul_params_per_token, train_step_flops
 from lightning_ft.bench.systems import import_unsloth
+from lightning_ft.config import config_dir
 
 #: FastLanguageModel's loader API (unsloth 2026.10.9's keyword names) over transformers + PEFT; like the
 #: real one must be, it is imported before transformers and with the Hub offline, or refuses to import
@@ -79,6 +81,8 @@ def test_flops_count_by_hand():
 def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
     rows = run_bench(tmp_path, "profile=true")
     assert [(r["system"], r["status"]) for r in rows] == [("hf_peft", "ok"), ("lightning_ft", "ok")]
+    # name: null names the results after the model option
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["name"] == rows[0]["model"] == "qwen3_moe_tiny"
     # same random model, same tokens, same optimizer: the same losses after two steps
     assert rows[1]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-4)
     assert rows[1]["x_vs_hf_peft"] > 0
@@ -125,7 +129,8 @@ def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
     cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", "systems=[hf_peft,unslot]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "systems: unknown ['unslot']" in proc.stderr and "Traceback" not in proc.stderr
-    for override, message in (("+model.activation_offloading=true", "model.activation_offloading: Key 'activation_offloading' not in"),
+    for override, message in (("+model.activation_offloading=true", "model.activation_offloading: no key 'activation_offloading' in model; "
+                                                                    "did you mean model.activation_offload?"),
                               ("+model.activation_offload=maybe", "model.activation_offload: Value 'maybe' is not a valid bool")):
         cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", override]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -176,3 +181,62 @@ def test_host_overhead_counts_fewer_python_calls_with_the_lora_switch(tmp_path):
     off, on = json.loads(out.read_text())["rows"]
     assert (off["switch"], off["on"], on["on"]) == ("lora", False, True)
     assert on["python_calls_per_step"] < off["python_calls_per_step"] and on["aten_ops_per_step"] < off["aten_ops_per_step"]
+
+
+def _compose_bench(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_ft.config import config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir(), version_base="1.3"):
+        return compose("benchmark", overrides=list(overrides))
+
+
+def test_bench_row_log_line_is_readable_and_results_json_keeps_the_row(tmp_path, caplog, monkeypatch):
+    from lightning_ft.bench import runner
+
+    row = {"system": "lightning_ft", "model": "tiny", "seq_len": 8192, "layers": 12, "status": "ok", "ms_per_step": 172.4014269999543,
+           "ms_min": 171.6, "tokens_per_s": 47517.00808139002, "tflops_per_s": 406.82, "mfu": 0.5132813118744723,
+           "peak_mem_gib": 19.212421894073486, "peak_reserved_gib": 21.47265625, "loss_last": 12.207749931327067}
+    monkeypatch.setattr(runner, "_run_worker", lambda spec, timeout_s: dict(row))
+    cfg = _compose_bench("+bench=tiny_cpu", "systems=[lightning_ft]", "seq_lens=[8192]", "name=tiny", f"out_dir={tmp_path}")
+    with caplog.at_level(logging.INFO, logger="lightning_ft.bench.runner"):
+        runner.run_bench(cfg)
+    assert ("bench row: lightning_ft seq 8192: 172.4 ms/step, 47,517 tokens/s, MFU 51.3%, peak 19.21 GiB allocated / 21.47 GiB "
+            "reserved, loss 12.2077") in caplog.messages
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == [{**row, "x_vs_hf_peft": None, "mem_vs_hf_peft": None}]
+    # unknown on the CPU: n/a; a row that did not run: its status
+    cpu = {**row, "mfu": None, "peak_mem_gib": None, "peak_reserved_gib": None}
+    assert runner.row_text(cpu) == "lightning_ft seq 8192: 172.4 ms/step, 47,517 tokens/s, MFU n/a, peak n/a, loss 12.2077"
+    assert runner.row_text({"system": "unsloth", "seq_len": 8192, "status": "OOM"}) == "unsloth seq 8192: OOM"
+
+
+def test_bench_help_resolves_its_values_and_names_the_cpu_preset():
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "${hydra:runtime.choices" not in proc.stdout and "\nname: null\n" in proc.stdout
+    header = proc.stdout.split("== Configuration groups ==")[0]
+    presets = [p.stem for p in (Path(config_dir()) / "bench").glob("*.yaml")]
+    on_cpu = [p for p in presets if _compose_bench(f"+bench={p}").device == "cpu"]
+    assert on_cpu == ["tiny_cpu"] and _compose_bench().device == "cuda"
+    assert "need a CUDA GPU: `+bench=tiny_cpu` runs on the CPU" in " ".join(header.split())
+
+
+def test_bench_key_typos_get_the_closest_key_and_added_ones_are_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lightning_ft.bench.runner import run_bench
+    from lightning_ft.config import command_schema, override_hints
+
+    assert override_hints(["warmup_step=2"], "bench")[0].startswith(
+        "warmup_step: no key 'warmup_step' in the top level; did you mean warmup_steps? keys: name, systems, ")
+    assert override_hints(["lora.rnak=2"], "bench")[0].startswith("lora.rnak: no key 'rnak' in lora; did you mean lora.rank? ")
+    assert override_hints(["model.config.num_layers=2", "seq_lens=[64]"], "bench")[:-1] == []  # free-form, known
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "bench", "warmup_step=2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "hint: warmup_step: no key 'warmup_step' in the top level; did you mean warmup_steps?" in proc.stderr
+    # Hydra's advice, `+warmup_step=2`, adds a key nothing reads: refused before any row runs
+    with pytest.raises(ValueError, match=r"^warmup_step: no key 'warmup_step' in the top level; did you mean warmup_steps\?"):
+        run_bench(_compose_bench("+bench=tiny_cpu", "+warmup_step=2", f"out_dir={tmp_path}"))
+    assert not list(tmp_path.iterdir())
+    for preset in (p.stem for p in (Path(config_dir()) / "bench").glob("*.yaml")):  # every preset passes the check
+        OmegaConf.merge(OmegaConf.structured(command_schema("bench")), _compose_bench(f"+bench={preset}"))

@@ -8,7 +8,6 @@ transformers classes) never leak from one to the next.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
 from lightning_ft.callbacks.summary import allocator_settings, write_json_atomic
-from lightning_ft.config import ModelConfig
+from lightning_ft.config import command_schema, key_hint
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,8 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     """Run every (seq_len, system) of ``cfg`` and write the result files to ``cfg.out_dir``.
 
     Raises:
-        ValueError: an unknown system name.
+        ValueError: an unknown system name, a key that is not in the config (`command_schema`) or a value of the
+            wrong type, a CUDA device on a machine without one.
     """
     from lightning_ft.bench.flops import measured_peak_flops
 
@@ -69,15 +69,19 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"systems: unknown {unknown}; known: {list(SYSTEMS)}")
-    try:  # the model keys as `fit` reads them: a typo or a bad value would otherwise be a row measuring something else
-        OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
+    schema = OmegaConf.structured(command_schema("bench"))
+    try:  # the keys as `fit` reads the shared groups: a typo (`+warmup_step=`) or a bad value would be ignored or measure something else
+        OmegaConf.merge(schema, cfg)
     except (ConfigKeyError, ValidationError) as err:
-        keys = ", ".join(f.name for f in dataclasses.fields(ModelConfig))
-        raise ValueError(f"model.{err.key}: {err.msg.splitlines()[0]} (the model config's keys: {keys})") from None
+        raise ValueError(key_hint(err.full_key, schema) or f"{err.full_key}: {err.msg.splitlines()[0]}") from None
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
             f"device={cfg.device}, but this machine has no CUDA GPU: run a CPU preset (+bench=tiny_cpu) or set device=cpu"
         )
+    if cfg.name is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        cfg.name = HydraConfig.get().runtime.choices.model
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
@@ -107,7 +111,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
                 "profile": str(out_dir / f"profile_{system}_{seq_len}.txt") if cfg.profile else None,
             }
             row = _run_worker(spec, cfg.timeout_s)
-            log.info("bench row: %s", row)
+            log.info("bench row: %s", row_text(row))
             rows.append(row)
             _write(out_dir, env, _with_ratios(rows), cfg)
     log.info("bench: results in %s (results.md, results.json, results.png)", out_dir)
@@ -157,6 +161,23 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(k, r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def row_text(row: dict[str, Any]) -> str:
+    """A result row as the log prints it, e.g. ``lightning_ft seq 8192: 172.4 ms/step, 47,519 tokens/s, MFU 51.3%,
+    peak 19.21 GiB allocated / 21.47 GiB reserved, loss 12.2077``: n/a where a value is unknown (MFU and memory
+    on the CPU), the status instead of numbers for a row that did not run (OOM, an error, a timeout)."""
+
+    def fmt(key: str, spec: str) -> str:
+        return "n/a" if row.get(key) is None else format(row[key], spec)
+
+    head = f"{row['system']} seq {row['seq_len']}"
+    if row.get("status") != "ok":
+        return f"{head}: {row.get('status')}"
+    memory = (("peak_mem_gib", "allocated"), ("peak_reserved_gib", "reserved"))
+    peak = " / ".join(f"{row[key]:.2f} GiB {what}" for key, what in memory if row.get(key) is not None) or "n/a"
+    return (f"{head}: {fmt('ms_per_step', '.1f')} ms/step, {fmt('tokens_per_s', ',.0f')} tokens/s, MFU {fmt('mfu', '.1%')}, "
+            f"peak {peak}, loss {fmt('loss_last', '.4f')}")
 
 
 def _peak_text(tflops: float | None, device: str) -> str:
