@@ -16,6 +16,8 @@ path, a stopped run) prints as one message without a traceback; ``HYDRA_FULL_ERR
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import MutableMapping
@@ -28,19 +30,67 @@ from lightning_ft.config import COMMAND_CONFIGS
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 _task_started = False  # a failure before the task starts is a composition error
+_argv0 = sys.argv[0]  # the program; `main` shows Hydra's argument parser the command's name instead until the task starts
 
-COMMANDS = tuple(COMMAND_CONFIGS)
-USAGE = f"usage: python -m lightning_ft {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]"
+PROG = "python -m lightning_ft"
+#: each command and its line in ``python -m lightning_ft --help``
+COMMANDS = {
+    "fit": "fine-tune a causal LM (LoRA or full) on packed batches; the default command",
+    "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU)",
+}
+EXAMPLES = """examples:
+  python -m lightning_ft fit                          # built-in default: tiny Qwen3-MoE, generated arithmetic, CPU, ~30 s
+  python -m lightning_ft fit data=jsonl data.path=train.jsonl lora.rank=8
+  python -m lightning_ft bench +bench=tiny_cpu        # the benchmark's CPU preset
+
+`python -m lightning_ft fit --help` (or `bench --help`) lists a command's config groups and options."""
+#: the Hydra plugin an override needs: its module, its name, how to install it (an extra of pyproject.toml)
+PLUGINS = {
+    choice: ("hydra_plugins.hydra_optuna_sweeper", "Hydra's Optuna sweeper (hydra-optuna-sweeper)", 'pip install -e ".[optuna]"')
+    for choice in ("hparams_search=optuna", "hydra/sweeper=optuna")
+}
 
 
 class RunError(CompactHydraException):
     """A failure whose message says everything (Hydra prints it without a traceback)."""
 
 
-def _fit_task(cfg) -> Any:
-    """Run `lightning_ft.fit.fit`; returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
+def command_parser() -> argparse.ArgumentParser:
+    """The command line above the commands: ``--help`` and an unknown command (a command's own arguments are Hydra's)."""
+    commands = "".join(f"\n  {name:<7}{summary}" for name, summary in COMMANDS.items())
+    return argparse.ArgumentParser(
+        prog=PROG, usage=f"%(prog)s {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]",
+        description=f"Fast, lean fine-tuning of Hugging Face causal LMs (Lightning + Hydra).\n\ncommands:{commands}",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def missing_plugin(overrides: list[str]) -> str | None:
+    """What to install for an override that picks a Hydra plugin that is not installed (`PLUGINS`; Hydra itself
+    would only say that it cannot find ``hydra/sweeper/optuna``), else None."""
+    for choice in (item.lstrip("+") for item in overrides):
+        if choice in PLUGINS:
+            module, name, install = PLUGINS[choice]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:  # not even its namespace package (hydra_plugins)
+                found = False
+            if not found:
+                return f"error: {choice} needs {name}, which is not installed: {install}"
+    return None
+
+
+def _start_task() -> None:
+    """Composition is done: later failures are the task's, and ``sys.argv[0]`` is the real one again (Lightning
+    starts a multi-device job's other ranks with it)."""
     global _task_started
     _task_started = True
+    sys.argv[0] = _argv0
+
+
+def _fit_task(cfg) -> Any:
+    """Run `lightning_ft.fit.fit`; returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
+    _start_task()
     from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
@@ -79,8 +129,7 @@ def _raised_by_us(err: BaseException) -> bool:
 
 
 def _bench_task(cfg) -> None:
-    global _task_started
-    _task_started = True
+    _start_task()
     from lightning_ft.bench.runner import run_bench
 
     try:
@@ -125,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
+        command_parser().print_help()
         return
     if argv and argv[0] in COMMANDS:
         command, overrides = argv[0], argv[1:]
@@ -133,9 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         # no command: `fit` (this is also how Lightning relaunches the other ranks under DDP)
         command, overrides = "fit", argv
     else:
-        raise SystemExit(f"unknown command {argv[0]!r}; expected one of {COMMANDS}\n{USAGE}")
+        command_parser().error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
+    if error := missing_plugin(overrides):
+        raise SystemExit(error)
     register_configs()
-    sys.argv = [sys.argv[0], *overrides]
+    # Hydra's argument parser names the program after sys.argv[0] (`__main__.py`); `_start_task` puts it back
+    sys.argv = [f"{PROG} {command}", *overrides]
     task = {"fit": _fit_task, "bench": _bench_task}[command]
     app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=COMMAND_CONFIGS[command])(task)
     try:

@@ -154,3 +154,53 @@ def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, mes
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=message):
         _check_option_values(_compose([override]), "trainer.accelerator=cpu")
+
+
+def test_top_level_help_lists_the_commands_with_an_example_each(capsys):
+    from lightning_ft.__main__ import main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m lightning_ft {fit,bench} ")
+    commands = out.split("commands:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split()[0] for line in commands] == ["fit", "bench"] and "+bench=tiny_cpu" in commands[1]
+    for command in ("fit", "bench"):
+        assert f"\n  python -m lightning_ft {command} " in out
+    assert "`python -m lightning_ft fit --help`" in out
+
+
+def test_argument_errors_name_the_program_as_it_is_run():
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "fit", "--no-such-flag"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "__main__" not in proc.stderr
+    assert proc.stderr.startswith("usage: python -m lightning_ft fit [--help]")
+    assert "python -m lightning_ft fit: error: unrecognized arguments: --no-such-flag" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "tune"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "python -m lightning_ft: error: unknown command 'tune' (choose from fit, bench)" in proc.stderr
+
+
+@pytest.mark.parametrize("override", ["hparams_search=optuna", "+hparams_search=optuna"])
+def test_optuna_search_without_its_plugin_says_what_to_install_before_hydra_runs(override, monkeypatch):
+    import importlib.util
+
+    from lightning_ft import __main__ as cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("hydra_plugins.") else find_spec(name, *a))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # main sets it
+    with pytest.raises(SystemExit) as exit_:  # before Hydra runs (which would exit with status 1 and its own message)
+        cli.main(["fit", override])
+    assert exit_.value.code == (
+        'error: hparams_search=optuna needs Hydra\'s Optuna sweeper (hydra-optuna-sweeper), which is not installed: pip install -e ".[optuna]"'
+    )
+    # the extra named there installs the plugin
+    from importlib.metadata import requires
+
+    assert any(r.startswith("hydra-optuna-sweeper") and 'extra == "optuna"' in r for r in requires("lightning_ft"))
+
+
+def test_a_plus_before_a_group_of_the_defaults_list_is_named():
+    from lightning_ft.config import override_hints
+
+    assert override_hints(["+hparams_search=optuna"])[0] == "+hparams_search=optuna: `hparams_search` is in `fit`'s defaults list: hparams_search=optuna, without the +"
+    assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
