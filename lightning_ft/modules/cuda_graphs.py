@@ -407,8 +407,13 @@ class _ModelGraphs:
         graphs = []
         with torch.cuda.stream(self.stream):
             if not static.warmed_up:  # cuBLAS/cuDNN state for this stream; Triton already ran eagerly
+                # The warm-up allocates from the regular pool on this side stream, whose cached blocks
+                # only this stream reuses: release the cache before (so the warm-up reuses what the
+                # eager calls freed) and after (so the graphs' pool can take that memory).
+                torch.cuda.empty_cache()
                 for fn in fns:
                     fn()
+                torch.cuda.empty_cache()
                 static.warmed_up = True
             for fn in fns:
                 graph = torch.cuda.CUDAGraph()
