@@ -101,7 +101,9 @@ def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[d
             raise ValueError(f"{local}: the file has no rows")
         try:
             ds = datasets.load_dataset(builder, data_files=str(local), split="train")
-        except Exception as err:  # datasets wraps parser errors in its own types
+        except Exception as err:  # datasets wraps parser errors in its own types (no position)
+            if suffix == ".json":
+                _check_json(local)
             raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
     else:
         try:
@@ -134,22 +136,39 @@ def _check_jsonl(path: Path) -> int:
     return rows
 
 
+def _check_json(path: Path) -> None:
+    """Raise a ValueError naming ``path:line:column`` where a .json file stops being JSON (JSON Lines: the line)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):  # JSON Lines in a .json file
+            _check_jsonl(path)
+            return
+        raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+
+
 def detect_format(row: dict[str, Any], source: str = "") -> str:
-    """Name the format of a row from its fields (see the module table).
+    """Name the format of a row from its non-null fields (see the module table).
+
+    Null fields do not count: `datasets` gives every row the union of all rows' keys, with None
+    where a row lacks one, so a key that only some later row has is present (as None) in every row.
 
     Raises:
         ValueError: no known field set is present (names the fields found and the ones expected).
     """
-    if "messages" in row:
+    fields = {k for k, v in row.items() if v is not None}
+    if "messages" in fields:
         return "chat"
-    if "instruction" in row and ("output" in row or "instances" in row):
+    if "instruction" in fields and ("output" in fields or "instances" in fields):
         return "instruction"
-    if "question" in row and "answer" in row:
+    if {"question", "answer"} <= fields:
         return "qa"
-    if "text" in row:
+    if "text" in fields:
         return "text"
-    expected = "; ".join(f"{fmt}: {', '.join(fields)}" for fmt, fields in _REQUIRED.items())
-    raise ValueError(f"{source}: cannot tell the data format from the fields {sorted(row)}; expected one of: {expected}")
+    expected = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in _REQUIRED.items())
+    found = sorted(fields)
+    raise ValueError(f"{source}: cannot tell the data format from the fields {found}; expected one of: {expected}")
 
 
 def to_examples(

@@ -45,11 +45,33 @@ def test_unknown_role_names_the_row():
         to_examples(rows)
 
 
-def test_malformed_json_line_names_file_and_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "ok"}\n{"text": "broken"\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        read_rows(str(path))
+@pytest.mark.parametrize(
+    "name, text, error",
+    [
+        ("bad.jsonl", '{"text": "ok"}\n{"text": "broken"\n', r"bad.jsonl:2: not valid JSON"),
+        ("bad.json", '[\n  {"text": "a"},\n  {"text": "b",,}\n]\n', r"bad.json:3:16: not valid JSON \(Expecting"),
+        ("lines.json", '{"text": "a"}\n{"text": "b",}\n', r"lines.json:2: not valid JSON"),  # JSON Lines as .json
+    ],
+)
+def test_malformed_json_names_file_and_position(tmp_path, name, text, error):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=error):
+        read_rows(str(tmp_path / name))
+
+
+def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
+    # `datasets` gives every row the union of all rows' keys (None where missing): a key only a
+    # later row has must not decide the format, and that later row is the one the error names.
+    qa = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(4)]
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    extra = read_rows(_jsonl(tmp_path / "extra.jsonl", qa[:2] + [{**qa[2], **chat}]))
+    assert extra[0]["messages"] is None and detect_format(extra[0]) == "qa"
+    assert [e.messages[1]["content"] for e in to_examples(extra)] == ["a0", "a1", "a2"]
+    instruction = {"instruction": "i", "input": "x", "output": "o"}
+    mixed = read_rows(_jsonl(tmp_path / "mixed.jsonl", qa[:2] + [instruction] + qa[3:]))
+    has = r"\(the row has \['input', 'instruction', 'output'\]\)"
+    with pytest.raises(ValueError, match=rf"data row 3: the 'qa' format needs .*{has}"):
+        to_examples(mixed)
 
 
 def test_empty_and_missing_files(tmp_path):
