@@ -183,12 +183,15 @@ def _check_new_run_dir(run_dir: Path) -> None:
     config, adapter and metrics and mix its checkpoints with the new ones (the first process
     only: the other DDP ranks join this run's folder on purpose).
 
+    A ``summary.json`` of a run that stopped before its first optimizer step (a data or setup
+    error; nothing to resume) does not count: the new run replaces it.
+
     Raises:
-        ValueError: ``run_dir`` holds ``summary.json`` or files under ``checkpoints/``.
+        ValueError: ``run_dir`` holds ``summary.json`` of a run that trained, or files under ``checkpoints/``.
     """
     if not _first_process():
         return
-    found = [p.name for p in (run_dir / "summary.json",) if p.exists()]
+    found = [p.name for p in (run_dir / "summary.json",) if p.exists() and not _never_trained(p)]
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         found.append("checkpoints/")
@@ -197,6 +200,15 @@ def _check_new_run_dir(run_dir: Path) -> None:
             f"{run_dir} holds a run already ({', '.join(found)}): resume it with ckpt_path=last, or start the new run "
             "in another folder (hydra.run.dir=...); delete the folder to start it over"
         )
+
+
+def _never_trained(summary_path: Path) -> bool:
+    """Whether ``summary.json`` records a run that stopped before its first optimizer step (False if unreadable)."""
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("status") != "completed" and summary.get("steps") == 0
 
 
 def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:

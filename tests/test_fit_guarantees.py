@@ -155,6 +155,19 @@ def test_missing_model_path_and_non_causal_config_are_readable_errors(tmp_path):
     assert "a 'vit' config is not a causal LM" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+def test_a_run_that_fails_before_its_first_step_leaves_a_failed_summary_and_a_reusable_folder(tmp_path):
+    empty, run_dir = tmp_path / "empty", tmp_path / "run"
+    empty.mkdir()
+    proc = run_cli(run_dir, *FAST, "model=pretrained", f"model.name_or_path={empty}", "model.tokenizer=builtin",
+                   "model.dtype=float32", ok=False)
+    assert f"model.name_or_path='{empty}': no config.json in that folder" in proc.stderr and "Traceback" not in proc.stderr
+    failed = summary(run_dir)
+    assert failed["status"] == "failed" and failed["steps"] == 0  # an error, not a stop by signal or check
+    run_cli(run_dir, *FAST, "trainer.max_steps=2")  # nothing to resume there: a new run is not refused
+    assert summary(run_dir)["status"] == "completed" and summary(run_dir)["steps"] == 2
+
+
 def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
     proc = run_cli(tmp_path, "data.max_token=3", ok=False)
     assert "Key 'max_token' not in 'DataConfig'" in proc.stderr  # Hydra's
@@ -348,7 +361,7 @@ def test_sweep_summary_is_written_even_when_a_job_fails(tmp_path):
     run_cli(tmp_path, "-m", "data.max_tokens=16,128", "data.overflow=drop", "trainer.max_steps=2", *FAST[:2], "data.num_examples=60",
             f"hydra.sweep.dir={sweep}", ok=False)
     table = (sweep / "sweep_summary.md").read_text()
-    assert "| 0 | data.max_tokens=16" in table and "| stopped |" in table
+    assert "| 0 | data.max_tokens=16" in table and "| failed |" in table  # its data error, not a stop
 
 
 @pytest.mark.slow

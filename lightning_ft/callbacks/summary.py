@@ -13,9 +13,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_ft.callbacks.throughput import TokenThroughput
+from lightning_ft.errors import TrainingStopped
 from lightning_ft.modules.cuda_graphs import cuda_graph_stats
 from lightning_ft.strategies.fsdp2 import gather_state_dict
 
@@ -68,7 +70,8 @@ class RunSummary(L.Callback):
     - ``adapter/``: the PEFT adapter (``save_pretrained``; loads with ``PeftModel.from_pretrained``)
       or, for full fine-tuning, the whole model; plus the tokenizer. Not written when training
       stopped on an error. Under FSDP2 the weights are first gathered to rank 0, which writes them.
-    - ``summary.json``: ``status`` (``completed`` or ``stopped``, then with ``error``),
+    - ``summary.json``: ``status`` (``completed``; ``stopped`` by SIGTERM, Ctrl-C or one of our checks
+      (`TrainingStopped`); ``failed`` on any other error; the last two with ``error``),
       ``initial_loss``, ``final_loss`` (first and last optimizer step that was not skipped),
       ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
       (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
@@ -168,7 +171,7 @@ class RunSummary(L.Callback):
         ckpt = trainer.checkpoint_callback
         metrics = trainer.callback_metrics
         self.summary = {
-            "status": "completed" if error is None else "stopped",
+            "status": _status(error),
             "error": None if error is None else _describe(error),
             "initial_loss": trained[0] if trained else None,
             "final_loss": trained[-1] if trained else None,
@@ -211,6 +214,12 @@ class RunSummary(L.Callback):
         if losses:
             plot_loss_curve(losses, self.run_dir / "loss_curve.png")
         log.info("summary: %s", self.run_dir / "summary.json")
+
+
+def _status(error: BaseException | None) -> str:
+    if error is None:
+        return "completed"
+    return "stopped" if isinstance(error, (KeyboardInterrupt, SIGTERMException, TrainingStopped)) else "failed"
 
 
 def _describe(error: BaseException) -> str:

@@ -664,7 +664,7 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
     ``auto`` is varlen when it can run (`varlen_unavailable`), else sdpa.
 
     Raises:
-        ValueError: an unknown name, or ``varlen`` where it cannot run.
+        ValueError: an unknown name, ``varlen`` where it cannot run, or ``flex`` off CUDA (no backward there).
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.attention={backend!r}: expected one of {list(BACKENDS)}")
@@ -674,7 +674,12 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
             return "varlen", f"auto: flash-attention varlen on {device}"
         return "sdpa", f"auto: varlen {reason}"
     if backend == "varlen" and (reason := varlen_unavailable(device)) is not None:
-        raise ValueError(f"model.attention=varlen {reason}: use model.attention=flex or sdpa")
+        alternatives = "flex or sdpa" if device.type == "cuda" else "sdpa"
+        raise ValueError(f"model.attention=varlen {reason}: use model.attention={alternatives}")
+    if backend == "flex" and device.type != "cuda":  # torch's FlexAttention raises NotImplementedError in backward
+        raise ValueError(
+            f"model.attention=flex cannot train on {device.type}: FlexAttention has no backward there; use model.attention=sdpa"
+        )
     return backend, "set by model.attention"
 
 

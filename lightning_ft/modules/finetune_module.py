@@ -81,7 +81,8 @@ def load_causal_lm(
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
             not a causal LM, or an embedding table smaller than the tokenizer.
-        FileNotFoundError: ``name_or_path`` is neither a local checkpoint nor a reachable hub name.
+        FileNotFoundError: ``name_or_path`` is neither a local checkpoint (a folder with a
+            ``config.json``) nor a reachable hub name.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -93,10 +94,15 @@ def load_causal_lm(
     overrides = dict(config or {})
     check_local_path("model.name_or_path", name_or_path)
     if name_or_path:
+        folder = Path(name_or_path).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no config.json in that folder, so not a model checkpoint")
         try:
             hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
         except OSError as err:
             raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: not a model checkpoint ({err})") from err
+        except ValueError as err:  # e.g. a config.json without a model_type transformers knows
+            raise ValueError(f"model.name_or_path={name_or_path!r}: transformers cannot read its config ({err})") from err
     elif init == "random" and "model_type" in overrides:
         hf_config = AutoConfig.for_model(overrides.pop("model_type"), **overrides)
     else:

@@ -257,8 +257,9 @@ def test_host_built_block_mask_equals_create_block_mask(lengths, sliding_window)
 def test_backend_resolution_and_registered_names():
     cpu = torch.device("cpu")
     assert attention.resolve_attention_backend("auto", cpu, torch.bfloat16)[0] == "sdpa"
-    assert attention.resolve_attention_backend("flex", cpu, torch.float32) == ("flex", "set by model.attention")
-    with pytest.raises(ValueError, match="model.attention=varlen needs CUDA"):
+    with pytest.raises(ValueError, match="model.attention=flex cannot train on cpu.*use model.attention=sdpa"):
+        attention.resolve_attention_backend("flex", cpu, torch.float32)  # FlexAttention has no CPU backward
+    with pytest.raises(ValueError, match="model.attention=varlen needs CUDA, not cpu: use model.attention=sdpa$"):
         attention.resolve_attention_backend("varlen", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="expected one of"):
         attention.resolve_attention_backend("flash", cpu, torch.bfloat16)
