@@ -131,7 +131,8 @@ def test_adapter_trained_elsewhere_with_peft_continues_training(tmp_path):
     peft_model.save_pretrained(tmp_path / "elsewhere")
     before = load_file(tmp_path / "elsewhere" / "adapter_model.safetensors")
 
-    run_cli(tmp_path / "run", *FAST, f"lora.init_from={tmp_path / 'elsewhere'}", "trainer.max_steps=3")
+    proc = run_cli(tmp_path / "run", *FAST, f"lora.init_from={tmp_path / 'elsewhere'}", "trainer.max_steps=3")
+    assert "rank 6, alpha 12, targets ['q_proj', 'v_proj'] (lora.rank/alpha/targets ignored)" in proc.stdout + proc.stderr
     out = summary(tmp_path / "run")
     adapter_config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["r"] == 6 and sorted(adapter_config["target_modules"]) == ["q_proj", "v_proj"]

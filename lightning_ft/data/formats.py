@@ -21,6 +21,7 @@ see `lightning_ft.data.builtin`).
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from dataclasses import dataclass
@@ -192,7 +193,8 @@ def to_examples(
         fmt = detect_format(rows[0], f"{source} row 1")
         log.info("data.format=auto: %s looks like the %r format", source, fmt)
     if fmt not in FORMATS:
-        raise ValueError(f"data.format={fmt!r}: expected auto or one of {FORMATS}")
+        close = difflib.get_close_matches(str(fmt), FORMATS, n=1)
+        raise ValueError(f"data.format={fmt!r}: {f'did you mean {close[0]}? ' if close else ''}expected auto or one of {FORMATS}")
     examples: list[Example] = []
     for i, row in enumerate(rows, start=1):
         where = f"{source} row {i}"

@@ -153,9 +153,11 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
             )
         model = PeftModel.from_pretrained(model, str(init_from), is_trainable=True)
         loaded = model.peft_config["default"]
+        modules = loaded.target_modules  # a list, or one regular expression
+        targets = [modules] if isinstance(modules, str) else sorted(modules or [])
         rank_zero_info(
             f"lora.init_from={str(init_from)!r}: rank {loaded.r}, alpha {loaded.lora_alpha}, targets "
-            f"{sorted(loaded.target_modules or [])} {list(loaded.target_parameters or [])} (lora.rank/alpha/targets ignored)"
+            f"{targets + list(loaded.target_parameters or [])} (lora.rank/alpha/targets ignored)"
         )
         return model
     target_modules = lora["target_modules"]

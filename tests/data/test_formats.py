@@ -18,6 +18,8 @@ def test_detects_each_format():
     assert detect_format({"text": "t"}) == "text"
     with pytest.raises(ValueError, match="cannot tell the data format.*prompt"):
         detect_format({"prompt": "x"}, "f.jsonl row 1")
+    with pytest.raises(ValueError, match="data.format='qna': did you mean qa\\? expected auto or one of"):
+        to_examples([{"question": "q", "answer": "a"}], "qna")
 
 
 def test_qa_and_instruction_become_conversations():
