@@ -294,12 +294,18 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert (tmp_path / "logs" / "metrics.csv").exists()
 
 
+def _signal_at_step(run_dir, step, *overrides, signal_name=None):
+    """A 50-step run (with ``overrides``) that `cli_helpers.SignalAtStep` signals once step ``step`` is done."""
+    signal = [f"+callbacks.term.signal_name={signal_name}"] if signal_name else []
+    return run_cli(run_dir, *FAST, "trainer.max_steps=50", *overrides, "+callbacks.term._target_=cli_helpers.SignalAtStep",
+                   f"+callbacks.term.step={step}", *signal, ok=False)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_with_a_failing_exit_status_and_a_checkpoint_of_the_step_reached(tmp_path):
     # before the first periodic checkpoint (every 50 steps by default): SIGTERM itself saves one. The signal
     # comes as step 3's batch starts; Lightning stops after that batch, so at step 3.
-    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "+callbacks.term._target_=cli_helpers.SignalAtStep",
-                   "+callbacks.term.step=2", ok=False)
+    proc = _signal_at_step(tmp_path, 2)
     last = tmp_path / "checkpoints" / "last.ckpt"
     resume = (f"training stopped at step 3 by SIGTERM; resume from {last} with: python -m lightning_ft fit "
               f"{' '.join(FAST)} trainer.max_steps=50 +callbacks.term._target_=cli_helpers.SignalAtStep "
@@ -316,9 +322,7 @@ def test_sigterm_stops_with_a_failing_exit_status_and_a_checkpoint_of_the_step_r
 def test_sigterm_mid_accumulation_saves_nothing_half_accumulated(tmp_path):
     # the signal comes as the first of step 3's two micro-batches starts; Lightning stops after that batch,
     # which finished no step: the last periodic checkpoint (step 2) stays the one to resume from
-    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "trainer.accumulate_grad_batches=2",
-                   "callbacks.checkpoint.every_n_train_steps=2", "+callbacks.term._target_=cli_helpers.SignalAtStep",
-                   "+callbacks.term.step=2", ok=False)
+    proc = _signal_at_step(tmp_path, 2, "trainer.accumulate_grad_batches=2", "callbacks.checkpoint.every_n_train_steps=2")
     assert "training stopped at step 2 by SIGTERM; resume from" in proc.stderr
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step000002.ckpt"]
@@ -326,9 +330,7 @@ def test_sigterm_mid_accumulation_saves_nothing_half_accumulated(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_with_a_message_that_says_how_to_resume(tmp_path):
-    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=50", "callbacks.checkpoint.every_n_train_steps=2",
-                   "+callbacks.term._target_=cli_helpers.SignalAtStep", "+callbacks.term.step=3",
-                   "+callbacks.term.signal_name=SIGINT", ok=False)
+    proc = _signal_at_step(tmp_path, 3, "callbacks.checkpoint.every_n_train_steps=2", signal_name="SIGINT")
     assert "training stopped at step 3 by Ctrl-C (SIGINT); resume from" in proc.stderr
     assert "(step 2: steps after it run again) with: python -m lightning_ft fit" in proc.stderr
     assert f"ckpt_path=last hydra.run.dir={tmp_path}" in proc.stderr
