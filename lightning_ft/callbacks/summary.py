@@ -177,7 +177,9 @@ class RunSummary(L.Callback):
             "final_loss": trained[-1] if trained else None,
             "step_losses": losses,
             "skipped_steps": dict(getattr(pl_module, "skipped_steps", {})),
-            "steps": trainer.global_step,
+            # optimizer steps run (skipped ones too); not global_step, which also counts a
+            # non-finite step that stopped training after its (skipped) update was queued
+            "steps": len(losses),
             "train_tokens": throughput.train_tokens if throughput else None,
             "tokens_per_s": throughput.tokens_per_s if throughput else None,
             "peak_memory_bytes": peak,

@@ -15,8 +15,9 @@ class TokenThroughput(L.Callback):
     """Logs ``train/tokens_per_s`` (all ranks' tokens over wall time) at every optimizer step.
 
     A step's time runs from the end of the previous step to the end of this one; the module's
-    per-step loss read-out synchronises with the device before each optimizer update, so wall time
-    measures the device's work (a step's small update kernels are counted in the next step). The
+    per-step loss read-out waits for the device's backward (after the update is queued, or before
+    it for an optimizer that cannot skip on the device), so wall time measures the device's work (a
+    step's update kernels are counted in the next step). The
     first step (compilation, allocator warm-up) is excluded from the run's average ``tokens_per_s``.
 
     Attributes:

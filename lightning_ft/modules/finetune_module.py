@@ -11,12 +11,20 @@ averages gradients over ``W`` ranks, so each micro-batch returns ``loss_sum · k
 equals one big batch holding every micro-batch of the step (not the mean of per-micro-batch means).
 
 Before every optimizer step (``on_before_optimizer_step``) the step's loss and a non-finite flag
-(loss or any gradient NaN/Inf) are summed over ranks and read on the host: the one device sync of
-the step. A step without target tokens, or a non-finite one with ``train.on_nonfinite=skip``, is
-skipped: its gradients are set to None, so the optimizer leaves the weights and its moments alone
-(the LR schedule still advances); both are counted in ``skipped_steps``. With
-``train.on_nonfinite=stop`` a non-finite step raises `TrainingStopped` before the update, so the
-last checkpoint written is the last good one.
+(loss or any gradient NaN/Inf) are summed over ranks. A step without target tokens, or a
+non-finite one with ``train.on_nonfinite=skip``, is skipped: the optimizer leaves the weights and
+its moments alone (the LR schedule still advances); both are counted in ``skipped_steps``. With
+``train.on_nonfinite=stop`` a non-finite step raises `TrainingStopped` without updating the
+weights, so the last checkpoint written is the last good one.
+
+Where the optimizer skips a step on the device (a fused torch optimizer: AdamW with
+``fused=True``, the config's default; the ``found_inf`` contract of `torch.amp.GradScaler`) the
+flag is handed to it as ``found_inf`` and the step is queued without waiting: the host reads the
+loss and the flag (copied to pinned memory, behind a CUDA event) only after the update is queued
+(``optimizer_step``), so the GPU never idles while the host decides. Measured at 12 layers of
+Qwen3-30B-A3B, 8K tokens: the sync before the update left the GPU idle ~2.4 ms per step, the host
+launching the update (benchmarks/RESULTS.md, session 11). Other optimizers read the flag first,
+one device sync before the update, and skip by setting the gradients to None.
 
 Checkpoints also hold every rank's RNG states (restored at ``on_train_start``), the per-step
 losses and the skip counters, so a resumed run replays an uninterrupted one exactly.
@@ -295,6 +303,7 @@ class FinetuneModule(L.LightningModule):
         self.skipped_steps = {"no_target_tokens": 0, "nonfinite": 0}
         self._step_loss_sum = torch.zeros(())
         self._step_target_tokens = 0
+        self._pending_step: _PendingStep | None = None
         self._rng_states_to_restore: dict[str, Any] | None = None
         self.val_loss_sum = SumMetric()
         self.val_tokens = SumMetric()
@@ -394,8 +403,9 @@ class FinetuneModule(L.LightningModule):
         # every micro-batch of the step has run backward (and DDP has averaged the gradients)
         step = self.trainer.global_step + 1
         nonfinite = ~torch.isfinite(self._step_loss_sum)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         # fp16 mixed precision: a GradScaler already skips steps whose gradients overflowed
-        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+        if scaler is None:
             # under FSDP2 each rank checks its own shards; the flag is summed over ranks below
             grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
             if grads:
@@ -403,14 +413,25 @@ class FinetuneModule(L.LightningModule):
         totals = torch.stack([self._step_loss_sum.float(), nonfinite.float()])
         if self.trainer.world_size > 1:
             totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
-        loss_sum, nonfinite_ranks = totals.tolist()  # the step's one host sync
         self._step_loss_sum = torch.zeros((), device=self._step_loss_sum.device)
+        self._pending_step = None
+        if scaler is None and self._step_target_tokens and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # the optimizer skips the update itself where found_inf == 1 (weights, moments and step count)
+            optimizer.found_inf = (totals[1] > 0).float()
+            self._pending_step = _PendingStep(step, optimizer, totals)
+            return
+        self._finish_step(step, *totals.tolist(), optimizer)  # one host sync, before the update
+
+    def _finish_step(self, step: int, loss_sum: float, nonfinite_ranks: float, optimizer: Any, queued: bool = False) -> None:
+        """Stop, skip or log the step from its host values; ``queued``: the update is already queued
+        on the device, which skips it where the step was non-finite (``found_inf``)."""
         if nonfinite_ranks:
             if self.on_nonfinite == "stop":
                 raise TrainingStopped(self._nonfinite_message(step))
             rank_zero_warn(f"optimizer step {step}: non-finite loss or gradient; the step is skipped (train.on_nonfinite=skip)")
             self.skipped_steps["nonfinite"] += 1
-            optimizer.zero_grad(set_to_none=True)
+            if not queued:
+                optimizer.zero_grad(set_to_none=True)
             self.step_losses.append(None)
             return
         if self._step_target_tokens == 0:
@@ -431,14 +452,17 @@ class FinetuneModule(L.LightningModule):
         kept = f"the last good checkpoint is {last} (resume with ckpt_path=last)" if last else "no checkpoint was written yet"
         return (
             f"non-finite loss or gradient at optimizer step {step} "
-            f"({len(bad)} tensors with non-finite gradients{': ' + shown if bad else ''}); training stopped before "
-            f"the update (train.on_nonfinite=stop), {kept}. Lower optimizer.lr, check the data, or set "
+            f"({len(bad)} tensors with non-finite gradients{': ' + shown if bad else ''}); training stopped without "
+            f"updating the weights (train.on_nonfinite=stop), {kept}. Lower optimizer.lr, check the data, or set "
             "train.on_nonfinite=skip to skip such steps"
         )
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        pending, self._pending_step = self._pending_step, None
+        if pending is not None:  # the update is queued: now read what on_before_optimizer_step flagged
+            self._finish_step(pending.step, *pending.read(), optimizer, queued=True)
         # Free the gradients now. Lightning zeroes them in the next step's closure, after its
         # training_step and before its backward, so they would sit through that forward: one copy of
         # every trainable tensor (measured 0.6 GiB on 12 layers of Qwen3-30B-A3B with LoRA on the experts).
@@ -507,6 +531,31 @@ class FinetuneModule(L.LightningModule):
             )
             return
         self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+class _PendingStep:
+    """An optimizer step queued before its loss and non-finite flag were read on the host.
+
+    ``totals`` ([2] float32: the loss sum and the number of ranks that saw a non-finite value) is
+    copied to pinned host memory without blocking, behind a CUDA event: `read` waits for that
+    event only, not for the update queued after it. The optimizer's ``found_inf`` is removed once
+    read (a later step sets its own).
+    """
+
+    def __init__(self, step: int, optimizer: torch.optim.Optimizer, totals: torch.Tensor):
+        self.step, self.optimizer = step, optimizer
+        self.totals = totals.to("cpu", non_blocking=True)  # pinned when copied from CUDA
+        self.copied = None
+        if totals.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def read(self) -> list[float]:
+        """[loss sum, non-finite ranks] on the host."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        del self.optimizer.found_inf
+        return self.totals.tolist()
 
 
 def _rng_states() -> dict[str, Any]:

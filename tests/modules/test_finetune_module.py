@@ -3,6 +3,9 @@
 import math
 from functools import partial
 
+import lightning as L
+import pytest
+
 import torch
 
 from lightning_ft.data.packing import collate_packed
@@ -130,6 +133,73 @@ def test_a_step_without_target_tokens_is_skipped_and_counted():
     assert module.step_losses[0] is None and math.isfinite(module.step_losses[1])
     optimizer = trainer.optimizers[0]
     assert {int(optimizer.state[p]["step"]) for p in module.model.parameters() if p.requires_grad} == {1}
+
+
+def _train_with_a_nan_step(fused: bool, on_nonfinite: str = "skip", accelerator: str = "cpu"):
+    """Three steps of AdamW (lr 1e-2), step 2's loss NaN (its LM head NaN for that batch)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class NaNAtStep2(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                self.saved = pl_module.hf_model.get_output_embeddings().weight.detach().clone()
+                pl_module.hf_model.get_output_embeddings().weight.data.fill_(math.nan)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                pl_module.hf_model.get_output_embeddings().weight.data.copy_(self.saved)
+
+    batches = [collate_packed(_docs([12, 7], seed)) for seed in (11, 12, 13)]
+    loader = DataLoader(batches, batch_size=1, collate_fn=lambda items: items[0])
+    torch.manual_seed(0)
+    module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(torch.optim.AdamW, lr=1e-2, fused=fused),
+                            on_nonfinite=on_nonfinite)
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=3, logger=False, enable_checkpointing=False, callbacks=[NaNAtStep2()],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    return module, trainer, loader
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fused_optimizer_skips_a_nonfinite_step_on_the_device_like_the_host_skip(accelerator):
+    """Fused AdamW gets the flag as found_inf (no host read before the update; on CUDA read back
+    from pinned memory after it): the same weights and moments as the host path, which sets the
+    gradients to None; the flag is removed after each step."""
+    results = []
+    for fused in (False, True):
+        module, trainer, loader = _train_with_a_nan_step(fused, accelerator=accelerator)
+        trainer.fit(module, train_dataloaders=loader)
+        optimizer = trainer.optimizers[0]
+        assert module.skipped_steps == {"no_target_tokens": 0, "nonfinite": 1}
+        assert module.step_losses[1] is None and all(math.isfinite(x) for x in module.step_losses[::2])
+        assert {int(optimizer.state[p]["step"]) for p in module.model.parameters() if p.requires_grad} == {2}
+        assert not hasattr(optimizer, "found_inf")
+        results.append(({n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad},
+                        module.step_losses))
+    (ref, ref_losses), (got, losses) = results
+    for name in ref:  # fused and foreach AdamW round differently: m / (sqrt(v) + eps) of a near-zero gradient
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=5e-5, msg=name)
+    assert losses[2] == pytest.approx(ref_losses[2], rel=1e-5)
+
+
+def test_a_fused_optimizer_stops_on_a_nonfinite_step_without_updating():
+    from lightning_ft.errors import TrainingStopped
+
+    module, trainer, loader = _train_with_a_nan_step(True, on_nonfinite="stop")
+    before = {}
+
+    class Snapshot(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                before.update({n: p.detach().clone() for n, p in pl_module.model.named_parameters() if p.requires_grad})
+
+    trainer.callbacks.append(Snapshot())
+    with pytest.raises(TrainingStopped, match="non-finite loss or gradient at optimizer step 2.*without updating the weights"):
+        trainer.fit(module, train_dataloaders=loader)
+    assert len(module.step_losses) == 1 and before
+    for name, p in module.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
 
 
 def test_mixed_precision_skips_peft_input_casts_with_the_same_result():
