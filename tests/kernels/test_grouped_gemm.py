@@ -4,9 +4,11 @@ The reference is the stock PEFT math (delta weight per expert, then one linear p
 float64; each backend runs at fp32 (tight) and bf16 (against the same float64 reference).
 """
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -313,6 +315,108 @@ def test_triton_grouped_wgrad_ragged_with_empty_expert(device):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_thin_products_equal_grouped_mm(device, dtype):
+    """The four thin LoRA products `_thin_product` chooses between, both ways: xa = x A_e^T,
+    dyb = dy B_e, dA = dyb^T x, dB = dy^T xa; 5 experts, one with no rows, odd row counts
+    (C, N, R aligned to 16 bytes: grouped_mm needs it)."""
+    _skip_unless_runnable("triton", device)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([7, 0, 13, 1, 10])
+    rows, c_dim, n_dim, rank = int(counts.sum()), 40, 24, 8
+    offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    x_SC, dy_SN, a_ERC, b_ENR = rand(rows, c_dim), rand(rows, n_dim), rand(5, rank, c_dim), rand(5, n_dim, rank)
+    xa_SR = gg._GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets)
+    dyb_SR = gg._GROUPED_MM(dy_SN, b_ENR, offs=offsets)
+    pairs = {
+        "xa": (xa_SR, grouped_gemm(x_SC, a_ERC.transpose(1, 2), offsets, rows)),
+        "dyb": (dyb_SR, grouped_gemm(dy_SN, b_ENR, offsets, rows)),
+        "dA": (gg._GROUPED_MM(dyb_SR.t(), x_SC, offs=offsets), grouped_wgrad(dyb_SR, x_SC, offsets)),
+        "dB": (gg._GROUPED_MM(dy_SN.t(), xa_SR, offs=offsets), grouped_wgrad(dy_SN, xa_SR, offsets)),
+    }
+    for kind, (expected, actual) in pairs.items():
+        assert actual.shape == expected.shape and actual.dtype == dtype, kind
+        _assert_close(actual, expected.double(), dtype, kind)
+    assert not pairs["dA"][1][1].any() and not pairs["dB"][1][1].any()  # the expert with no rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_mm_backend_with_the_triton_thin_products(dtype, monkeypatch):
+    """The grouped_mm backend as it runs where Triton was timed faster for every thin product (on
+    CUDA only; forced here): output and gradients match the reference."""
+    _skip_unless_runnable("triton", "cpu")
+    monkeypatch.setattr(gg, "_thin_product", lambda kind, rows_S, a_ERC, grouped_mm_fn, triton_fn: triton_fn())
+    case = CASES["e6_top1_empty"]
+    topk_idx, tensors = _make(case, "cpu")
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1))
+    ref_out, ref_grads = _reference_run(case, topk_idx, tensors, grad_out)
+    out, grads = _run("grouped_mm", case, topk_idx, tensors, dtype, grad_out)
+    _assert_close(out, ref_out, dtype, "output")
+    for name, ref_grad in ref_grads.items():
+        _assert_close(grads[name], ref_grad, dtype, f"grad of {name}")
+
+
+def test_thin_product_times_once_per_key_and_never_while_capturing(monkeypatch, caplog):
+    """The choice logic with fake candidates, timer and device: the faster is timed once, cached and
+    reused per (product, sizes, power-of-two rows); nothing is timed during capture or off CUDA."""
+    monkeypatch.setattr(gg, "_THIN_CHOICES", {})
+    monkeypatch.setattr(gg, "_LOGGED", set())
+    monkeypatch.setattr(gg, "_INTERPRET", False)
+    capturing = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    calls = []
+
+    def candidate(name):
+        def run():
+            calls.append(name)
+            return name
+        return run
+
+    grouped_mm_fn, triton_fn = candidate("grouped_mm"), candidate("triton")
+    times_ms = {grouped_mm_fn: 0.2, triton_fn: 0.1}
+    timed = []
+    monkeypatch.setattr(gg, "_time_ms", lambda fn: timed.append(fn) or times_ms[fn])
+
+    def thin(kind, rows, dtype=torch.bfloat16, device=torch.device("cuda", 0)):  # only shape, dtype, device are read
+        rows_S = SimpleNamespace(shape=(rows, 64), dtype=dtype, device=device)
+        return gg._thin_product(kind, rows_S, torch.empty(6, 16, 64), grouped_mm_fn, triton_fn)
+
+    with caplog.at_level(logging.INFO, logger="lightning_ft.kernels.moe.grouped_gemm"):
+        assert thin("xa", 1000) == "triton"  # warm-up of each, timed, the faster's warm-up result returned
+        assert calls == ["grouped_mm", "triton"] and timed == [grouped_mm_fn, triton_fn]
+        assert thin("xa", 1024) == "triton"  # the same power-of-two bucket: cached
+        assert len(timed) == 2 and calls[2:] == ["triton"]
+    assert list(gg._THIN_CHOICES.values()) == ["triton"]
+    assert sum("using triton" in r.message for r in caplog.records) == 1
+
+    times_ms[triton_fn] = 0.2  # a tie keeps grouped_mm
+    assert thin("dB", 1000) == "grouped_mm" and len(timed) == 4
+
+    capturing = True
+    calls.clear()
+    assert thin("xa", 600) == "triton"  # cached (bucket 1024): replayed as chosen
+    assert thin("xa", 3000) == "grouped_mm"  # new bucket: grouped_mm, untimed, not cached
+    assert calls == ["triton", "grouped_mm"] and len(timed) == 4 and len(gg._THIN_CHOICES) == 2
+
+    capturing = False
+    for device, dtype in ((torch.device("cpu"), torch.bfloat16), (torch.device("cuda", 0), torch.float64)):
+        assert thin("dA", 1000, dtype, device) == "grouped_mm"
+    monkeypatch.setattr(gg, "_INTERPRET", True)
+    assert thin("dA", 1000) == "grouped_mm"
+    assert len(timed) == 4 and len(gg._THIN_CHOICES) == 2
+
+    # the real backend off CUDA: no timing, no cache entries
+    case = CASES["base"]
+    topk_idx, tensors = _make(case, "cpu")
+    _run("grouped_mm", case, topk_idx, tensors, torch.float32, torch.randn(case.tokens, case.hidden))
+    assert len(timed) == 4 and len(gg._THIN_CHOICES) == 2
+
+
 def test_grouped_mm_probe_and_fallback(caplog):
     """On this torch the view path is probed once; misaligned sizes fall back to the loop, logged once."""
     mode = grouped_mm_mode(torch.device("cpu"), torch.float32)
@@ -364,3 +468,32 @@ def test_backend_has_no_host_sync(backend):
         _run(backend, case, topk_idx, tensors, torch.bfloat16, grad_out)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("timing", ["measured", "triton_faster"])
+def test_grouped_mm_thin_products_timed_once_on_cuda(timing, monkeypatch):
+    """The grouped_mm backend on CUDA: the first forward+backward times the eight thin products (four
+    per projection; "triton_faster" fakes the timer so the Triton ones surely run), the second reuses
+    the choices; both match the reference."""
+    monkeypatch.setattr(gg, "_THIN_CHOICES", {})
+    timed = []
+    fake_times = itertools.cycle([1.0, 0.0])  # calls come grouped_mm, triton
+    real_time_ms = gg._time_ms
+    monkeypatch.setattr(
+        gg, "_time_ms", lambda fn: timed.append(fn) or (real_time_ms(fn) if timing == "measured" else next(fake_times))
+    )
+    # F = 192, D = 256, I = 96: the eight (product, C or N) keys differ; expert 3 gets no tokens
+    case = Case(tokens=512, hidden=256, intermediate=96, experts=6, top_k=2, rank=16, empty=(3,))
+    topk_idx, tensors = _make(case, "cuda")
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to("cuda")
+    ref_out, ref_grads = _reference_run(case, topk_idx, tensors, grad_out)
+    for _ in range(2):
+        out, grads = _run("grouped_mm", case, topk_idx, tensors, torch.bfloat16, grad_out)
+        _assert_close(out, ref_out, torch.bfloat16, "output")
+        for name, ref_grad in ref_grads.items():
+            _assert_close(grads[name], ref_grad, torch.bfloat16, f"grad of {name}")
+        assert len(gg._THIN_CHOICES) == 8 and len(timed) == 16  # timed on the first pass only
+    assert {key[0] for key in gg._THIN_CHOICES} == {"xa", "dyb", "dA", "dB"}
+    if timing == "triton_faster":
+        assert set(gg._THIN_CHOICES.values()) == {"triton"}

@@ -37,11 +37,15 @@ Backends (what they do on each device):
 * ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) on the sorted rows,
   with the frozen expert weights passed as transposed views (no per-step copy); the thin
   ``(x A_e^T) B_e^T`` LoRA term (and its input-gradient twin) is added into the base GEMM's output
-  in place by our Triton kernel (``grouped_gemm(accumulate_into=...)``), not written and added. A one-time probe per
-  (device, dtype) checks that the view path is correct; if only the contiguous layout is, it copies
-  and logs; if grouped_mm fails, or a size is not a multiple of 16 bytes, it runs ``native_torch``
-  and logs. Sync-free on CUDA only where torch has a native grouped kernel for the dtype (bf16 on
-  sm90/sm100 in torch 2.10's sources); elsewhere torch itself loops over a host copy of ``offs``.
+  in place by our Triton kernel (``grouped_gemm(accumulate_into=...)``), not written and added. The
+  four thin LoRA products (``x A_e^T``, ``dy B_e``, dA_e, dB_e) run on grouped_mm or our Triton
+  kernels, whichever was faster for the shape when first timed on CUDA (`_thin_product`: neither
+  wins everywhere on the H200, benchmarks/RESULTS.md "Thin expert-LoRA GEMMs"). A one-time probe
+  per (device, dtype) checks that the view path is correct; if only the contiguous layout is, it
+  copies and logs; if grouped_mm fails, or a size is not a multiple of 16 bytes, it runs
+  ``native_torch`` and logs. Sync-free on CUDA only where torch has a native grouped kernel for the
+  dtype (bf16 on sm90/sm100 in torch 2.10's sources); elsewhere torch itself loops over a host copy
+  of ``offs``.
 * ``triton``: our grouped GEMM kernels. The gather x[token_idx] is fused into the first GEMM's loads,
   the routing-weight multiply and un-permute store into the second GEMM's epilogue (the final sum
   over K is a deterministic reduction, no atomics), split LoRA is added in the epilogue of the base
@@ -72,6 +76,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 from lightning_ft.kernels._utils import triton_can_run
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
@@ -95,6 +100,8 @@ BACKENDS = ("native_torch", "grouped_mm", "triton")
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _GROUPED_MM_MODES: dict[tuple[str, int | None, torch.dtype], str] = {}
+# (product, C or N, E, R, dtype, device, power-of-two row bound) -> "grouped_mm" or "triton"
+_THIN_CHOICES: dict[tuple, str] = {}
 _LOGGED: set[str] = set()
 
 
@@ -787,15 +794,73 @@ def _add_thin_grouped(out_SN, mid_SR, b_ERN, offsets_E):
     return out_SN.add_(_GROUPED_MM(mid_SR, b_ERN.contiguous(), offs=offsets_E))
 
 
+def _time_ms(fn: Callable[[], torch.Tensor]) -> float:
+    """Median ms of ``fn`` as Triton's autotuner times configs (L2 flushed between runs)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def _thin_product(
+    kind: str,
+    rows_S: torch.Tensor,
+    a_ERC: torch.Tensor,
+    grouped_mm_fn: Callable[[], torch.Tensor],
+    triton_fn: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """One thin LoRA product of `_GroupedMMLinear` (``kind``: xa, dyb, dA or dB) on grouped_mm or our
+    Triton kernels, whichever ran faster the first time this shape was seen on this device.
+
+    Why: neither wins everywhere. On the H200 at 65 536 rows, 128 experts, R = 16, bf16
+    (Qwen3-30B-A3B's experts), Triton is faster for all four of gate_up's products and for down's
+    dB, grouped_mm for down's xa, dyb and dA (gate_up xa: Triton 80 µs, grouped_mm 104; down xa:
+    128 and 54; results bit-equal); taking the faster saves ~0.16 ms per layer-step
+    (benchmarks/RESULTS.md "Thin expert-LoRA GEMMs", results/2026-11-30-h200-s11/thin.txt), and a
+    fixed rule would not carry to other expert sizes. Both compute the same products with fp32
+    accumulation, in the inputs' dtype.
+
+    The key is the product, the wide size of ``rows_S`` ([S, C] or [S, N]), E and R from ``a_ERC``,
+    dtype, device, and S rounded up to a power of two (packed batches vary S; one timing per bucket).
+    The first call with a key runs each candidate once (Triton autotunes then), times both
+    (`_time_ms`: it synchronises), caches and logs the faster, and returns its result. Off CUDA,
+    under ``TRITON_INTERPRET=1`` and for fp64 (which our kernels do not take) grouped_mm runs,
+    untimed. Note: nothing is timed while a CUDA graph is being recorded (timing syncs): an uncached
+    key then runs grouped_mm. The graphs record a shape only after running it eagerly, so its keys
+    are cached by then.
+    """
+    device, dtype = rows_S.device, rows_S.dtype
+    if device.type != "cuda" or _INTERPRET or dtype == torch.float64:
+        return grouped_mm_fn()
+    num_experts, rank = a_ERC.shape[:2]
+    width, rows_bound = rows_S.shape[1], triton.next_power_of_2(rows_S.shape[0])
+    key = (kind, width, num_experts, rank, dtype, device, rows_bound)
+    candidates = {"grouped_mm": grouped_mm_fn, "triton": triton_fn}  # in this order: a tie keeps grouped_mm
+    choice = _THIN_CHOICES.get(key)
+    if choice is not None:
+        return candidates[choice]()
+    if torch.cuda.is_current_stream_capturing():
+        return grouped_mm_fn()
+    results = {name: fn() for name, fn in candidates.items()}  # warm-up: compiles and autotunes
+    times_ms = {name: _time_ms(fn) for name, fn in candidates.items()}
+    choice = _THIN_CHOICES[key] = min(times_ms, key=times_ms.get)
+    _log_once(
+        f"thin-{key}",
+        logging.INFO,
+        f"MoE LoRA {kind} (size {width}, E {num_experts}, R {rank}, {dtype}, rows <= {rows_bound}) on {device}: "
+        f"grouped_mm {times_ms['grouped_mm'] * 1e3:.1f} us, triton {times_ms['triton'] * 1e3:.1f} us; using {choice}",
+    )
+    return results[choice]
+
+
 class _GroupedMMLinear(torch.autograd.Function):
     """y_SN = x W_e^T (+ s (x A_e^T) B_e^T) on expert-sorted rows: grouped_mm, the LoRA added in place.
 
-    Forward: the base and the thin ``xa = s x A_e^T`` [S, R] run on ``grouped_mm``; ``xa B_e^T`` is
-    added into the base output by `_add_thin_grouped`. Backward, the same way: ``dx = dy W_e`` on
-    grouped_mm with ``(s dy B_e) A_e`` added into it in place, ``dA_e = (s dy B_e)^T x``,
-    ``dB_e = dy^T xa`` and (full fine-tuning) ``dW_e = dy^T x``: each [S, N] or [S, C] tensor is
-    written once, where autograd over separate ops wrote each LoRA term and then added it (profiled
-    at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a 5.0 ms MoE block forward+backward).
+    Forward: the base runs on ``grouped_mm`` and the thin ``xa = s x A_e^T`` [S, R] on grouped_mm or
+    our Triton kernel (`_thin_product`, timed once per shape); ``xa B_e^T`` is added into the base
+    output by `_add_thin_grouped`. Backward, the same way: ``dx = dy W_e`` on grouped_mm with
+    ``(s dy B_e) A_e`` added into it in place (``s dy B_e``, ``dA_e = (s dy B_e)^T x`` and
+    ``dB_e = dy^T xa`` through `_thin_product`) and (full fine-tuning) ``dW_e = dy^T x``: each [S, N]
+    or [S, C] tensor is written once, where autograd over separate ops wrote each LoRA term and then
+    added it (profiled at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a 5.0 ms MoE block
+    forward+backward).
     Saves x [S, C] and xa [S, R]. With ``compute_output=False`` (a recompute whose output value is
     discarded) y is left unwritten: the backward does not read it.
     """
@@ -804,7 +869,11 @@ class _GroupedMMLinear(torch.autograd.Function):
     def forward(ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output):
         xa_SR = None
         if a_ERC is not None:
-            xa_SR = _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E).mul_(scaling)
+            xa_SR = _thin_product(
+                "xa", x_SC, a_ERC,
+                lambda: _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E),
+                lambda: grouped_gemm(x_SC, a_ERC.transpose(1, 2), offsets_E, x_SC.shape[0]),
+            ).mul_(scaling)
         ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E)
         ctx.scaling = scaling
         ctx.copy_weights = copy_weights
@@ -827,13 +896,25 @@ class _GroupedMMLinear(torch.autograd.Function):
             w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if ctx.copy_weights else w_ENC
             dx_SC = _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
         if a_ERC is not None and (needs_x or needs_a):
-            dyb_SR = _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E).mul_(ctx.scaling)  # s dy B_e: [S, R]
+            dyb_SR = _thin_product(  # s dy B_e: [S, R]
+                "dyb", dy_SN, a_ERC,
+                lambda: _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E),
+                lambda: grouped_gemm(dy_SN, b_ENR, offsets_E, dy_SN.shape[0]),
+            ).mul_(ctx.scaling)
             if needs_x:
                 _add_thin_grouped(dx_SC, dyb_SR, a_ERC, offsets_E)
             if needs_a:
-                da_ERC = _GROUPED_MM(dyb_SR.t(), x_SC, offs=offsets_E)
+                da_ERC = _thin_product(
+                    "dA", x_SC, a_ERC,
+                    lambda: _GROUPED_MM(dyb_SR.t(), x_SC, offs=offsets_E),
+                    lambda: grouped_wgrad(dyb_SR, x_SC, offsets_E),
+                )
         if needs_b:
-            db_ENR = _GROUPED_MM(dy_SN.t(), xa_SR, offs=offsets_E)
+            db_ENR = _thin_product(
+                "dB", dy_SN, a_ERC,
+                lambda: _GROUPED_MM(dy_SN.t(), xa_SR, offs=offsets_E),
+                lambda: grouped_wgrad(dy_SN, xa_SR, offsets_E),
+            )
         if needs_w:  # full fine-tuning of the experts
             dw_ENC = _GROUPED_MM(dy_SN.t(), x_SC, offs=offsets_E)
         return dx_SC, dw_ENC, da_ERC, db_ENR, None, None, None, None
