@@ -794,9 +794,20 @@ def _add_thin_grouped(out_SN, mid_SR, b_ERN, offsets_E):
     return out_SN.add_(_GROUPED_MM(mid_SR, b_ERN.contiguous(), offs=offsets_E))
 
 
-def _time_ms(fn: Callable[[], torch.Tensor]) -> float:
-    """Median ms of ``fn`` as Triton's autotuner times configs (L2 flushed between runs)."""
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+def _time_ms(fn: Callable[[], torch.Tensor], repeats: int = 10) -> float:
+    """Mean ms of ``fn`` over ``repeats`` back-to-back runs on the current stream (CUDA events).
+
+    No L2 flush between runs (``triton.testing.do_bench`` allocates a 256 MB buffer per call for
+    that, in the first step's backward: a higher memory peak): each product reads an [S, C] or
+    [S, N] operand far larger than the L2 cache at the sizes where the choice matters.
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def _thin_product(
