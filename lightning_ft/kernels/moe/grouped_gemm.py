@@ -795,13 +795,19 @@ def _add_thin_grouped(out_SN, mid_SR, b_ERN, offsets_E):
 
 
 def _time_ms(fn: Callable[[], torch.Tensor], repeats: int = 10) -> float:
-    """Mean ms of ``fn`` over ``repeats`` back-to-back runs on the current stream (CUDA events).
+    """Mean device ms of ``fn`` over ``repeats`` back-to-back runs on the current stream (CUDA events).
 
-    No L2 flush between runs (``triton.testing.do_bench`` allocates a 256 MB buffer per call for
-    that, in the first step's backward: a higher memory peak): each product reads an [S, C] or
-    [S, N] operand far larger than the L2 cache at the sizes where the choice matters.
+    The runs are queued behind a ~5 ms device sleep, so they run back to back on the device
+    whatever their launch cost on the host: the graphs replay them that way (timed without the
+    sleep, the host's launch cost of the Triton candidate showed in its time, e.g. 149 µs
+    against 56 on the device for gate_up's dyb, and the slower candidate was picked for 3 of the 8
+    products on the H200). No L2 flush between runs
+    (``triton.testing.do_bench`` allocates a 256 MB buffer per call for that, in the first step's
+    backward: a higher memory peak); each product reads an [S, C] or [S, N] operand far larger
+    than the L2 cache at the sizes where the choice matters.
     """
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10_000_000)  # cycles: ~5 ms at the H200's 1.98 GHz
     start.record()
     for _ in range(repeats):
         fn()
@@ -820,13 +826,13 @@ def _thin_product(
     """One thin LoRA product of `_GroupedMMLinear` (``kind``: xa, dyb, dA or dB) on grouped_mm or our
     Triton kernels, whichever ran faster the first time this shape was seen on this device.
 
-    Why: neither wins everywhere. On the H200 at 65 536 rows, 128 experts, R = 16, bf16
-    (Qwen3-30B-A3B's experts), Triton is faster for all four of gate_up's products and for down's
-    dB, grouped_mm for down's xa, dyb and dA (gate_up xa: Triton 80 µs, grouped_mm 104; down xa:
-    128 and 54; results bit-equal); taking the faster saves ~0.16 ms per layer-step
-    (benchmarks/RESULTS.md "Thin expert-LoRA GEMMs", results/2026-11-30-h200-s11/thin.txt), and a
-    fixed rule would not carry to other expert sizes. Both compute the same products with fp32
-    accumulation, in the inputs' dtype.
+    Why: which is faster depends on the shape and on how it runs. On the H200 at 65 536 rows, 128
+    experts, R = 16, bf16 (Qwen3-30B-A3B's experts), one call at a time with L2 flushed
+    (``do_bench``) Triton led for gate_up's four products and down's dB and grouped_mm for down's
+    xa, dyb and dA (session 11); back to back on the device, as the graphs replay them, Triton led
+    all eight (session 12: gate_up xa 72 µs against 98, dyb 56 against 88; down xa 30 against 49,
+    dB 71 against 124; results/2026-12-01-h200-s12/thin_choices.txt). So it is timed per shape, not
+    fixed. Both compute the same products with fp32 accumulation, in the inputs' dtype.
 
     The key is the product, the wide size of ``rows_S`` ([S, C] or [S, N]), E and R from ``a_ERC``,
     dtype, device, and S rounded up to a power of two (packed batches vary S; one timing per bucket).
