@@ -57,7 +57,7 @@ def test_help_names_the_command_and_lists_only_its_groups(command, own_group, ot
 
 @pytest.mark.slow
 def test_default_fit_learns_the_builtin_task_and_leaves_its_artifacts(tmp_path, monkeypatch):
-    """The built-in default exactly as README runs it (200 steps, ~30 s on 2 cores), on one thread:
+    """The built-in default exactly as README runs it (200 steps, ~20 s on 2 cores), on one thread:
     the losses depend on the CPU thread count (summation order; 0.01-0.02 apart by step 100 with 1
     or 2 threads), and the checked-in trace was made with one."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -207,6 +207,9 @@ def test_nonfinite_step_is_skipped_and_overlong_examples_are_counted(tmp_path):
     out = summary(tmp_path / "run")
     assert out["skipped_steps"] == {"no_target_tokens": 0, "nonfinite": 1}
     assert out["step_losses"][1] is None and all(math.isfinite(x) for i, x in enumerate(out["step_losses"]) if i != 1)
+    with open(tmp_path / "run" / "logs" / "metrics.csv") as f:  # the skipped step logs NaN, not the previous loss
+        logged = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    assert math.isnan(logged[1]) and logged[0] == pytest.approx(out["step_losses"][0])
     assert out["status"] == "completed" and out["steps"] == 5
     assert out["data"]["truncated"] == 1 and out["data"]["examples"] == 40
     assert "1 of 40 examples are longer than data.max_tokens=128" in proc.stdout + proc.stderr

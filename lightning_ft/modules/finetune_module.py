@@ -17,14 +17,16 @@ its moments alone (the LR schedule still advances); both are counted in ``skippe
 ``train.on_nonfinite=stop`` a non-finite step raises `TrainingStopped` without updating the
 weights, so the last checkpoint written is the last good one.
 
-Where the optimizer skips a step on the device (a fused torch optimizer: AdamW with
-``fused=True``, the config's default; the ``found_inf`` contract of `torch.amp.GradScaler`) the
+Where the optimizer skips a step on the device (fused torch Adam or AdamW, `_skips_on_device`;
+AdamW ``fused=True`` is the config's default; the ``found_inf`` contract of `torch.amp.GradScaler`) the
 flag is handed to it as ``found_inf`` and the step is queued without waiting: the host reads the
 loss and the flag (copied to pinned memory, behind a CUDA event) only after the update is queued
 (``optimizer_step``), so the GPU never idles while the host decides. Measured at 12 layers of
 Qwen3-30B-A3B, 8K tokens: the sync before the update left the GPU idle ~2.4 ms per step, the host
 launching the update (benchmarks/RESULTS.md, session 11). Other optimizers read the flag first,
-one device sync before the update, and skip by setting the gradients to None.
+one device sync before the update, and skip by setting the gradients to None. A skipped step
+logs ``train/loss`` as NaN (summary.json: null). Gradient clipping under bf16-mixed works with a
+fused optimizer (`configure_gradient_clipping`; Lightning refuses it, for fp16's GradScaler).
 
 Checkpoints also hold every rank's RNG states (restored at ``on_train_start``), the per-step
 losses and the skip counters, so a resumed run replays an uninterrupted one exactly.
@@ -41,7 +43,9 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torchmetrics import SumMetric
@@ -415,7 +419,7 @@ class FinetuneModule(L.LightningModule):
             totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         self._step_loss_sum = torch.zeros((), device=self._step_loss_sum.device)
         self._pending_step = None
-        if scaler is None and self._step_target_tokens and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if scaler is None and self._step_target_tokens and _skips_on_device(optimizer):
             # the optimizer skips the update itself where found_inf == 1 (weights, moments and step count)
             optimizer.found_inf = (totals[1] > 0).float()
             self._pending_step = _PendingStep(step, optimizer, totals)
@@ -432,16 +436,35 @@ class FinetuneModule(L.LightningModule):
             self.skipped_steps["nonfinite"] += 1
             if not queued:
                 optimizer.zero_grad(set_to_none=True)
-            self.step_losses.append(None)
+            self._log_skipped()
             return
         if self._step_target_tokens == 0:
             self.skipped_steps["no_target_tokens"] += 1
             optimizer.zero_grad(set_to_none=True)
-            self.step_losses.append(None)
+            self._log_skipped()
             return
         loss = loss_sum / self._step_target_tokens
         self.log("train/loss", loss, prog_bar=True)
         self.step_losses.append(loss)
+
+    def _log_skipped(self) -> None:
+        # NaN, not nothing: the loggers would otherwise write the previous step's loss for this step
+        self.log("train/loss", float("nan"), prog_bar=True)
+        self.step_losses.append(None)
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and gradient_clip_val:
+            # bf16-mixed has no GradScaler, so nothing is unscaled inside a fused optimizer, but
+            # Lightning's MixedPrecision.clip_gradients refuses every fused optimizer (fp16's case):
+            # clip as its base class does (torch's clip_grad_norm_ / clip_grad_value_)
+            algorithm = GradClipAlgorithmType((gradient_clip_algorithm or "norm").lower())
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _nonfinite_message(self, step: int) -> str:
         # every rank gets here together (the flag was summed over ranks): gathering FSDP2 shards is safe
@@ -450,9 +473,14 @@ class FinetuneModule(L.LightningModule):
         ckpt = self.trainer.checkpoint_callback
         last = (ckpt.last_model_path or ckpt.best_model_path) if ckpt is not None else ""
         kept = f"the last good checkpoint is {last} (resume with ckpt_path=last)" if last else "no checkpoint was written yet"
+        if bad:
+            where = f"{len(bad)} tensors with non-finite gradients: {shown}"
+        elif self.trainer.world_size > 1:
+            where = "no non-finite gradient on this rank: the loss or another rank's gradients"
+        else:
+            where = "the loss; no gradient is non-finite"
         return (
-            f"non-finite loss or gradient at optimizer step {step} "
-            f"({len(bad)} tensors with non-finite gradients{': ' + shown if bad else ''}); training stopped without "
+            f"non-finite loss or gradient at optimizer step {step} ({where}); training stopped without "
             f"updating the weights (train.on_nonfinite=stop), {kept}. Lower optimizer.lr, check the data, or set "
             "train.on_nonfinite=skip to skip such steps"
         )
@@ -531,6 +559,15 @@ class FinetuneModule(L.LightningModule):
             )
             return
         self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips a step itself where ``found_inf`` is 1, leaving its state as if the
+    step had not run: fused torch Adam/AdamW (``_step_supports_amp_scaling``). Not fused SGD: its
+    first step makes the momentum buffers with ``empty_like`` and, skipped, leaves them unwritten
+    (NaN weights after the next step; found by a new-user run with torch 2.13).
+    """
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
 class _PendingStep:

@@ -135,25 +135,26 @@ def test_a_step_without_target_tokens_is_skipped_and_counted():
     assert {int(optimizer.state[p]["step"]) for p in module.model.parameters() if p.requires_grad} == {1}
 
 
-def _train_with_a_nan_step(fused: bool, on_nonfinite: str = "skip", accelerator: str = "cpu"):
-    """Three steps of AdamW (lr 1e-2), step 2's loss NaN (its LM head NaN for that batch)."""
+def _train_with_a_nan_step(fused: bool, on_nonfinite: str = "skip", accelerator: str = "cpu", nan_batch: int = 1,
+                           optimizer=torch.optim.AdamW, **optimizer_args):
+    """Three steps of ``optimizer`` (lr 1e-2), batch ``nan_batch``'s loss NaN (its LM head NaN for that batch)."""
     import lightning as L
     from torch.utils.data import DataLoader
 
     class NaNAtStep2(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == 1:
+            if batch_idx == nan_batch:
                 self.saved = pl_module.hf_model.get_output_embeddings().weight.detach().clone()
                 pl_module.hf_model.get_output_embeddings().weight.data.fill_(math.nan)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 1:
+            if batch_idx == nan_batch:
                 pl_module.hf_model.get_output_embeddings().weight.data.copy_(self.saved)
 
     batches = [collate_packed(_docs([12, 7], seed)) for seed in (11, 12, 13)]
     loader = DataLoader(batches, batch_size=1, collate_fn=lambda items: items[0])
     torch.manual_seed(0)
-    module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(torch.optim.AdamW, lr=1e-2, fused=fused),
+    module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(optimizer, lr=1e-2, fused=fused, **optimizer_args),
                             on_nonfinite=on_nonfinite)
     trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=3, logger=False, enable_checkpointing=False, callbacks=[NaNAtStep2()],
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
@@ -200,6 +201,47 @@ def test_a_fused_optimizer_stops_on_a_nonfinite_step_without_updating():
     for name, p in module.model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+
+
+def test_fused_sgd_is_not_skipped_on_the_device():
+    """torch's fused SGD makes its momentum buffers with empty_like in its first step; skipped there
+    by found_inf, they stay garbage: such optimizers take the host read and skip by dropping the
+    gradients, so the run matches unfused SGD."""
+    results = []
+    for fused in (False, True):
+        module, trainer, loader = _train_with_a_nan_step(fused, nan_batch=0, optimizer=torch.optim.SGD, momentum=0.9)
+        trainer.fit(module, train_dataloaders=loader)
+        assert module.step_losses[0] is None and module.skipped_steps["nonfinite"] == 1
+        results.append({n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad})
+    for name, ref in results[0].items():
+        assert torch.isfinite(results[1][name]).all(), name
+        torch.testing.assert_close(results[1][name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_mixed_clips_gradients_with_a_fused_optimizer(fused):
+    """Lightning's MixedPrecision refuses to clip for any fused optimizer (for fp16's GradScaler);
+    bf16-mixed has none, so we clip as its base class does: the same weights as foreach AdamW."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    def train(fused: bool, clip: float | None):
+        loader = DataLoader([collate_packed(_docs([12, 7], seed)) for seed in (11, 12)], batch_size=1,
+                            collate_fn=lambda items: items[0])
+        torch.manual_seed(0)
+        module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(torch.optim.AdamW, lr=1e-2, fused=fused))
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, precision="bf16-mixed",
+                            gradient_clip_val=clip, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(module, train_dataloaders=loader)
+        return {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+
+    clipped = train(fused, 1e-3)
+    reference = train(False, 1e-3) if fused else train(False, None)
+    for name in clipped:
+        if fused:  # fused and foreach AdamW round differently: m / (sqrt(v) + eps) of a near-zero gradient
+            torch.testing.assert_close(clipped[name], reference[name], rtol=1e-5, atol=5e-5, msg=name)
+    if not fused:  # the clip takes effect (Adam's first steps are nearly scale-free, so compare step 2's moments' effect)
+        assert any(not torch.allclose(clipped[n], reference[n]) for n in clipped)
 
 
 def test_mixed_precision_skips_peft_input_casts_with_the_same_result():
