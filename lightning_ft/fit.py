@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import inspect
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from typing import Any, Iterator
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -174,8 +175,38 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     lr = cfg.optimizer.get("lr") if cfg.optimizer else None
     if isinstance(lr, (int, float)) and lr < 0:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
+    for group in ("optimizer", "scheduler"):
+        _check_factory_keys(group, cfg.get(group))
     if cfg.moe.backend == "triton" and no_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}): use moe=native_torch")
+
+
+def _check_factory_keys(group: str, node: DictConfig | None) -> None:
+    """Refuse ``<group>.<key>`` that ``<group>._target_`` takes no argument for, before anything loads.
+
+    A switched optimizer keeps the default's keys (``optimizer._target_=torch.optim.SGD`` still has
+    AdamW's ``betas``): torch would raise a bare TypeError once the model is built.
+
+    Raises:
+        ValueError: naming the key, the target's arguments and how to drop the key; or a target
+            that cannot be imported.
+    """
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    target = node._target_
+    try:
+        parameters = inspect.signature(get_object(target)).parameters
+    except Exception as err:  # ImportError, AttributeError, ValueError from Hydra's lookup
+        raise ValueError(f"{group}._target_={target}: cannot be imported ({err})") from err
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for key in node:
+        if not str(key).startswith("_") and key not in parameters:
+            accepted = ", ".join(n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+            raise ValueError(
+                f"{group}.{key}: {target} takes no argument {key!r} (it takes: {accepted}); "
+                f"drop it with '~{group}.{key}'"
+            )
 
 
 def _check_new_run_dir(run_dir: Path) -> None:

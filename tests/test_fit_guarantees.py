@@ -181,6 +181,9 @@ def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
     proc = run_cli(tmp_path / "plus", "+data.max_token=3", "+lora.rnk=4", ok=False)  # `+` adds them: refused, not ignored
     assert "not keys of the config, nothing would read them: data.max_token (did you mean data.max_tokens?), lora.rnk (did you mean lora.rank?)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "plus" / "config.json").exists()
+    proc = run_cli(tmp_path / "sgd", "optimizer._target_=torch.optim.SGD", ok=False)  # AdamW's betas left behind
+    assert "error: optimizer.betas: torch.optim.SGD takes no argument 'betas'" in proc.stderr
+    assert "drop it with '~optimizer.betas'" in proc.stderr and not (tmp_path / "sgd" / "config.json").exists()
 
 
 @pytest.mark.slow
