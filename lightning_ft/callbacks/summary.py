@@ -80,8 +80,8 @@ class RunSummary(L.Callback):
       ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``), the data
       statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``cuda_graphs``
       (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
-      recorded, attention outputs kept; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`), ``world_size``
-      (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
+      recorded, attention and expert outputs kept; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`),
+      ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.
     - ``loss_curve.png``.
 
@@ -202,9 +202,11 @@ class RunSummary(L.Callback):
         if graphs and (calls := graphs["replayed_layer_calls"] + graphs["eager_layer_calls"]):
             log.info(
                 "cuda graphs: %.0f%% of %d layer calls replayed from graphs (%d input signatures recorded; "
-                "rows of new shapes run eagerly); %d layer recordings keep attention's outputs (%.2f GiB)",
+                "rows of new shapes run eagerly); %d layer recordings keep attention's outputs (%.2f GiB), %d the "
+                "projection outputs (%.2f GiB)",
                 100 * graphs["replayed_layer_calls"] / calls, calls, graphs["signatures"],
                 graphs["kept_attention_recordings"], graphs["kept_attention_bytes"] / 2**30,
+                graphs["kept_projections_recordings"], graphs["kept_projections_bytes"] / 2**30,
             )
         if graphs and "offloaded_inputs" in graphs:
             log.info(

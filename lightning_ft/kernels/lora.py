@@ -14,6 +14,11 @@ agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and othe
 bias and trainable base weights are not covered: `lora_linear_adapters` says for which adapters
 this is the same math as PEFT's forward.
 
+Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y, h) to ``keep``;
+the recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which
+runs no product forward and differentiates as autograd does through the three ops above (the same
+products and roundings, in the same dtypes).
+
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
 ``peft.tuners.lora.layer.Linear``.
 """
@@ -32,7 +37,13 @@ def lora_linear_reference(
 
 
 def lora_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    keep=None,
 ) -> torch.Tensor:
     """A LoRA linear layer, ``x Wᵀ + b + scaling · (x Aᵀ) Bᵀ``, in three matrix products.
 
@@ -42,6 +53,10 @@ def lora_linear(
         lora_A: [r, K] and lora_B: [N, r] adapter weights (PEFT keeps them in fp32; under autocast
             they are cast like any matmul operand).
         scaling: PEFT's ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
+        keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
+            ``recompute``, ``store`` and ``take``): a forward offers (y, h = x Aᵀ) to ``store``; a
+            recompute of it on the same inputs takes them back and computes no product (nothing
+            may change y in place afterwards: it is a view of the kept buffer then).
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
@@ -49,6 +64,9 @@ def lora_linear(
     Raises:
         RuntimeError: without autocast, operands of different dtypes (torch's matmul error).
     """
+    if keep is not None and keep.recompute and (kept := keep.take()) is not None:
+        y, h = kept
+        return _KeptLoRALinear.apply(y, h, x, weight, lora_A, lora_B, scaling)
     y = F.linear(x, weight, bias)
     h = F.linear(x, lora_A)
     # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
@@ -56,7 +74,46 @@ def lora_linear(
     # In-place ops are not autocast: B is cast as autocast would have cast it.
     lora_B_t = lora_B.t().to(h.dtype) if torch.is_autocast_enabled(x.device.type) else lora_B.t()
     y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), lora_B_t, alpha=scaling)
+    if keep is not None and not keep.recompute:
+        keep.store((y, h))
     return y
+
+
+class _KeptLoRALinear(torch.autograd.Function):
+    """`lora_linear`'s output y, kept from the forward: returned as it is, differentiated as autograd
+    differentiates the three ops (``F.linear`` twice, ``addmm_``), in y's dtype (the autocast dtype):
+
+        dh = (dy B) * s        dx = dy W + dh A        dA = dhᵀ x        dB = (dyᵀ h) * s
+
+    each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
+    PEFT keeps A and B in fp32; x's two paths are summed in x's dtype). Saves x (cast to y's dtype),
+    h and the weights.
+    """
+
+    @staticmethod
+    def forward(ctx, y, h, x, weight, lora_A, lora_B, scaling):
+        ctx.scaling = scaling
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, x, weight, lora_A, lora_B = ctx.saved_tensors
+        needs_x, _, needs_a, needs_b = ctx.needs_input_grad[2:6]
+        dtype = dy.dtype
+        dy2, h2, x2 = dy.reshape(-1, dy.shape[-1]), h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = da = db = None
+        if needs_x or needs_a:
+            dh = (dy2 @ lora_B.to(dtype)) * ctx.scaling
+            if needs_a:
+                da = (dh.t() @ x2).to(lora_A.dtype)
+            if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
+                dx = (dy2 @ weight.to(dtype)).to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
+                dx = dx.view(*dy.shape[:-1], -1)
+        if needs_b:
+            db = ((dy2.t() @ h2) * ctx.scaling).to(lora_B.dtype)  # as addmm's backward for a transposed mat2
+        return None, None, dx, None, da, db, None
 
 
 def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:

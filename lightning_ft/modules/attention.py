@@ -37,12 +37,13 @@ waits on the device:
     flex    the BlockMask: its block structure computed on the host, copied; document ids [T] on the device
     sdpa    the [1, 1, T, T] bool mask
 
-Kept attention (with CUDA graphs, `lightning_ft.modules.cuda_graphs`): inside `keeping_attention`
+Kept attention (with CUDA graphs, `lightning_ft.modules.cuda_graphs`): inside `kept.keeping`
 the varlen backend (and sdpa on the CPU) calls its kernel's forward and backward ops directly
 (`AttentionKernel`: cuDNN for a one-document row on Hopper, flash-attention 2 for several
 documents, the CPU's flash kernel), so a layer's forward can keep attention's output and
-log-sum-exp (`KeptAttention`) and the backward's recompute returns them instead of running
-attention's forward again; its backward calls the same backward op autograd would.
+log-sum-exp (`lightning_ft.modules.kept`, kind ``attention``) and the backward's recompute returns
+them instead of running attention's forward again; its backward calls the same backward op
+autograd would.
 
 Shape suffixes: T tokens of the packed row, N documents, Hq query heads, Hkv key/value heads, D head
 dim, M = ceil(T / block) blocks of a BlockMask.
@@ -56,16 +57,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lightning_ft.data.packing import PackedBatch
+from lightning_ft.modules import kept
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -365,89 +366,28 @@ class _KeptAttentionOutput(torch.autograd.Function):
         return None, None, None, dq, dk, dv
 
 
-@dataclass
-class KeptAttention:
-    """One decoder layer's attention results, kept by its forward for its recompute (CUDA graphs).
-
-    In the forward (``recompute=False``) each attention call runs its `AttentionKernel` forward and
-    keeps (out, aux); in the recompute the same call returns the kept ``out`` and its backward calls
-    the kernel's backward op: the recompute skips attention's forward, the most expensive op of a
-    long row after the GEMMs (0.89 ms of 14.5 per layer-step at 8K tokens on the Qwen3-30B-A3B
-    shape, H200; benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype
-    plus [Hq, T] fp32 per layer (and per CUDA-graph signature).
-
-    The first forward's results become the buffers; later forwards copy into them, so a forward
-    recorded into a CUDA graph writes memory allocated outside the graph's pool (which other
-    graphs may use as scratch): run the first forward eagerly.
-
-    Attributes:
-        allow: asked once, with the bytes the first attention call keeps, whether this layer may
-            keep (a memory budget); if not, the layer recomputes attention as before.
-        enabled: that answer (None until a forward made a call that can keep).
-        nbytes: the bytes kept.
-
-    Raises:
-        RuntimeError: a first forward under CUDA-graph capture, or a recompute whose attention
-            calls do not match the forward's.
-    """
-
-    allow: Callable[[int], bool]
-    enabled: bool | None = None
-    nbytes: int = 0
-    kept: list[tuple[torch.Tensor, tuple]] = field(default_factory=list)
-    recompute: bool = False
-    calls: int = 0
-
-
-_ACTIVE_KEEP: list[KeptAttention | None] = [None]
-
-
-@contextmanager
-def keeping_attention(keep: KeptAttention, recompute: bool) -> Iterator[None]:
-    """Within: the packed attention calls keep their results in ``keep`` (forward) or reuse them (recompute)."""
-    keep.recompute, keep.calls = recompute, 0
-    _ACTIVE_KEEP[0] = keep
-    try:
-        yield
-    finally:
-        _ACTIVE_KEEP[0] = None
-    if keep.enabled and keep.calls != len(keep.kept):
-        raise RuntimeError(f"kept attention: {keep.calls} attention calls, the layer's first forward made {len(keep.kept)}")
-
-
-def _kept_bytes(out: torch.Tensor, aux: tuple) -> int:
-    return sum(t.nbytes for t in (out, *aux) if isinstance(t, torch.Tensor))
-
-
 def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """``kernel``'s output through the active `KeptAttention`, or None where none is active or it keeps nothing."""
-    keep = _ACTIVE_KEEP[0]
-    if keep is None or keep.enabled is False:
+    """``kernel``'s output through the active kept ``attention`` (`lightning_ft.modules.kept`), or None where
+    none is active or this layer keeps nothing.
+
+    In the forward (no grad) the call runs the kernel's forward and keeps (out, aux); in the
+    recompute the same call returns the kept ``out`` and its backward calls the kernel's backward
+    op: the recompute skips attention's forward, the most expensive op of a long row after the
+    GEMMs (0.89 ms of 14.5 per layer-step at 8K tokens on the Qwen3-30B-A3B shape, H200;
+    benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype plus
+    [Hq, T] fp32 per layer (and per CUDA-graph signature).
+    """
+    keep = kept.active("attention")
+    if keep is None:
         return None
     if keep.recompute:
-        if keep.calls >= len(keep.kept):
-            raise RuntimeError("kept attention: the recompute made more attention calls than the layer's first forward")
-        out, aux = keep.kept[keep.calls]
-        keep.calls += 1
-        return _KeptAttentionOutput.apply(kernel.backward, aux, out, q, k, v)
+        if (values := keep.take()) is None:  # this layer's forward kept nothing: attention runs as usual
+            return None
+        out, *aux = values
+        return _KeptAttentionOutput.apply(kernel.backward, tuple(aux), out, q, k, v)
     with torch.no_grad():
         out, aux = kernel.forward(q, k, v)
-    if keep.enabled is None:
-        keep.enabled = keep.allow(_kept_bytes(out, aux))
-        if not keep.enabled:
-            return out
-    if keep.calls < len(keep.kept):  # a later forward (a graph's recording or replay): into the buffers
-        kept_out, kept_aux = keep.kept[keep.calls]
-        kept_out.copy_(out)
-        for buffer, value in zip(kept_aux, aux):
-            if isinstance(buffer, torch.Tensor):
-                buffer.copy_(value)
-    else:
-        if out.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kept attention: a layer's first forward must run eagerly (its buffers would land in the graph's pool)")
-        keep.kept.append((out, aux))
-        keep.nbytes += _kept_bytes(out, aux)
-    keep.calls += 1
+    keep.store((out, *aux))  # flat: each tensor its own buffer
     return out
 
 
@@ -492,14 +432,14 @@ def varlen_attention(
         # One document: plain causal attention, which SDPA runs with cuDNN's fused kernel on Hopper
         # (FlashAttention-3 class) where varlen has flash-attention 2 only; a host-side check, no sync.
         q, k, v = (t.transpose(0, 1)[None] for t in (q_THD, k_THD, v_THD))  # [1, H, T, D] views of the cast inputs
-        keeping = _ACTIVE_KEEP[0] is not None and _cudnn_runs(q)
+        keeping = kept.active("attention") is not None and _cudnn_runs(q)
         out = _attend_kept(cudnn_causal_kernel(scaling), q, k, v) if keeping else None
         if out is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != Hq)
         return out.transpose(1, 2)
     check_varlen_size(T, batch.num_docs, Hq, D)
     cu_seqlens = batch.cached(("cu_seqlens", q_THD.device), lambda: device_cu_seqlens(batch.cu_seqlens, q_THD.device))
-    if _ACTIVE_KEEP[0] is not None:
+    if kept.active("attention") is not None:
         kernel = flash_varlen_kernel(cu_seqlens, batch.max_seqlen, scaling, sliding_window)
         if (out_THD := _attend_kept(kernel, q_THD, k_THD, v_THD)) is not None:
             return out_THD[None]
@@ -554,7 +494,7 @@ def sdpa_attention(
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = None
-    if query.device.type == "cpu" and not dropout and _ACTIVE_KEEP[0] is not None:
+    if query.device.type == "cpu" and not dropout and kept.active("attention") is not None:
         q, k, v = _autocast_inputs(query, key, value)  # the op is called directly: cast as SDPA's autocast would
         additive = batch.cached(
             ("sdpa_additive_mask", q.device, sliding_window, q.dtype),

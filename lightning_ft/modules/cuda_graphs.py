@@ -22,16 +22,24 @@ layer ran when recorded (our fused kernels, HF's modules, PEFT's adapters; the f
 under no_grad, as checkpointing's first forward needs nothing saved); the tests compare with the
 eager layer.
 
-Kept attention (``keep_attention``, on by default): the forward graph also keeps each layer's
-attention output and log-sum-exp ([T, Hq, D] in bf16 plus [Hq, T] fp32 per layer and signature),
-and the backward graph's recompute reuses them instead of running attention's forward again
-(`lightning_ft.modules.attention.KeptAttention`): at 8K tokens that is 0.9 of 14.5 ms per layer-step
-on the Qwen3-30B-A3B shape (H200). Layers keep while the kept tensors fit in 90% of the GPU's memory
-(`_ModelGraphs.allow_keep`); the others recompute attention. The kept tensors live outside the
-graphs' pool (a layer's first forward runs eagerly to allocate them, the recorded forward copies
-into them): the pool's memory is reused as scratch by every graph. A layer whose forward ran again
-before its backward (two forwards, one backward) replays its forward graph once more in backward
-to restore them.
+Kept activations (`lightning_ft.modules.kept`, selective checkpointing): the forward graph also
+keeps results that are expensive to recompute, and the backward graph's recompute reuses them:
+
+- ``keep_attention`` (on by default): each layer's attention output and log-sum-exp ([T, Hq, D]
+  in bf16 plus [Hq, T] fp32 per layer and signature); the recompute skips attention's forward (at
+  8K tokens 0.9 of 14.5 ms per layer-step on the Qwen3-30B-A3B shape, H200).
+- ``keep_projections`` (on by default): the outputs of the projections, the GEMMs of the layer:
+  each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.modules.patching`,
+  e.g. q/k/v/o; [T, N] plus the thin [T, R] x·Aᵀ) and each MoE layer's expert gate/up output with its
+  split LoRA added ([T·top_k, 2·I] plus [T·top_k, R]; ``grouped_mm`` backend); the recompute skips
+  those GEMMs and their LoRA products. At 8K tokens on Qwen3-30B-A3B that is 306 MiB per layer.
+
+Layers keep while everything kept fits in 90% of the GPU's memory (`_ModelGraphs.allow_keep`,
+asked per call in a layer's first forward, until it refuses; the calls refused recompute). The
+kept tensors live outside the graphs' pool (a layer's first forward runs eagerly to allocate them,
+the recorded forward copies or computes into them): the pool's memory is reused as scratch by every
+graph. A layer whose forward ran again before its backward (two forwards, one backward) replays its
+forward graph once more in backward to restore them.
 
 Activation offloading (``activation_offload``, off by default): each layer's input, the one
 tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
@@ -80,7 +88,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.modules.attention import ATTENTION_NAMES, KeptAttention, device_cu_seqlens, keeping_attention
+from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
+from lightning_ft.modules.kept import KINDS, KeptActivations, keeping
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "recomputing_for_backward", "revert_cuda_graphs"]
@@ -221,7 +230,7 @@ class _LayerGraphs:
     param_grads: list[torch.Tensor]  # static buffers the backward graph writes
     unused: list[bool]  # weights the layer's output does not depend on: their gradient is None
     fingerprint: tuple
-    attention: KeptAttention  # what the forward graph keeps of attention for the backward graph
+    kept: dict[str, KeptActivations]  # per kind (`KINDS`): what the forward graph keeps for the backward graph
     forward_id: int = 0  # the `_GraphedLayer` call whose forward the graphs' buffers hold
 
 
@@ -239,10 +248,11 @@ class _ModelGraphs:
         keep_attention: bool = True,
         optimizer_bytes: int = 0,
         offload: ActivationOffload | None = None,
+        keep_projections: bool = True,
     ):
         self.max_signatures = max_signatures
         self.varlen = varlen
-        self.keep_attention = keep_attention
+        self.keep = {"attention": keep_attention, "projections": keep_projections}  # the kinds layers may keep
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
         self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
         self.statics: dict[tuple, _StaticInputs] = {}
@@ -262,25 +272,25 @@ class _ModelGraphs:
             self.logged.add(message)
             logger.info("cuda graphs: %s", message)
 
-    @property
-    def kept_bytes(self) -> int:
-        """The attention outputs the layers' recorded graphs keep (`KeptAttention.nbytes`)."""
-        return sum(graphs.attention.nbytes for graphs in self.graphs.values())
+    def kept_bytes(self, kind: str | None = None) -> int:
+        """What the layers' recorded graphs keep (`KeptActivations.nbytes`), of one kind or all."""
+        kinds = KINDS if kind is None else (kind,)
+        return sum(graphs.kept[k].nbytes for graphs in self.graphs.values() for k in kinds)
 
-    def allow_keep(self, nbytes: int, device: torch.device) -> bool:
-        """Whether one more layer may keep ``nbytes`` of attention outputs (`KeptAttention`).
+    def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
+        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.modules.kept`).
 
-        On CUDA: while the peak reserved so far, the outputs kept so far, these, and
+        On CUDA: while the peak reserved so far, everything kept so far, these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
         stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. Layers
-        that do not fit recompute attention instead. Off CUDA: always.
+        that do not fit recompute instead. Off CUDA: always (when the kind may keep at all).
         """
-        if not self.keep_attention:
+        if not self.keep[kind]:
             return False
         if device.type == "cuda":
             limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
-            if torch.cuda.max_memory_reserved(device) + self.kept_bytes + nbytes + self.optimizer_bytes > limit:
-                self.log_once("not enough GPU memory to keep more layers' attention outputs: the rest recompute attention")
+            if torch.cuda.max_memory_reserved(device) + self.kept_bytes() + nbytes + self.optimizer_bytes > limit:
+                self.log_once(f"not enough GPU memory to keep more layers' {kind} results: the rest recompute them")
                 return False
         return True
 
@@ -354,10 +364,11 @@ class _ModelGraphs:
         )
         input_grad = hidden.requires_grad
 
-        attention = KeptAttention(allow=functools.partial(self.allow_keep, device=hidden.device))
+        device = hidden.device
+        kept = {kind: KeptActivations(kind, functools.partial(self.allow_keep, device=device, kind=kind)) for kind in KINDS}
 
         def run_forward() -> None:
-            with torch.no_grad(), torch.autocast(**amp), keeping_attention(attention, recompute=False):
+            with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
                 static.out.copy_(forward(static.hidden, **static.kwargs))
 
         names = [name for name, p in layer.named_parameters() if p.requires_grad]
@@ -371,7 +382,7 @@ class _ModelGraphs:
             self.recording = True  # the call below reaches our patched forward: run the layer's own
             _RECOMPUTING[0] = True
             try:
-                with torch.enable_grad(), torch.autocast(**amp), keeping_attention(attention, recompute=True):
+                with torch.enable_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=True):
                     out = torch.func.functional_call(layer, dict(zip(names, leaves)), (x,), static.kwargs, strict=False)
             finally:
                 self.recording = False
@@ -392,12 +403,12 @@ class _ModelGraphs:
             graphs = [_EagerReplay(run_forward), _EagerReplay(run_backward)]
         self.captures += 1
         self.log_once(f"recording each layer's forward and backward graphs for input {tuple(hidden.shape)}")
-        if self.keep_attention and attention.enabled is None:
+        if self.keep["attention"] and kept["attention"].enabled is None:
             self.log_once(
                 "attention outputs not kept for some layers: their attention has no kept kernel here (kept: varlen with "
                 "flash-attention, or cuDNN for one-document rows on Hopper; sdpa on the CPU)"
             )
-        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), attention)
+        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept)
 
     def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
         if self.stream is None:
@@ -449,9 +460,9 @@ class _GraphedLayer(torch.autograd.Function):
         static: _StaticInputs = ctx.static
         static.load(hidden, ctx.kwargs)
         static.grad_out.copy_(grad_out)
-        if ctx.graphs.attention.enabled and ctx.graphs.forward_id != ctx.forward_id:
-            # the layer ran forward again since (e.g. two forwards, then one backward): its kept
-            # attention outputs are another input's; replay this input's forward to restore them
+        if any(keep.enabled for keep in ctx.graphs.kept.values()) and ctx.graphs.forward_id != ctx.forward_id:
+            # the layer ran forward again since (e.g. two forwards, then one backward): what it
+            # keeps is another input's; replay this input's forward to restore it
             ctx.graphs.forward.replay()
             ctx.graphs.forward_id = ctx.forward_id
         ctx.graphs.backward.replay()
@@ -530,7 +541,11 @@ def check_cuda_graphs(
 
 
 def apply_cuda_graphs(
-    model: torch.nn.Module, max_signatures: int = 8, keep_attention: bool = True, activation_offload: bool = False
+    model: torch.nn.Module,
+    max_signatures: int = 8,
+    keep_attention: bool = True,
+    activation_offload: bool = False,
+    keep_projections: bool = True,
 ) -> int:
     """Run every decoder layer of ``model`` (HF or PEFT-wrapped) from CUDA graphs in training.
 
@@ -543,13 +558,17 @@ def apply_cuda_graphs(
             and ``model.attention=varlen`` (or ``sdpa``), no dropout.
         max_signatures: how many input signatures (shapes, packed-batch layout) get graphs.
         keep_attention: let each layer's forward graph keep attention's output and log-sum-exp for
-            its backward graph, whose recompute then skips attention's forward (`KeptAttention`),
-            while they fit in the memory budget of `_ModelGraphs.allow_keep`.
+            its backward graph, whose recompute then skips attention's forward, while they fit in the
+            memory budget of `_ModelGraphs.allow_keep`.
         activation_offload: keep each layer's input (the checkpoint) in pinned host memory from its
             forward to its backward, reloaded one layer ahead on a copy stream
             (`lightning_ft.strategies.offload.ActivationOffload`; the last layer's stays on the GPU),
             for graphed and eager calls alike (eager calls with positional arguments or keyword
             tensors that require grad excepted: they are checkpointed on the device).
+        keep_projections: let each layer's forward graph keep the outputs of its fused LoRA linear
+            layers (those the architecture's patch table lists) and of the MoE experts' gate/up
+            GEMM (``grouped_mm`` backend), with their thin LoRA products, for its backward graph,
+            whose recompute then skips those GEMMs, within the same budget.
 
     Returns:
         The number of layers patched.
@@ -584,6 +603,7 @@ def apply_cuda_graphs(
         keep_attention=keep_attention,
         optimizer_bytes=2 * trainable_bytes,
         offload=ActivationOffload(len(layers)) if activation_offload else None,
+        keep_projections=keep_projections,
     )
     for index, layer in enumerate(layers):
         setattr(layer, _INDEX_ATTR, index)
@@ -600,22 +620,23 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
 
     Returns:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
-        graphs, ``recordings`` (layer × signature), and of the recordings alive now those that keep
-        attention's outputs (``kept_attention_recordings``) and the bytes they keep
-        (``kept_attention_bytes``); with ``activation_offload``, `ActivationOffload.stats`.
+        graphs, ``recordings`` (layer × signature), and per kept kind (``attention``, ``projections``)
+        the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes they keep
+        (``kept_<kind>_bytes``); with ``activation_offload``, `ActivationOffload.stats`.
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):
             state: _ModelGraphs = getattr(module, _STATE_ATTR)
-            return {
+            stats = {
                 "replayed_layer_calls": state.replayed,
                 "eager_layer_calls": state.eager,
                 "signatures": len(state.statics),
                 "recordings": state.captures,
-                "kept_attention_recordings": sum(bool(g.attention.enabled) for g in state.graphs.values()),
-                "kept_attention_bytes": state.kept_bytes,
-                **(state.offload.stats() if state.offload is not None else {}),
             }
+            for kind in KINDS:
+                stats[f"kept_{kind}_recordings"] = sum(bool(g.kept[kind].enabled) for g in state.graphs.values())
+                stats[f"kept_{kind}_bytes"] = state.kept_bytes(kind)
+            return {**stats, **(state.offload.stats() if state.offload is not None else {})}
     return None
 
 

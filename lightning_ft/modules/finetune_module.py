@@ -352,7 +352,10 @@ class FinetuneModule(L.LightningModule):
         if cuda_graphs:
             offload = bool(cfg.get("activation_offload", False))
             layers = apply_cuda_graphs(
-                model, keep_attention=cfg.get("cuda_graphs_keep_attention", True), activation_offload=offload
+                model,
+                keep_attention=cfg.get("cuda_graphs_keep_attention", True),
+                activation_offload=offload,
+                keep_projections=cfg.get("cuda_graphs_keep_projections", True),
             )
             rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
             if offload:

@@ -17,7 +17,9 @@ What gets patched, per kernel switch:
     lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
               exactly (`lora_linear_adapters`: no dropout, no DoRA, ...): `forward` becomes
               `lora_linear` whenever that adapter alone is active, enabled and not merged, and the
-              call passes nothing but the input; PEFT's own forward otherwise, call by call.
+              call passes nothing but the input; PEFT's own forward otherwise, call by call. Those
+              the table's ``kept_linears`` names may keep their output for the CUDA graphs'
+              recompute (`lightning_ft.modules.kept`, kind ``projections``).
 
 Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
 model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
@@ -41,6 +43,7 @@ from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu
+from lightning_ft.modules import kept
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
 _SILU_ACTS = ("silu", "swish")
@@ -54,15 +57,26 @@ class PatchTable:
     modeling_module: str  # defines the classes below and `apply_rotary_pos_emb`
     rms_norm: tuple[str, ...]
     mlp: tuple[str, ...]  # gated MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    # LoRA linear layers (by attribute name) whose output no op of the architecture changes in place:
+    # the CUDA graphs may keep it for the recompute (`lightning_ft.modules.kept`). Not Llama's q/k:
+    # its RoPE (ours) rotates them in place; Qwen3's q/k pass through q_norm/k_norm first.
+    kept_linears: tuple[str, ...] = ()
 
 
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 PATCH_TABLES: dict[str, PatchTable] = {
-    "llama": PatchTable("transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",)),
-    "qwen3": PatchTable("transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",)),
-    "qwen3_moe": PatchTable(
-        "transformers.models.qwen3_moe.modeling_qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeMLP",)
+    "llama": PatchTable(
+        "transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",), ("v_proj", "o_proj", *_MLP_LINEARS)
     ),
-}
+    "qwen3": PatchTable(
+        "transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",),
+        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS),
+    ),
+    "qwen3_moe": PatchTable(
+        "transformers.models.qwen3_moe.modeling_qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeMLP",),
+        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS),
+    ),
+}  # fmt: skip
 
 
 def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -87,17 +101,20 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling)
+    keep = kept.active("projections") if self._lightning_ft_keep else None
+    return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep)
 
 
-def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]]) -> int:
+def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     count = 0
-    for module in model.modules():
+    for path, module in model.named_modules():
         if type(module) is LoraLinear and (adapters := lora_linear_adapters(module)):
             module._lightning_ft_lora = {name: module.lora_A[name] for name in adapters}  # a plain dict: not submodules
+            module._lightning_ft_keep = path.rsplit(".", 1)[-1] in kept_linears  # its output may be kept
             undo.append(functools.partial(delattr, module, "_lightning_ft_lora"))
+            undo.append(functools.partial(delattr, module, "_lightning_ft_keep"))
             _patch_forward(module, _fused_lora_forward, undo)
             count += 1
     return count
@@ -184,13 +201,14 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
     undo: list[Callable[[], None]] = []
     applied = []
     setattr(hf_model, _RECORD_ATTR, undo)
+    config = hf_model.config
+    table = PATCH_TABLES.get(config.model_type)
     if "lora" in wanted:
-        applied.append(f"lora: {_patch_lora(hf_model, undo)} x peft lora.Linear")
+        kept_linears = table.kept_linears if table is not None else ()
+        applied.append(f"lora: {_patch_lora(hf_model, undo, kept_linears)} x peft lora.Linear")
         wanted.discard("lora")
         if not wanted:
             return applied
-    config = hf_model.config
-    table = PATCH_TABLES.get(config.model_type)
     if table is None:
         raise ValueError(
             f"no kernel patch table for model_type {config.model_type!r} (have {sorted(PATCH_TABLES)}); "

@@ -277,7 +277,8 @@ def test_triton_grouped_gemm_gather_scatter_lora(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_grouped_gemm_accumulates_in_place(device, dtype):
-    """``accumulate_into``: a thin per-expert GEMM added into an existing output, once, in place."""
+    """``accumulate_into``: a thin per-expert GEMM added into an existing output, once, in place; with
+    ``out`` the sum goes there (a strided view here) and ``accumulate_into`` is left as it was."""
     _skip_unless_runnable("triton", device)
     torch.manual_seed(0)
     counts = torch.tensor([6, 0, 13, 2])
@@ -289,11 +290,19 @@ def test_triton_grouped_gemm_accumulates_in_place(device, dtype):
     out = torch.randn(rows, n_dim, device=device, dtype=dtype)
     expected = out.float() + torch.einsum("sr,srn->sn", mid.float(), b_ERN.float()[expert_of_row])
 
+    tolerance = {} if dtype == torch.float32 else TOL[dtype]
+    before = out.clone()
+    dest = torch.full((n_dim, rows), float("nan"), device=device, dtype=dtype).t()
+    assert grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out, out=dest) is dest
+    torch.testing.assert_close(dest.float(), expected, **tolerance)
+    assert torch.equal(out, before)
     result = grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out)
     assert result is out
-    torch.testing.assert_close(out.float(), expected, **({} if dtype == torch.float32 else TOL[dtype]))
+    torch.testing.assert_close(out.float(), expected, **tolerance)
     with pytest.raises(ValueError, match="accumulate_into"):
         grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out[:, :-1])
+    with pytest.raises(ValueError, match="out= is for accumulate_into"):
+        grouped_gemm(mid, b_ERN, offsets, rows, out=dest)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,6 +13,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters, lora_linear_reference
+from lightning_ft.modules import kept
 from lightning_ft.modules.patching import _fused_lora_forward, apply_kernels, revert_kernels
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -65,6 +66,32 @@ def test_bf16_autocast_matches_the_reference_with_fp32_adapters(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["fp32", "bf16-autocast", "fp32-input-bf16-autocast"])
+def test_kept_output_gives_the_plain_gradients_exactly(device, case):
+    """Kept projections (CUDA graphs' recompute): a forward (no grad) offers (y, x Aᵀ); the recompute
+    returns that y (no product runs) and differentiates as autograd does through the three ops:
+    output and every gradient equal bit for bit (odd sizes, fp32 adapters as PEFT keeps them)."""
+    x, w, b, a, bb = _inputs(device, (3, 19), 40, 72, 8, True)
+    if case != "fp32":
+        w, b = w.to(torch.bfloat16), b.to(torch.bfloat16)
+    if case == "bf16-autocast":
+        x = x.detach().to(torch.bfloat16).requires_grad_()
+    # no cast cache, as the CUDA graphs record (a cached cast of a leaf x sums dx's two paths in bf16)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=case != "fp32", cache_enabled=False)
+    keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+    with autocast:
+        want = _run(lora_linear, x, w, b, a, bb, 0.5)
+        with torch.no_grad(), kept.keeping(keep, recompute=False):
+            forward_y = lora_linear(x, w, b, a, bb, 0.5, keep=keep)
+        with kept.keeping(keep, recompute=True):
+            got = _run(lambda *args: lora_linear(*args, keep=keep), x, w, b, a, bb, 0.5)
+    assert got[0].data_ptr() == keep.kept[0][0].data_ptr() == forward_y.data_ptr()  # the kept output
+    for name, g, e in zip(("y", "dx", "dA", "dB"), got, want, strict=True):
+        assert g.dtype == e.dtype, name
+        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_frozen_input_and_zero_lora_B(device):
     """No input gradient asked (the first layer reads frozen embeddings); B = 0 (PEFT's init): dA = 0, dB ≠ 0."""
     x, w, b, a, bb = _inputs(device, (9,), 24, 12, 4, False)
@@ -97,7 +124,7 @@ def test_the_patch_computes_what_peft_computes(precision, monkeypatch):
     import lightning_ft.modules.patching as patching
 
     calls = []
-    monkeypatch.setattr(patching, "lora_linear", lambda *a: calls.append(1) or lora_linear(*a))
+    monkeypatch.setattr(patching, "lora_linear", lambda *a, **kw: calls.append(1) or lora_linear(*a, **kw))
     model = _peft_model()
     input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
 

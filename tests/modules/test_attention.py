@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules import attention
+from lightning_ft.modules import attention, kept
 from lightning_ft.modules.finetune_module import load_causal_lm
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -102,7 +102,7 @@ MIXED = [1, 37, 1, 150, 1, 129, 64, 1]
     ids=["cpu-mixed-fp32", "cpu-one-fp32", "cpu-one-bf16", "cuda-mixed-bf16", "cuda-one-bf16"],
 )
 def test_kept_attention_reuses_the_forward_output_and_gives_the_same_gradients(device, lengths, dtype):
-    """What the CUDA graphs do with `KeptAttention`: a forward (no grad) keeps attention's output and
+    """What the CUDA graphs do with kept ``attention`` (`lightning_ft.modules.kept`): a forward (no grad) keeps attention's output and
     log-sum-exp; the recompute returns that output and differentiates through the kernel's backward
     op. Against the backend run plainly with autograd: the same output, gradients equal on the CPU
     (the same kernel) and within bf16 rounding on CUDA (flash's dq is accumulated with atomics)."""
@@ -118,12 +118,12 @@ def test_kept_attention_reuses_the_forward_output_and_gives_the_same_gradients(d
     want = backend(*inputs, batch, 0.125, None)
     want_grads = torch.autograd.grad(want, inputs, dout)
 
-    keep = attention.KeptAttention(allow=lambda nbytes: nbytes > 0)
-    with torch.no_grad(), attention.keeping_attention(keep, recompute=False):
+    keep = kept.KeptActivations("attention", allow=lambda nbytes: nbytes > 0)
+    with torch.no_grad(), kept.keeping(keep, recompute=False):
         forward_out = backend(q, k, v, batch, 0.125, None)
     assert keep.enabled and len(keep.kept) == 1 and keep.nbytes >= T * 4 * D * q.element_size()
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-    with attention.keeping_attention(keep, recompute=True):
+    with kept.keeping(keep, recompute=True):
         got = backend(*inputs, batch, 0.125, None)
     assert got.data_ptr() == keep.kept[0][0].data_ptr()  # the kept output, not a recomputed one
     got_grads = torch.autograd.grad(got, inputs, dout)
@@ -133,26 +133,26 @@ def test_kept_attention_reuses_the_forward_output_and_gives_the_same_gradients(d
     for name, a, b in zip("qkv", got_grads, want_grads):
         torch.testing.assert_close(a, b, **tolerance, msg=lambda m: f"d{name}: {m}")
 
-    refused = attention.KeptAttention(allow=lambda nbytes: False)  # over budget: the plain backend both times
-    with torch.no_grad(), attention.keeping_attention(refused, recompute=False):
+    refused = kept.KeptActivations("attention", allow=lambda nbytes: False)  # over budget: the plain backend both times
+    with torch.no_grad(), kept.keeping(refused, recompute=False):
         backend(q, k, v, batch, 0.125, None)
-    assert refused.enabled is False and not refused.kept
+    assert refused.enabled is False and refused.kept == [None]
 
 
 def test_kept_attention_casts_under_autocast_and_refuses_a_recompute_that_differs():
     batch = collate_packed(_docs([5, 20]))
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 25, 16, generator=g) for h in (4, 2, 2))
-    keep = attention.KeptAttention(allow=lambda nbytes: True)
+    keep = kept.KeptActivations("attention", allow=lambda nbytes: True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = attention.sdpa_attention(q, k, v, batch, 0.25, None)
-        with torch.no_grad(), attention.keeping_attention(keep, recompute=False):
+        with torch.no_grad(), kept.keeping(keep, recompute=False):
             attention.sdpa_attention(q, k, v, batch, 0.25, None)
             got = attention.sdpa_attention(q, k, v, batch, 0.25, None)  # a second call: kept too
     assert got.dtype == want.dtype == torch.bfloat16 and len(keep.kept) == 2
     torch.testing.assert_close(got, want)
     with pytest.raises(RuntimeError, match="1 attention calls, the layer's first forward made 2"):
-        with attention.keeping_attention(keep, recompute=True):
+        with kept.keeping(keep, recompute=True):
             attention.sdpa_attention(q, k, v, batch, 0.25, None)
 
 

@@ -43,9 +43,10 @@ DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto") -> FinetuneModule:
+def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_kernel: bool | None = None) -> FinetuneModule:
     torch.manual_seed(0)
     cuda = device == "cuda"
+    lora_kernel = cuda if lora_kernel is None else lora_kernel
     lora = dict(lora)
     if kind == "llama":
         lora.pop("target_parameters")
@@ -55,7 +56,7 @@ def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto") -> Fin
             "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True,
         },
         lora=lora,
-        kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": cuda, "fused_linear_cross_entropy": cuda},
+        kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda},
         moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"},
     )
     with torch.device(device):
@@ -70,6 +71,21 @@ def _batch(name: str, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     docs = [(ids, ids) for ids in (torch.randint(0, 128, (n,), generator=g).tolist() for n in ROWS[name])]
     return collate_packed(docs).to(device, non_blocking=True)
+
+
+def _kept_projection_bytes(module: FinetuneModule, kind: str, linears: bool, experts: bool, itemsize: int) -> int:
+    """What one layer keeps of its projections over a 64-token row: each listed LoRA linear's [T, N]
+    output and [T, R] x·Aᵀ (Qwen3-MoE: q/k/v/o; Llama: v/o, gate/up/down, not q/k) if ``linears``;
+    the experts' gate/up [S, 2I] and [S, R] (S = T·top_k, R PEFT's gate_up rank) if ``experts``."""
+    config, tokens = TINY[kind], 64
+    q, kv, hidden = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"], config["hidden_size"]
+    widths = [q, kv, kv, hidden] if kind == "qwen3_moe" else [kv, hidden, config["intermediate_size"], config["intermediate_size"], hidden]
+    total = sum(tokens * (n + LORA["rank"]) for n in widths) if linears else 0
+    if experts:
+        gate_up = module.model.get_base_model().model.layers[0].mlp.experts.base_layer  # PEFT's gate_up_proj wrapper
+        rank = gate_up.lora_A["default"].weight.shape[0] // config["num_experts"]
+        total += tokens * config["num_experts_per_tok"] * (2 * config["moe_intermediate_size"] + rank)
+    return total * itemsize
 
 
 def _loss_and_grads(module: FinetuneModule, batch, train: bool):
@@ -138,8 +154,14 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
                     p.add_(want[n], alpha=-0.1)
     if kind == "qwen3_moe":  # the eager model and the forward graphs computed the output, the recompute did not
         assert True in output_needed and False in output_needed
-    kept = [graphs.attention.enabled for graphs in state.graphs.values()]
+    kept = [graphs.kept["attention"].enabled for graphs in state.graphs.values()]
     assert kept and all(kept)  # every recompute reused its forward's attention output
+    # ... and the projections: the fused LoRA linear layers (on CUDA: the lora kernel is on there) and
+    # the experts' gate/up output (grouped_mm; the other backends recompute it)
+    per_layer = _kept_projection_bytes(module, kind, linears=cuda, experts=moe_backend == "grouped_mm", itemsize=2 if cuda else 4)
+    kept_projections = [graphs.kept["projections"].enabled for graphs in state.graphs.values()]
+    assert all(kept_projections) if per_layer else not any(kept_projections)
+    assert cuda_graph_stats(module.model)["kept_projections_bytes"] == per_layer * len(state.graphs)
     if offload:  # every training step: all inputs but the last layer's, each reload started one layer ahead
         offloaded = (layers - 1) * len(sequence)
         stats = cuda_graph_stats(module.model)
@@ -147,6 +169,33 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         assert stats["offloaded_bytes"] == offloaded * 64 * TINY[kind]["hidden_size"] * (2 if cuda else 4)
     else:
         assert "offloaded_inputs" not in cuda_graph_stats(module.model)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+@pytest.mark.parametrize("keep_projections", [True, False])
+def test_kept_projections_give_the_eager_gradients(kind, keep_projections):
+    """With the fused LoRA linear layers on the CPU too: the forward graphs keep the outputs of the
+    LoRA projections the patch table lists (Qwen3-MoE: q/k/v/o; Llama: v/o and its MLP, not q/k,
+    which its RoPE rotates in place) and of the experts' gate/up GEMM; the recomputes reuse them
+    and the gradients are the eager model's. ``keep_projections=False`` keeps none.
+    Tolerance 1e-5 relative + 1e-6: a kept linear layer hands its input one gradient (base + LoRA
+    summed), where autograd adds the two into the input's other contributions one at a time (the
+    q/k/v projections share their input), so fp32 sums round in another order upstream."""
+    module = _module(kind, "cpu", moe_backend="grouped_mm", lora_kernel=True)
+    apply_cuda_graphs(module.model, keep_projections=keep_projections)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    for step, name in enumerate(["a", "b", "a", "b"]):
+        batch = _batch(name, "cpu", seed=step)
+        want_loss, want = _loss_and_grads(module, batch, train=False)
+        got_loss, got = _loss_and_grads(module, batch, train=True)
+        assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-6), f"step {step}"
+        bad = [n for n in want if not torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-6)]
+        assert got.keys() == want.keys() and not bad, f"step {step}: gradients differ for {bad[:4]}"
+    assert state.captures == 2 * TINY[kind]["num_hidden_layers"]  # "a" and "b" recorded (sdpa: exact layouts)
+    per_layer = _kept_projection_bytes(module, kind, linears=True, experts=kind == "qwen3_moe", itemsize=4)
+    stats = cuda_graph_stats(module.model)
+    assert stats["kept_projections_bytes"] == (per_layer * len(state.graphs) if keep_projections else 0)
+    assert stats["kept_projections_recordings"] == (len(state.graphs) if keep_projections else 0)
 
 
 @pytest.mark.parametrize("keep_attention, offload", [(True, False), (False, False), (True, True)])
@@ -172,10 +221,11 @@ def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention,
         assert got.keys() == want.keys()
         assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want), f"step {step}"
     assert state.captures == 3
-    assert all(graphs.attention.enabled is keep_attention for graphs in state.graphs.values())
+    assert all(graphs.kept["attention"].enabled is keep_attention for graphs in state.graphs.values())
 
 
-def test_kept_attention_fits_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
+def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
+    """One budget for every kind: what any layer keeps (attention and experts) counts against it."""
     from lightning_ft.modules.cuda_graphs import _ModelGraphs
 
     gib = 2**30
@@ -184,11 +234,16 @@ def test_kept_attention_fits_in_90_percent_of_the_gpu_with_room_for_the_optimize
     cuda = torch.device("cuda")
     state = _ModelGraphs(max_signatures=8, varlen=True)
     assert state.allow_keep(10 * gib, cuda) and not state.allow_keep(10 * gib + 1, cuda)
-    state.graphs[(0, ())] = types.SimpleNamespace(attention=types.SimpleNamespace(nbytes=8 * gib))  # a layer recorded so far
-    assert state.allow_keep(2 * gib, cuda) and not state.allow_keep(2 * gib + 1, cuda)
+    recorded = {"attention": types.SimpleNamespace(nbytes=5 * gib), "projections": types.SimpleNamespace(nbytes=3 * gib)}
+    state.graphs[(0, ())] = types.SimpleNamespace(kept=recorded)  # a layer recorded so far
+    for kind in ("attention", "projections"):
+        assert state.allow_keep(2 * gib, cuda, kind) and not state.allow_keep(2 * gib + 1, cuda, kind)
     before_a_step = _ModelGraphs(max_signatures=8, varlen=True, optimizer_bytes=6 * gib)
     assert before_a_step.allow_keep(4 * gib, cuda) and not before_a_step.allow_keep(4 * gib + 1, cuda)
-    assert not _ModelGraphs(max_signatures=8, varlen=True, keep_attention=False).allow_keep(1, cuda)
+    no_attention = _ModelGraphs(max_signatures=8, varlen=True, keep_attention=False)
+    assert not no_attention.allow_keep(1, cuda, "attention") and no_attention.allow_keep(1, cuda, "projections")
+    no_experts = _ModelGraphs(max_signatures=8, varlen=True, keep_projections=False)
+    assert no_experts.allow_keep(1, cuda, "attention") and not no_experts.allow_keep(1, cuda, "projections")
     assert _ModelGraphs(max_signatures=8, varlen=True).allow_keep(10**15, torch.device("cpu"))  # tests: no budget
 
 
@@ -208,7 +263,7 @@ def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():
     got_loss, got = _loss_and_grads(module, batch, train=True)
     assert state.captures == 4
     assert torch.equal(got_loss, want_loss) and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
-    assert len(state.graphs) == 3 and state.kept_bytes == sum(g.attention.nbytes for g in state.graphs.values()) > 0
+    assert len(state.graphs) == 3 and state.kept_bytes() == sum(g.kept["attention"].nbytes for g in state.graphs.values()) > 0
 
     assert revert_cuda_graphs(model) == 3
     assert "forward" not in vars(layer) and not hasattr(layer, _STATE_ATTR) and layer.gradient_checkpointing
@@ -356,7 +411,10 @@ def test_the_stats_count_replayed_and_eager_layer_calls():
     _loss_and_grads(module, _batch("one", "cpu"), train=False)  # evaluation: not counted
     stats = cuda_graph_stats(module.model)
     kept = stats.pop("kept_attention_bytes")
-    assert stats == {"replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3, "kept_attention_recordings": 3}
+    assert stats == {
+        "replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3, "kept_attention_recordings": 3,
+        "kept_projections_recordings": 0, "kept_projections_bytes": 0,  # a dense model: no experts
+    }  # fmt: skip
     assert kept == 3 * (64 * 4 * 16 * 4 + 4 * 64 * 4)  # per layer: out [1, 4, 64, 16] and lse [1, 4, 64], fp32
 
 

@@ -13,7 +13,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from lightning_ft.kernels.moe import BACKENDS
+from lightning_ft.kernels.moe import BACKENDS, grouped_gemm
+from lightning_ft.modules import kept
 from lightning_ft.modules.moe import apply_moe, revert_moe
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -162,7 +163,7 @@ def _pin_routing(model, chosen: dict[str, torch.Tensor]) -> None:
         router.register_forward_hook(lambda m, args, out, name=name: hook(m, args, out, name))
 
 
-def _peft_block(top_k: int, device: str):
+def _peft_block(top_k: int, device: str, hidden_size: int = 36, moe_intermediate_size: int = 20):
     """A Qwen3-MoE block (hidden 36, 6 experts, eager experts) with PEFT LoRA on its experts.
 
     Inputs are positive and expert 4's router row is strongly negative, so expert 4 gets no tokens.
@@ -170,7 +171,8 @@ def _peft_block(top_k: int, device: str):
     from peft import inject_adapter_in_model
 
     config = _config(
-        hidden_size=36, moe_intermediate_size=20, num_experts_per_tok=top_k, experts_implementation="eager"
+        hidden_size=hidden_size, moe_intermediate_size=moe_intermediate_size, num_experts_per_tok=top_k,
+        experts_implementation="eager",
     )
     torch.manual_seed(0)
     block = Qwen3MoeSparseMoeBlock(config)
@@ -228,6 +230,56 @@ def test_patched_block_matches_hf_eager_experts_with_peft(backend, top_k, device
         assert _rel_err(ours16[i], reference) <= 2 * _rel_err(stock16[i], reference) + 1e-2
     for name, g in ours16[2].items():
         assert _rel_err(g, ref_grads[name]) <= 2 * _rel_err(stock16[2][name], ref_grads[name]) + 2e-2, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(dtype, device, monkeypatch):
+    """What the CUDA graphs do with kept ``projections``: a forward (no grad) keeps the gate/up output
+    and its thin LoRA product (the first forward's become the buffers, a later one computes into
+    them); the recompute takes them, runs no gate/up GEMM, and gives the plain block's output,
+    input gradient and every LoRA gradient (the same kernels on the same inputs).
+    Sizes are multiples of 16 bytes in bf16 (else grouped_mm falls back to the native loop)."""
+    block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24).to(dtype)
+    apply_moe(block, "grouped_mm")
+    x = torch.rand(3, 10, 40, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    want_out, want_dx, want_grads = _block_step(block, x, grad)
+
+    keep = kept.KeptActivations("projections", allow=lambda nbytes: nbytes > 0)
+    with torch.no_grad(), kept.keeping(keep, recompute=False):
+        block(x * 0.5)  # the first forward: its results become the buffers
+    assert keep.enabled and len(keep.kept) == 1
+    h_SF, xa_SR = keep.kept[0]
+    with torch.no_grad(), kept.keeping(keep, recompute=False):
+        forward_out = block(x)  # a later forward: into the same buffers
+    assert keep.kept[0][0] is h_SF and keep.kept[0][1] is xa_SR
+    assert h_SF.shape == (3 * 10 * 2, 2 * 24) and xa_SR.shape[0] == 60  # S = T * top_k rows, [gate | up]
+    assert keep.nbytes == h_SF.nbytes + xa_SR.nbytes
+    weights = []
+    real = grouped_gemm._GROUPED_MM
+    monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
+    with kept.keeping(keep, recompute=True):
+        got_out, got_dx, got_grads = _block_step(block, x, grad)
+    assert (6, 40, 48) not in weights and (6, 24, 40) in weights  # no gate/up GEMM ([E, D, 2I]); down ran
+    exact = dict(rtol=0, atol=0)
+    torch.testing.assert_close(forward_out, want_out, **exact)
+    torch.testing.assert_close(got_out, want_out, **exact)
+    torch.testing.assert_close(got_dx, want_dx, **exact)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 4  # A and B of gate_up and down
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], **exact, msg=lambda m: f"{name}: {m}")
+
+    refused = kept.KeptActivations("projections", allow=lambda nbytes: False)  # over budget: computed both times
+    with torch.no_grad(), kept.keeping(refused, recompute=False):
+        block(x)
+    assert refused.enabled is False and refused.kept == [None] and refused.nbytes == 0
+    with kept.keeping(refused, recompute=True):
+        torch.testing.assert_close(_block_step(block, x, grad)[0], want_out, **exact)
+    with pytest.raises(RuntimeError, match="kept projections: the recompute made more projections calls"):
+        with kept.keeping(kept.KeptActivations("projections", allow=bool), recompute=True):
+            block(x)
+    revert_moe(block)
 
 
 def test_router_logits_aux_loss_and_gradient_checkpointing():

@@ -187,11 +187,12 @@ _AUTOTUNE_KW = {"cache_results": True} if "cache_results" in inspect.signature(t
 
 @triton.jit
 def _grouped_gemm_body(
-    src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr,
+    src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
     N, C, R, E, scaling,
     stride_src_m, stride_src_c,
     stride_w_e, stride_w_c, stride_w_n,
     stride_out_m, stride_out_n,
+    stride_acc_m, stride_acc_n,
     stride_mid_m, stride_mid_r,
     stride_lb_e, stride_lb_r, stride_lb_n,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr,
@@ -203,7 +204,8 @@ def _grouped_gemm_body(
 
     p runs over expert-sorted rows; irow(p) = src_idx[p] if GATHER else p; orow(p) = out_idx[p] if
     SCATTER else p; scale = row_scale if ROW_SCALE else 1; w is [E, C, N], lora_b [E, R, N], mid
-    [S, R]; fp32 accumulation, stored in out's dtype; ACCUMULATE adds out's old value (in fp32).
+    [S, R]; fp32 accumulation, stored in out's dtype; ACCUMULATE adds acc[orow(p)] first (in fp32;
+    acc is out itself for an in-place sum).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -282,7 +284,8 @@ def _grouped_gemm_body(
     out_ptrs = out_ptr + out_rows[:, None] * stride_out_m + cols[None, :] * stride_out_n
     out_mask = row_mask[:, None] & col_mask[None, :]
     if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        acc_ptrs = acc_ptr + out_rows[:, None] * stride_acc_m + cols[None, :] * stride_acc_n
+        acc += tl.load(acc_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -412,6 +415,7 @@ def grouped_gemm(
     lora_b_ERN: torch.Tensor | None = None,
     scaling: float = 1.0,
     accumulate_into: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, scale, scatter.
 
@@ -419,7 +423,8 @@ def grouped_gemm(
     for the S = ``num_rows`` sorted rows p, e the expert owning row p (from ``offsets_E``),
     ``irow(p) = src_idx_S[p]`` (else p) and ``orow(p) = out_idx_S[p]`` (else p). With
     ``accumulate_into`` the result is added into that tensor in place (``out += ...``, one read and
-    one write of it: how a thin LoRA GEMM joins a base output without an [S, N] temporary).
+    one write of it: how a thin LoRA GEMM joins a base output without an [S, N] temporary); with
+    ``out`` as well, ``out = accumulate_into + ...`` (the same traffic, into another tensor).
 
     Args:
         src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given.
@@ -432,9 +437,11 @@ def grouped_gemm(
         lora_mid_SR / lora_b_ERN: [S, R] and [E, R, N] LoRA terms added in the epilogue.
         scaling: LoRA scaling.
         accumulate_into: [S, N] tensor in ``src``'s dtype to add the result into (returned).
+        out: [S, N] tensor in ``src``'s dtype to store into, with ``accumulate_into`` only.
 
     Returns:
-        [S, N] tensor in ``src``'s dtype (fp32 accumulation): ``accumulate_into`` when given.
+        [S, N] tensor in ``src``'s dtype (fp32 accumulation): ``out``, else ``accumulate_into``
+        when given.
 
     Raises:
         ValueError: on mismatched sizes or dtypes.
@@ -447,15 +454,16 @@ def grouped_gemm(
     has_lora = lora_mid_SR is not None
     if has_lora and (lora_b_ERN is None or lora_mid_SR.shape[1] != lora_b_ERN.shape[1]):
         raise ValueError("lora_mid_SR [S, R] and lora_b_ERN [E, R, N] must be given together with equal R")
-    if accumulate_into is None:
+    for name, given in (("accumulate_into", accumulate_into), ("out", out)):
+        if given is not None and (given.shape != (num_rows, n_dim) or given.dtype != src.dtype):
+            raise ValueError(f"{name} {tuple(given.shape)} {given.dtype} is not [{num_rows}, {n_dim}] {src.dtype}")
+    if out is not None and accumulate_into is None:
+        raise ValueError("grouped_gemm: out= is for accumulate_into's sum only")
+    if out is None and accumulate_into is None:
         out = torch.empty(num_rows, n_dim, device=src.device, dtype=src.dtype)
-    elif accumulate_into.shape != (num_rows, n_dim) or accumulate_into.dtype != src.dtype:
-        raise ValueError(
-            f"accumulate_into {tuple(accumulate_into.shape)} {accumulate_into.dtype} is not "
-            f"[{num_rows}, {n_dim}] {src.dtype}"
-        )
-    else:
-        out = accumulate_into
+    elif out is None:
+        out = accumulate_into  # in place
+    acc = accumulate_into if accumulate_into is not None else out
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
     lora_b = lora_b_ERN if has_lora else w_ECN
@@ -469,11 +477,12 @@ def grouped_gemm(
     kernel[grid](
         src, src_idx_S if src_idx_S is not None else offsets_E, w_ECN, out,
         out_idx_S if out_idx_S is not None else offsets_E,
-        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E,
+        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc,
         n_dim, c_dim, rank, num_experts, float(scaling),
         src.stride(0), src.stride(1),
         w_ECN.stride(0), w_ECN.stride(1), w_ECN.stride(2),
         out.stride(0), out.stride(1),
+        acc.stride(0), acc.stride(1),
         mid.stride(0), mid.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
@@ -786,12 +795,14 @@ def _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, 
     return torch.cat(outputs)
 
 
-def _add_thin_grouped(out_SN, mid_SR, b_ERN, offsets_E):
-    """``out_SN += mid_SR @ b_ERN[e]`` per expert-sorted row, in place: the Triton kernel reads and
-    writes ``out`` once (elsewhere a grouped_mm temporary and an ``add_``, two more [S, N] passes)."""
+def _add_thin_grouped(out_SN, mid_SR, b_ERN, offsets_E, dest_SN=None):
+    """``out_SN += mid_SR @ b_ERN[e]`` per expert-sorted row, in place (or into ``dest_SN``, out_SN
+    unchanged): the Triton kernel reads ``out`` and writes the sum once (elsewhere a grouped_mm
+    temporary and an ``add``, two more [S, N] passes). Returns the sum."""
     if triton_can_run(out_SN) and out_SN.dtype != torch.float64:
-        return grouped_gemm(mid_SR, b_ERN, offsets_E, out_SN.shape[0], accumulate_into=out_SN)
-    return out_SN.add_(_GROUPED_MM(mid_SR, b_ERN.contiguous(), offs=offsets_E))
+        return grouped_gemm(mid_SR, b_ERN, offsets_E, out_SN.shape[0], accumulate_into=out_SN, out=dest_SN)
+    thin = _GROUPED_MM(mid_SR, b_ERN.contiguous(), offs=offsets_E)
+    return out_SN.add_(thin) if dest_SN is None else torch.add(out_SN, thin, out=dest_SN)
 
 
 def _time_ms(fn: Callable[[], torch.Tensor], repeats: int = 10) -> float:
@@ -879,11 +890,22 @@ class _GroupedMMLinear(torch.autograd.Function):
     added it (profiled at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a 5.0 ms MoE block
     forward+backward).
     Saves x [S, C] and xa [S, R]. With ``compute_output=False`` (a recompute whose output value is
-    discarded) y is left unwritten: the backward does not read it.
+    discarded) y is left unwritten: the backward does not read it. Kept activations: ``keep`` (a
+    forward) is called with ``(y, xa)``, y computed into ``dest_y_SN`` when given (the keep's
+    buffer: no copy); given ``kept_y_SN`` and ``kept_xa_SR`` (a recompute: what the forward's
+    ``keep`` got) nothing is computed, y is the kept one and xa is saved as kept.
     """
 
     @staticmethod
-    def forward(ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output):
+    def forward(
+        ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, kept_y_SN, kept_xa_SR, keep,
+        dest_y_SN,
+    ):  # fmt: skip
+        ctx.scaling = scaling
+        ctx.copy_weights = copy_weights
+        if kept_y_SN is not None:
+            ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, kept_xa_SR, offsets_E)
+            return kept_y_SN.view_as(kept_y_SN)
         xa_SR = None
         if a_ERC is not None:
             xa_SR = _thin_product(
@@ -892,14 +914,14 @@ class _GroupedMMLinear(torch.autograd.Function):
                 lambda: grouped_gemm(x_SC, a_ERC.transpose(1, 2), offsets_E, x_SC.shape[0]),
             ).mul_(scaling)
         ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E)
-        ctx.scaling = scaling
-        ctx.copy_weights = copy_weights
         if not compute_output:
             return x_SC.new_empty(x_SC.shape[0], w_ENC.shape[1])
         w_ECN = w_ENC.transpose(1, 2)
         y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
         if xa_SR is not None:  # B as [E, R, N]: a view, R contiguous (the Triton kernel takes any strides)
-            _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E)
+            y_SN = _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E, dest_SN=dest_y_SN)
+        if keep is not None:
+            keep((y_SN, xa_SR))
         return y_SN
 
     @staticmethod
@@ -934,10 +956,12 @@ class _GroupedMMLinear(torch.autograd.Function):
             )
         if needs_w:  # full fine-tuning of the experts
             dw_ENC = _GROUPED_MM(dy_SN.t(), x_SC, offs=offsets_E)
-        return dx_SC, dw_ENC, da_ERC, db_ENR, None, None, None, None
+        return dx_SC, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, None, None, None
 
 
-def _linear_grouped_mm(x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_weights: bool, compute_output: bool):
+def _linear_grouped_mm(
+    x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_weights: bool, compute_output: bool, keep=None
+):
     a_ERC, b_ENR, scaling = _lora_args(lora)
     if lora is not None:
         # The thin [S, R] middle needs 16-byte rows: pad R with zero factors when it is not (exact).
@@ -945,14 +969,22 @@ def _linear_grouped_mm(x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_w
         if pad:
             a_ERC = F.pad(a_ERC, (0, 0, 0, pad))
             b_ENR = F.pad(b_ENR, (0, pad))
-    return _GroupedMMLinear.apply(x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output)
+    kept = keep.take() if keep is not None and keep.recompute else None  # None: computed
+    kept_y_SN, kept_xa_SR = kept if kept is not None else (None, None)
+    store = keep.store if keep is not None and not keep.recompute else None
+    buffers = keep.buffers() if store is not None else None  # a later forward: the LoRA sum lands in the buffer
+    return _GroupedMMLinear.apply(
+        x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, kept_y_SN, kept_xa_SR, store,
+        buffers[0] if buffers is not None else None,
+    )
 
 
 def _experts_grouped_mm(
-    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights, output_needed
-):
+    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights, output_needed,
+    keep,
+):  # fmt: skip
     offsets_E = routing.offsets_E
-    h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, lora_gate_up, copy_weights, True)
+    h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, lora_gate_up, copy_weights, True, keep=keep)
     a_SI = _swiglu(h_SF, act_fn, weight_S)
     return _linear_grouped_mm(a_SI, w_down_EDI, offsets_E, lora_down, copy_weights, output_needed)
 
@@ -986,6 +1018,7 @@ def moe_experts(
     down_lora: ExpertLoRA | None = None,
     backend: str = "grouped_mm",
     output_needed: bool = True,
+    keep=None,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer: gated MLP per (token, expert) pair, weighted sum over k.
 
@@ -1002,6 +1035,13 @@ def moe_experts(
             through it (a checkpointed layer's recompute, where the MoE output only feeds the
             layer's residual sum): ``grouped_mm`` and ``triton`` then skip the down projection and
             the un-permute, whose backward needs neither, and return zeros attached to the graph.
+        keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
+            ``recompute``, ``store`` and ``take``), ``grouped_mm`` only: a forward offers the gate/up
+            output h [S, 2I] (split LoRA added) and the thin LoRA product s·x Aᵀ [S, R] (None
+            without LoRA) to ``store``; the recompute of that forward, on the same inputs, takes
+            them back and skips the gate/up GEMM and its LoRA, differentiating through them as if
+            it had run them (the values are the forward's exactly: the same kernels on the same
+            inputs). Other backends neither store nor take.
 
     Returns:
         [T, D] in ``x_TD``'s dtype; computed in the weights' dtype with autocast off.
@@ -1030,7 +1070,7 @@ def moe_experts(
             # the routing weight scales each pair's down-projection input (inside the SwiGLU kernel)
             x_SD = permute_tokens(x, routing)
             if backend == "grouped_mm":
-                y_SD, output_needed = _run_grouped_mm(x_SD, routing, weight_S, *weights, output_needed)
+                y_SD, output_needed = _run_grouped_mm(x_SD, routing, weight_S, *weights, output_needed, keep)
             else:
                 y_SD, output_needed = _experts_native(x_SD, routing, weight_S, *weights), True
             out_TD = unpermute_tokens(y_SD, routing, output_needed=output_needed)
@@ -1038,7 +1078,7 @@ def moe_experts(
 
 
 def _run_grouped_mm(
-    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed
+    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None
 ) -> tuple[torch.Tensor, bool]:
     """y_SD, and whether it holds values (False: skipped, see ``moe_experts(output_needed=...)``)."""
     dtype = x_SD.dtype
@@ -1056,6 +1096,7 @@ def _run_grouped_mm(
     if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
         _refuse_host_sync_in_capture(x_SD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
     y_SD = _experts_grouped_mm(
-        x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed
+        x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
+        keep,
     )
     return y_SD, output_needed
