@@ -80,7 +80,7 @@ class RunSummary(L.Callback):
       ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``), the data
       statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``cuda_graphs``
       (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
-      recorded, attention and expert outputs kept; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`),
+      recorded, attention and projection outputs kept; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.
     - ``loss_curve.png``.

@@ -16,8 +16,13 @@ this is the same math as PEFT's forward.
 
 Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y, h) to ``keep``;
 the recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which
-runs no product forward and differentiates as autograd does through the three ops above (the same
-products and roundings, in the same dtypes).
+runs no product forward and differentiates as autograd does through the three ops above: each
+gradient it returns is the same products with the same roundings, in the same dtypes (tested bit
+for bit). One difference downstream: x's two gradient terms (base and LoRA) leave already summed,
+where autograd adds each into x's other contributions (q/k/v share their input), so that sum
+rounds in another order (fp32: ~1e-7 relative; bf16, after a few layers: ~1e-2 relative norm in
+the tests' tiny models, as between any two bf16 reductions). Frozen base weights only: the caller
+(`lightning_ft.modules.patching`) keeps nothing otherwise.
 
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
 ``peft.tuners.lora.layer.Linear``.
@@ -54,9 +59,10 @@ def lora_linear(
             they are cast like any matmul operand).
         scaling: PEFT's ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
         keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
-            ``recompute``, ``store`` and ``take``): a forward offers (y, h = x Aᵀ) to ``store``; a
-            recompute of it on the same inputs takes them back and computes no product (nothing
-            may change y in place afterwards: it is a view of the kept buffer then).
+            ``recompute``, ``store`` and ``take``), with ``weight`` and ``bias`` frozen: a forward
+            offers (y, h = x Aᵀ) to ``store``; a recompute of it on the same inputs takes them
+            back and computes no product (nothing may change y in place afterwards: it is a view
+            of the kept buffer then; no gradient for ``weight`` or ``bias``).
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
@@ -87,7 +93,7 @@ class _KeptLoRALinear(torch.autograd.Function):
 
     each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
     PEFT keeps A and B in fp32; x's two paths are summed in x's dtype). Saves x (cast to y's dtype),
-    h and the weights.
+    h and the weights. No gradient for the base weight (frozen: `lightning_ft.modules.patching`).
     """
 
     @staticmethod

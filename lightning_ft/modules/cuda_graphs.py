@@ -290,7 +290,7 @@ class _ModelGraphs:
         if device.type == "cuda":
             limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
             if torch.cuda.max_memory_reserved(device) + self.kept_bytes() + nbytes + self.optimizer_bytes > limit:
-                self.log_once(f"not enough GPU memory to keep more layers' {kind} results: the rest recompute them")
+                self.log_once(f"not enough GPU memory to keep more of the layers' {kind} outputs: the rest are recomputed")
                 return False
         return True
 
@@ -364,8 +364,10 @@ class _ModelGraphs:
         )
         input_grad = hidden.requires_grad
 
-        device = hidden.device
-        kept = {kind: KeptActivations(kind, functools.partial(self.allow_keep, device=device, kind=kind)) for kind in KINDS}
+        def allow(nbytes: int, kind: str) -> bool:  # what this layer keeps already is not in self.graphs yet
+            return self.allow_keep(nbytes + sum(keep.nbytes for keep in kept.values()), hidden.device, kind)
+
+        kept = {kind: KeptActivations(kind, functools.partial(allow, kind=kind)) for kind in KINDS}
 
         def run_forward() -> None:
             with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):

@@ -15,7 +15,7 @@ Kinds and the calls that keep:
     attention     `lightning_ft.modules.attention`: the attention output and log-sum-exp
     projections   `lightning_ft.kernels.lora` (through `lightning_ft.modules.patching`): a LoRA linear
                   layer's output and its thin x·Aᵀ; `lightning_ft.modules.moe`: the experts' gate/up
-                  output (split LoRA added) and its thin x·Aᵀ
+                  output (split LoRA added) and its thin s·x·Aᵀ (scaled by the LoRA scaling)
 
 Budget: the layer's first forward asks ``allow`` with each call's bytes, until it refuses once; the
 calls from there on keep nothing (the layer keeps a prefix of its calls) and are computed in the

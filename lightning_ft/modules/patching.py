@@ -101,8 +101,17 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    keep = kept.active("projections") if self._lightning_ft_keep else None
+    keep = kept.active("projections") if self._lightning_ft_keep and _output_keepable(self) else None
     return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep)
+
+
+def _output_keepable(module: torch.nn.Module) -> bool:
+    """Whether a kept output of this LoRA layer (`lightning_ft.modules.kept`) stays right, checked per call (the
+    forward and its recompute decide alike): its base weight and bias frozen (the kept path computes no gradient
+    for them) and no forward hook that could change the output in place (it is a view of the kept buffer)."""
+    base = module.base_layer
+    frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+    return frozen and not module._forward_hooks and not torch.nn.modules.module._global_forward_hooks
 
 
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:

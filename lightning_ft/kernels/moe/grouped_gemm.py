@@ -1036,7 +1036,8 @@ def moe_experts(
             layer's residual sum): ``grouped_mm`` and ``triton`` then skip the down projection and
             the un-permute, whose backward needs neither, and return zeros attached to the graph.
         keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
-            ``recompute``, ``store`` and ``take``), ``grouped_mm`` only: a forward offers the gate/up
+            ``recompute``, ``store``, ``buffers`` and ``take``), ``grouped_mm`` only: a forward
+            computes into the ``buffers`` of the call, if any, and offers the gate/up
             output h [S, 2I] (split LoRA added) and the thin LoRA product s·x Aᵀ [S, R] (None
             without LoRA) to ``store``; the recompute of that forward, on the same inputs, takes
             them back and skips the gate/up GEMM and its LoRA, differentiating through them as if
