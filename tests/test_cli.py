@@ -59,7 +59,10 @@ def test_help_names_the_command_and_lists_only_its_groups(command, own_group, ot
 def test_default_fit_learns_the_builtin_task_and_leaves_its_artifacts(tmp_path, monkeypatch):
     """The built-in default exactly as README runs it (200 steps, ~20 s on 2 cores), on one thread:
     the losses depend on the CPU thread count (summation order; 0.01-0.02 apart by step 100 with 1
-    or 2 threads), and the checked-in trace was made with one."""
+    or 2 threads), and the checked-in trace was made with one. They also depend on the CPU: on an
+    AMD EPYC the same code and versions match the trace (made on session 12's machine) to 1e-6 for
+    38 steps, then the rounding difference grows to 0.066 by step 85. So the first 30 steps are
+    held to 1e-4 (a change to the math shows there) and the whole run to 0.1."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     proc = run_cli(tmp_path, "callbacks.progress_bar=null")
     s = summary(tmp_path)
@@ -78,7 +81,8 @@ def test_default_fit_learns_the_builtin_task_and_leaves_its_artifacts(tmp_path, 
     assert (Path(s["adapter_dir"]) / "tokenizer.json").exists()
     # the checked-in trace of this run: a change to the math of the default path shows up here
     trace = json.loads((REPO / "benchmarks" / "default_loss_trace.json").read_text())["step_losses"]
-    assert s["step_losses"] == pytest.approx(trace, rel=1e-3, abs=1e-3)
+    assert s["step_losses"][:30] == pytest.approx(trace[:30], rel=1e-4, abs=1e-4)
+    assert s["step_losses"] == pytest.approx(trace, abs=0.1)
 
 
 @pytest.mark.slow

@@ -71,7 +71,8 @@ def test_accumulation_of_uneven_micro_batches_equals_one_batch(monkeypatch):
     assert expected.keys() == got.keys() and len(got) > 0
     for name in expected:
         assert expected[name].abs().sum() > 0, name
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-8, msg=name)
+        # fp32 sums over other row splits: 1.7e-8 apart at most on an AMD EPYC (1e-8 held on session 12's CPU)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_exported_adapter_loads_with_peft_and_reproduces_logits(tmp_path):
