@@ -101,7 +101,9 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    keep = kept.active("projections") if self._lightning_ft_keep and _output_keepable(self) else None
+    keep = kept.active("projections") if self._lightning_ft_keep else None
+    if keep is not None and not _output_keepable(self):
+        keep = None
     return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep)
 
 

@@ -890,15 +890,15 @@ class _GroupedMMLinear(torch.autograd.Function):
     added it (profiled at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a 5.0 ms MoE block
     forward+backward).
     Saves x [S, C] and xa [S, R]. With ``compute_output=False`` (a recompute whose output value is
-    discarded) y is left unwritten: the backward does not read it. Kept activations: ``keep`` (a
+    discarded) y is left unwritten: the backward does not read it. Kept activations: ``store`` (a
     forward) is called with ``(y, xa)``, y computed into ``dest_y_SN`` when given (the keep's
     buffer: no copy); given ``kept_y_SN`` and ``kept_xa_SR`` (a recompute: what the forward's
-    ``keep`` got) nothing is computed, y is the kept one and xa is saved as kept.
+    ``store`` got) nothing is computed, y is the kept one and xa is saved as kept.
     """
 
     @staticmethod
     def forward(
-        ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, kept_y_SN, kept_xa_SR, keep,
+        ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, kept_y_SN, kept_xa_SR, store,
         dest_y_SN,
     ):  # fmt: skip
         ctx.scaling = scaling
@@ -920,8 +920,8 @@ class _GroupedMMLinear(torch.autograd.Function):
         y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
         if xa_SR is not None:  # B as [E, R, N]: a view, R contiguous (the Triton kernel takes any strides)
             y_SN = _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E, dest_SN=dest_y_SN)
-        if keep is not None:
-            keep((y_SN, xa_SR))
+        if store is not None:
+            store((y_SN, xa_SR))
         return y_SN
 
     @staticmethod
