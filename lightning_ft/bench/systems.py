@@ -207,10 +207,15 @@ def unsloth_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int)
 
 
 def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
-    """Run ``num_steps`` steps of `FinetuneModule` under a Lightning `Trainer`; returns (seconds per step, last loss, profile summary)."""
+    """Run ``num_steps`` steps of `FinetuneModule` under a Lightning `Trainer`; returns (seconds per step, last loss, summary).
+
+    The summary has `StepTimer`'s entries and, with CUDA graphs, `cuda_graph_stats` prefixed
+    ``cuda_graphs_`` (layer calls replayed, bytes of attention and projection outputs kept).
+    """
     import lightning as L
 
     from lightning_ft.data.packing import collate_packed
+    from lightning_ft.modules.cuda_graphs import cuda_graph_stats
     from lightning_ft.modules.finetune_module import FinetuneModule
 
     class StepTimerCallback(StepTimer, L.Callback):
@@ -247,7 +252,8 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     )
     loader = torch.utils.data.DataLoader([batch] * num_steps, batch_size=1, collate_fn=lambda items: items[0])
     trainer.fit(module, train_dataloaders=loader)
-    return timer.times, module.step_losses[-1], timer.summary
+    graphs = cuda_graph_stats(module.model) or {}  # how many layers replayed, what they kept (bytes)
+    return timer.times, module.step_losses[-1], {**timer.summary, **{f"cuda_graphs_{k}": v for k, v in graphs.items()}}
 
 
 class StepTimer:

@@ -89,6 +89,38 @@ class PackedBatch:
             _cache={},
         )
 
+    def padded(self, num_tokens: int, pad_id: int = 0) -> PackedBatch:
+        """The batch grown to ``num_tokens`` tokens by one trailing document of padding (or itself).
+
+        The padding document has ``num_tokens - T`` tokens of ``pad_id``, every label ``-100`` and
+        positions restarting at 0; it is a document of its own in ``cu_seqlens``, so no real token
+        attends to it, and with causal attention no real token's output changes. Its tokens are no
+        targets: the loss, ``num_target_tokens`` and the step counts are the batch's. Tensors stay on
+        their device (the new ones are made there); ``cu_seqlens`` stays on the host; the cache is fresh.
+
+        Why: CUDA graphs are recorded per token count (`lightning_ft.modules.cuda_graphs`), and packed
+        rows each have their own; padded to one count, every row replays the same graphs.
+
+        Raises:
+            ValueError: ``num_tokens`` below the batch's token count.
+        """
+        pad = num_tokens - self.num_tokens
+        if pad < 0:
+            raise ValueError(f"cannot pad a batch of {self.num_tokens} tokens to {num_tokens}")
+        if pad == 0:
+            return self
+        device = self.input_ids.device
+        tail = lambda value: torch.full((1, pad), value, dtype=torch.long, device=device)  # noqa: E731
+        return replace(
+            self,
+            input_ids=torch.cat([self.input_ids, tail(pad_id)], dim=1),
+            labels=torch.cat([self.labels, tail(IGNORE_INDEX)], dim=1),
+            position_ids=torch.cat([self.position_ids, torch.arange(pad, device=device)[None]], dim=1),
+            cu_seqlens=torch.cat([self.cu_seqlens, torch.tensor([num_tokens], dtype=self.cu_seqlens.dtype)]),
+            max_seqlen=max(self.max_seqlen, pad),
+            _cache={},
+        )
+
     def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """Return ``build()`` computed once per batch for ``key`` (include the device in the key)."""
         if key not in self._cache:

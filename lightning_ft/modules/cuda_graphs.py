@@ -38,8 +38,11 @@ Layers keep while everything kept fits in 90% of the GPU's memory (`_ModelGraphs
 asked per call in a layer's first forward, until it refuses; the calls refused recompute). The
 kept tensors live outside the graphs' pool (a layer's first forward runs eagerly to allocate them,
 the recorded forward copies or computes into them): the pool's memory is reused as scratch by every
-graph. A layer whose forward ran again before its backward (two forwards, one backward) replays its
-forward graph once more in backward to restore them.
+graph. A layer's recordings for other signatures share its kept buffers where the shapes match
+(`KeptActivations.shared`: packed rows of one token count and other document counts), so a layer
+keeps one set, not one per signature. A layer whose forward ran again before its backward (two
+forwards, one backward, or another signature's forward) replays its forward graph once more in
+backward to restore them.
 
 Activation offloading (``activation_offload``, off by default): each layer's input, the one
 tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
@@ -58,9 +61,10 @@ pool: they never run at the same time, so the pool holds about one layer's recom
 working set.
 
 Requirements (checked): ``model.attention=varlen`` or ``sdpa`` (flex is not supported); with varlen,
-rows with the same document count share graphs, recorded for a power-of-two bound on the longest
-document (`_packed_layout`); with sdpa each exact layout gets its own (its dense mask is derived
-from it); no sliding-window attention; no dropout (the recompute would draw another mask); no
+rows with the same token count share graphs, recorded per power-of-two bound on the document count
+(the graph's ``cu_seqlens`` padded with empty documents) and on the longest document
+(`_packed_layout`; `FinetuneModule` pads packed rows to one token count); with sdpa each exact
+layout gets its own (its dense mask is derived from it); no sliding-window attention; no dropout (the recompute would draw another mask); no
 keyword tensor that requires grad; layers not sharded (FSDP2 gathers weights per layer at new
 addresses: `FinetuneModule` skips the graphs there, with a warning). The graphs read weights at
 their addresses: a layer whose parameters are replaced, move or change ``requires_grad`` is
@@ -123,17 +127,26 @@ def _packed_layout(batch: PackedBatch, varlen: bool) -> tuple:
     """The layout a graph over ``batch`` is recorded for.
 
     varlen reads ``cu_seqlens`` from the device (copied into the graph's buffer per batch) and
-    ``max_seqlen`` from the host: rows with the same number of documents share a graph, recorded
-    for a power-of-two bound on the longest document (a larger bound only launches blocks that find
-    no work). A row of one document runs SDPA's causal kernel (its own layout). The dense SDPA mask
-    is built from the exact lengths, so those graphs are recorded per exact layout.
+    ``max_seqlen`` from the host: rows with the same token count share a graph per power-of-two
+    bound on their document count and one on their longest document. The graph's ``cu_seqlens``
+    holds the bound's count of documents: the row's, then empty ones (offsets repeating T, which
+    flash-attention gives no work), and its ``max_seqlen`` is the bound on the longest (a larger
+    bound only launches blocks that find no work). A row of one document runs SDPA's causal kernel
+    (its own layout). The dense SDPA mask is built from the exact lengths, so those graphs are
+    recorded per exact layout.
     """
     if batch.num_docs == 1:
         return ("packed", batch.num_tokens, 1)
     if varlen:
+        docs = 1 << (batch.num_docs - 1).bit_length()
         longest = min(batch.num_tokens, 1 << (batch.max_seqlen - 1).bit_length())
-        return ("packed", batch.num_tokens, batch.num_docs, longest)
+        return ("packed", batch.num_tokens, docs, longest)
     return ("packed", tuple(batch.cu_seqlens.tolist()))  # a host tensor: no sync
+
+
+def _bucket_cu_seqlens(cu_seqlens: torch.Tensor, docs: int) -> torch.Tensor:
+    """``cu_seqlens`` ([N + 1] int32, host) grown to ``docs + 1`` offsets by empty documents at the end."""
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(docs + 1 - cu_seqlens.numel())])
 
 
 def _signature(value: Any, varlen: bool) -> Any:
@@ -172,8 +185,9 @@ def _static_like(value: Any, device: torch.device, varlen: bool) -> Any:
         layout = _packed_layout(value, varlen)
         if not varlen or len(layout) == 3:
             return replace(value, _cache={})  # the exact layout: what attention derives from it is static
-        static = replace(value, max_seqlen=layout[3], _cache={})
-        static._cache[("cu_seqlens", device)] = torch.empty_like(value.cu_seqlens, device=device)
+        cu_seqlens = _bucket_cu_seqlens(value.cu_seqlens, layout[2])
+        static = replace(value, cu_seqlens=cu_seqlens, max_seqlen=layout[3], _cache={})
+        static._cache[("cu_seqlens", device)] = torch.empty_like(cu_seqlens, device=device)
         return static
     return value
 
@@ -189,8 +203,12 @@ def _copy_into(static: Any, source: Any, path: tuple, sources: dict[tuple, Any],
         for i, (s, v) in enumerate(zip(static, source)):
             _copy_into(s, v, (*path, i), sources, device)
     elif isinstance(source, PackedBatch) and ("cu_seqlens", device) in static._cache and sources.get(path) is not source:
-        key = ("cu_seqlens", device)  # the batch's own device copy (built once per batch), then device to device
-        static._cache[key].copy_(source.cached(key, lambda: device_cu_seqlens(source.cu_seqlens, device)))
+        buffer = static._cache[("cu_seqlens", device)]
+        if buffer.numel() == source.cu_seqlens.numel():  # the batch's own device copy (built once per batch), device to device
+            key = ("cu_seqlens", device)
+            buffer.copy_(source.cached(key, lambda: device_cu_seqlens(source.cu_seqlens, device)))
+        else:  # grown by empty documents to the graph's count
+            buffer.copy_(device_cu_seqlens(_bucket_cu_seqlens(source.cu_seqlens, buffer.numel() - 1), device))
         sources[path] = source
 
 
@@ -231,7 +249,7 @@ class _LayerGraphs:
     unused: list[bool]  # weights the layer's output does not depend on: their gradient is None
     fingerprint: tuple
     kept: dict[str, KeptActivations]  # per kind (`KINDS`): what the forward graph keeps for the backward graph
-    forward_id: int = 0  # the `_GraphedLayer` call whose forward the graphs' buffers hold
+    holder: list[int]  # shared by the layer's recordings: the `_GraphedLayer` call whose forward its kept buffers hold
 
 
 def _fingerprint(layer: torch.nn.Module) -> tuple:
@@ -258,6 +276,8 @@ class _ModelGraphs:
         self.statics: dict[tuple, _StaticInputs] = {}
         self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
         self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
+        self.kept_shared: dict[tuple[int, str], dict] = {}  # (id(layer), kind) -> buffers its recordings share
+        self.kept_holders: dict[int, list[int]] = {}  # id(layer) -> [the call whose forward its kept buffers hold]
         self.seen: dict[tuple[int, tuple], int] = {}
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
@@ -367,7 +387,12 @@ class _ModelGraphs:
         def allow(nbytes: int, kind: str) -> bool:  # what this layer keeps already is not in self.graphs yet
             return self.allow_keep(nbytes + sum(keep.nbytes for keep in kept.values()), hidden.device, kind)
 
-        kept = {kind: KeptActivations(kind, functools.partial(allow, kind=kind)) for kind in KINDS}
+        kept = {
+            kind: KeptActivations(kind, functools.partial(allow, kind=kind), shared=self.kept_shared.setdefault((id(layer), kind), {}))
+            for kind in KINDS
+        }
+        holder = self.kept_holders.setdefault(id(layer), [0])
+        holder[0] = 0  # the recording below writes the shared buffers with this call's input
 
         def run_forward() -> None:
             with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
@@ -410,7 +435,7 @@ class _ModelGraphs:
                 "attention outputs not kept for some layers: their attention has no kept kernel here (kept: varlen with "
                 "flash-attention, or cuDNN for one-document rows on Hopper; sdpa on the CPU)"
             )
-        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept)
+        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept, holder)
 
     def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
         if self.stream is None:
@@ -452,7 +477,7 @@ class _GraphedLayer(torch.autograd.Function):
             ctx.offloaded = offload.save(hidden, index)  # before the replay: the copy overlaps it
         static.load(hidden, kwargs)
         graphs.forward.replay()
-        graphs.forward_id = ctx.forward_id = next(_FORWARD_IDS)
+        graphs.holder[0] = ctx.forward_id = next(_FORWARD_IDS)
         ctx.graphs, ctx.static, ctx.kwargs = graphs, static, kwargs
         return static.out.clone()
 
@@ -462,11 +487,12 @@ class _GraphedLayer(torch.autograd.Function):
         static: _StaticInputs = ctx.static
         static.load(hidden, ctx.kwargs)
         static.grad_out.copy_(grad_out)
-        if any(keep.enabled for keep in ctx.graphs.kept.values()) and ctx.graphs.forward_id != ctx.forward_id:
-            # the layer ran forward again since (e.g. two forwards, then one backward): what it
-            # keeps is another input's; replay this input's forward to restore it
+        if any(keep.enabled for keep in ctx.graphs.kept.values()) and ctx.graphs.holder[0] != ctx.forward_id:
+            # the layer ran forward again since (e.g. two forwards, then one backward; maybe another
+            # signature's, which shares the buffers): what it keeps is another input's; replay this
+            # input's forward to restore it
             ctx.graphs.forward.replay()
-            ctx.graphs.forward_id = ctx.forward_id
+            ctx.graphs.holder[0] = ctx.forward_id
         ctx.graphs.backward.replay()
         grad_in = static.grad_in.clone() if ctx.needs_input_grad[5] else None
         # fresh tensors (one multi-tensor kernel): the buffers are overwritten by the next layer's replay

@@ -63,6 +63,8 @@ from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
 log = logging.getLogger(__name__)
 
+GRAPH_TOKEN_MULTIPLE = 256  # graphed rows are padded to a multiple of this many tokens (`FinetuneModule.pad_for_graphs`)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -308,6 +310,7 @@ class FinetuneModule(L.LightningModule):
         self._step_loss_sum = torch.zeros(())
         self._step_target_tokens = 0
         self._pending_step: _PendingStep | None = None
+        self._graph_tokens: int | None = None  # with graphed varlen layers: the token count rows are padded to
         self._rng_states_to_restore: dict[str, Any] | None = None
         self.val_loss_sum = SumMetric()
         self.val_tokens = SumMetric()
@@ -358,6 +361,12 @@ class FinetuneModule(L.LightningModule):
                 keep_projections=cfg.get("cuda_graphs_keep_projections", True),
             )
             rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
+            if attention == "varlen":
+                self._graph_tokens = 0
+                rank_zero_info(
+                    f"cuda graphs: packed rows are padded to a multiple of {GRAPH_TOKEN_MULTIPLE} tokens (at least the "
+                    "longest row so far) by a document of ignored tokens, so that rows share graphs"
+                )
             if offload:
                 rank_zero_info("activation offloading: each decoder layer's input (but the last's) waits in host memory for the backward")
         self.model = model
@@ -395,9 +404,26 @@ class FinetuneModule(L.LightningModule):
             logits.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
+    def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
+        """``batch`` padded (`PackedBatch.padded`) to the token count its CUDA graphs are recorded for.
+
+        With graphed layers and varlen attention: T rounded up to a multiple of
+        `GRAPH_TOKEN_MULTIPLE`, and never below the largest count padded to so far, so that packed rows
+        (filled to ``data.max_tokens`` but each one a little short of it) all run at one count and
+        replay one set of graphs (per document-count bucket, see `lightning_ft.modules.cuda_graphs`)
+        instead of each length running eagerly the first time and filling the signatures. Measured on
+        GSM8K packed to 4096 tokens: 926 rows had 327 layouts; padded, 7 (the padding is 0.8% of the tokens).
+        Otherwise ``batch`` itself.
+        """
+        if self._graph_tokens is None:
+            return batch
+        multiple = GRAPH_TOKEN_MULTIPLE
+        self._graph_tokens = max(self._graph_tokens, -(-batch.num_tokens // multiple) * multiple)
+        return batch.padded(self._graph_tokens)
+
     @override
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
-        loss_sum = self.loss_sum(batch)
+        loss_sum = self.loss_sum(self.pad_for_graphs(batch))
         self._step_loss_sum = self._step_loss_sum.to(loss_sum.device) + loss_sum.detach()
         self._step_target_tokens = batch.step_target_tokens
         if batch.step_target_tokens == 0:  # every label of the step is masked: contributes zero (and is skipped)

@@ -22,6 +22,13 @@ calls from there on keep nothing (the layer keeps a prefix of its calls) and are
 recompute as before. The first forward's tensors become the buffers; later forwards copy into them,
 so a forward recorded into a CUDA graph writes memory allocated outside the graph's pool (which
 other graphs may use as scratch): run the first forward eagerly.
+
+Shared buffers: the keeps of one layer's recordings for other inputs (CUDA graphs record per input
+signature, e.g. per packed-batch layout) may share one ``shared`` store. A first forward's call
+whose results have the shapes and dtypes a call at the same position already kept there copies
+into those buffers and asks no budget, so a layer keeps one set of buffers for all its signatures
+of one token count instead of one per signature. Whoever replays must then know which input the
+buffers hold (`lightning_ft.modules.cuda_graphs` tracks it per layer).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class KeptActivations:
             or None for a call that keeps nothing.
         recompute: inside `keeping`: a recompute (take) rather than a forward (store).
         calls: stores or takes so far inside the current `keeping`.
+        shared: buffers by (call position, shapes and dtypes), shared with the keeps of the same
+            layer's other recordings (None: not shared); ``nbytes`` counts only those this keep made.
 
     Raises:
         RuntimeError: a first store under CUDA-graph capture, or a recompute whose calls do not
@@ -62,6 +71,7 @@ class KeptActivations:
     kept: list[tuple[Any, ...] | None] = field(default_factory=list)
     recompute: bool = False
     calls: int = 0
+    shared: dict[tuple, tuple[Any, ...]] | None = None
 
     @property
     def enabled(self) -> bool | None:
@@ -83,6 +93,14 @@ class KeptActivations:
                 if isinstance(buffer, torch.Tensor) and value is not buffer:  # not computed into it (`buffers`)
                     buffer.copy_(value)
             return True
+        key = (index, tuple(_layout(v) for v in values))
+        buffers = self.shared.get(key) if self.shared is not None else None
+        if buffers is not None:  # the same call of another recording of this layer kept alike: its buffers
+            for buffer, value in zip(buffers, values):
+                if isinstance(buffer, torch.Tensor):
+                    buffer.copy_(value)
+            self.kept.append(buffers)
+            return True
         refused = any(entry is None for entry in self.kept)  # a prefix of the calls keeps
         if refused or not self.allow(_nbytes(values)):
             self.kept.append(None)
@@ -94,6 +112,8 @@ class KeptActivations:
             )
         self.kept.append(values)
         self.nbytes += _nbytes(values)
+        if self.shared is not None:
+            self.shared[key] = values
         return True
 
     def buffers(self) -> tuple[Any, ...] | None:
@@ -115,6 +135,13 @@ _ACTIVE: dict[str, KeptActivations] = {}
 
 def _nbytes(values: tuple[Any, ...]) -> int:
     return sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+
+
+def _layout(value: Any) -> Any:
+    """What a buffer for ``value`` must match to be shared: a tensor's shape, strides, dtype, device; else the value."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device)
+    return value
 
 
 @contextmanager

@@ -48,6 +48,20 @@ def test_collate_builds_metadata_on_the_host():
     assert moved.cu_seqlens.device.type == "cpu" and moved._cache == {}
 
 
+def test_padding_appends_one_document_of_ignored_tokens():
+    b = collate_packed([([1, 2, 3], [-100, 2, 3]), ([4, 5], [4, 5])])
+    p = b.padded(9, pad_id=7)
+    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 7, 7, 7, 7]]
+    assert p.labels.tolist() == [[-100, 2, 3, -100, 5, -100, -100, -100, -100]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert p.max_seqlen == 4 and p.num_tokens == 9 and p.num_docs == 3
+    assert (p.num_target_tokens, p.step_tokens, p.step_target_tokens) == (b.num_target_tokens, b.step_tokens, b.step_target_tokens)
+    assert b.padded(5) is b
+    with pytest.raises(ValueError, match="cannot pad a batch of 5 tokens to 4"):
+        b.padded(4)
+
+
 @pytest.mark.parametrize("rows,k,world", [(10, 1, 1), (10, 3, 1), (12, 2, 2), (13, 2, 3)])
 def test_step_sampler_gives_ranks_disjoint_whole_steps(rows, k, world):
     per_rank = []

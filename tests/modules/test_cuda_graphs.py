@@ -37,8 +37,8 @@ LORA = {
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }  # fmt: skip
-# three rows of 64 tokens: two layouts of four documents (one varlen bucket: 4 docs, longest <= 64), one document
-ROWS = {"a": [40, 1, 20, 3], "b": [10, 50, 2, 2], "one": [64]}
+# rows of 64 tokens: three layouts of three or four documents (one varlen bucket: 4 docs, longest <= 64), one document
+ROWS = {"a": [40, 1, 20, 3], "b": [10, 50, 2, 2], "c": [45, 15, 4], "one": [64]}
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -136,9 +136,10 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
     layers = apply_cuda_graphs(module.model, activation_offload=offload)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     assert layers == TINY[kind]["num_hidden_layers"]
-    # varlen shares graphs between layouts "a" and "b" (same bucket); sdpa records each exact layout
-    sequence = ["a", "b", "a", "b", "one", "one", "one"]
-    expected_captures = [0, 1, 1, 1, 1, 2, 2] if cuda else [0, 0, 1, 2, 2, 3, 3]
+    # varlen shares graphs between layouts "a", "b" and "c" (same bucket; "c"'s graph gets an empty
+    # fourth document); sdpa records each exact layout
+    sequence = ["a", "b", "c", "a", "b", "one", "one", "one"]
+    expected_captures = [0, 1, 1, 1, 1, 1, 2, 2] if cuda else [0, 0, 0, 1, 2, 2, 3, 3]
     for step, (name, captures) in enumerate(zip(sequence, expected_captures)):
         batch = _batch(name, device, seed=step)
         want_loss, want = _loss_and_grads(module, batch, train=False)
@@ -161,7 +162,9 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
     per_layer = _kept_projection_bytes(module, kind, linears=cuda, experts=moe_backend == "grouped_mm", itemsize=2 if cuda else 4)
     kept_projections = [graphs.kept["projections"].enabled for graphs in state.graphs.values()]
     assert all(kept_projections) if per_layer else not any(kept_projections)
-    assert cuda_graph_stats(module.model)["kept_projections_bytes"] == per_layer * len(state.graphs)
+    # one set of buffers per layer: its recordings for the layouts (all 64 tokens) share them
+    assert len(state.graphs) > layers
+    assert cuda_graph_stats(module.model)["kept_projections_bytes"] == per_layer * layers
     if offload:  # every training step: all inputs but the last layer's, each reload started one layer ahead
         offloaded = (layers - 1) * len(sequence)
         stats = cuda_graph_stats(module.model)
@@ -194,7 +197,8 @@ def test_kept_projections_give_the_eager_gradients(kind, keep_projections):
     assert state.captures == 2 * TINY[kind]["num_hidden_layers"]  # "a" and "b" recorded (sdpa: exact layouts)
     per_layer = _kept_projection_bytes(module, kind, linears=True, experts=kind == "qwen3_moe", itemsize=4)
     stats = cuda_graph_stats(module.model)
-    assert stats["kept_projections_bytes"] == (per_layer * len(state.graphs) if keep_projections else 0)
+    layers = TINY[kind]["num_hidden_layers"]  # one set of buffers per layer, shared by its two recordings
+    assert stats["kept_projections_bytes"] == (per_layer * layers if keep_projections else 0)
     assert stats["kept_projections_recordings"] == (len(state.graphs) if keep_projections else 0)
 
 
@@ -221,17 +225,21 @@ def test_a_trainable_base_weight_or_an_output_hook_keeps_that_projection_out():
     assert sorted(kept_calls) == [3, 5]  # layer 0: q, k, the experts; layer 1: q, k, v, o, the experts
 
 
-@pytest.mark.parametrize("keep_attention, offload", [(True, False), (False, False), (True, True)])
-def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention, offload):
+@pytest.mark.parametrize(
+    "keep_attention, offload, rows", [(True, False, "one"), (False, False, "one"), (True, True, "one"), (True, False, "ab")]
+)
+def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention, offload, rows):
     """Both rows' forwards run before the backward of their sum, so each layer's forward graph last
     ran on the second row when the first row's backward comes: with kept attention its outputs are
     the second row's, and the backward replays the first row's forward to restore them. Without
     (``keep_attention=False``) the recompute computes attention itself. Offloaded, each forward's
-    inputs have their own host copies."""
+    inputs have their own host copies. Rows ``ab``: two layouts of one token count, each recorded
+    on its own, whose recordings share each layer's kept buffers."""
     module = _module("llama", "cpu")
     apply_cuda_graphs(module.model, keep_attention=keep_attention, activation_offload=offload)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
-    first, second = _batch("one", "cpu", seed=1), _batch("one", "cpu", seed=2)
+    names = ("one", "one") if rows == "one" else ("a", "b")
+    first, second = _batch(names[0], "cpu", seed=1), _batch(names[1], "cpu", seed=2)
     for step in range(3):  # step 0: the first row eager, the second recorded; the forward replayed again from step 1 on
         results = []
         for train in (False, True):
@@ -243,8 +251,31 @@ def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention,
         want, got = results
         assert got.keys() == want.keys()
         assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want), f"step {step}"
-    assert state.captures == 3
+    layers = TINY["llama"]["num_hidden_layers"]
+    assert state.captures == layers * len(set(names))
     assert all(graphs.kept["attention"].enabled is keep_attention for graphs in state.graphs.values())
+    if keep_attention:  # one set of kept buffers per layer, whatever the layouts
+        attention = [graphs.kept["attention"] for graphs in state.graphs.values()]
+        assert cuda_graph_stats(module.model)["kept_attention_bytes"] == layers * max(keep.nbytes for keep in attention)
+
+
+def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound():
+    """The graph's ``cu_seqlens`` holds the bound's count of documents: a row with fewer gets empty
+    ones at the end (offsets repeating T), copied in per batch; one document keeps its own layout."""
+    from lightning_ft.modules.cuda_graphs import _copy_into, _packed_layout, _static_like
+
+    a, c, one = (_batch(name, "cpu") for name in ("a", "c", "one"))
+    assert _packed_layout(a, varlen=True) == _packed_layout(c, varlen=True) == ("packed", 64, 4, 64)
+    assert _packed_layout(one, varlen=True) == ("packed", 64, 1)
+    assert _packed_layout(_batch("b", "cpu"), varlen=False) != _packed_layout(a, varlen=False)  # sdpa: exact
+    device = torch.device("cpu")
+    static = _static_like(c, device, varlen=True)
+    assert static.num_docs == 4 and static.max_seqlen == 64
+    buffer = static._cache[("cu_seqlens", device)]
+    sources = {}
+    for batch, want in ((c, [0, 45, 60, 64, 64]), (a, [0, 40, 41, 61, 64]), (c, [0, 45, 60, 64, 64])):
+        _copy_into(static, batch, ("packed_batch",), sources, device)
+        assert buffer.tolist() == want
 
 
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):

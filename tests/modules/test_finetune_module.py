@@ -75,6 +75,31 @@ def test_accumulation_of_uneven_micro_batches_equals_one_batch(monkeypatch):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_rows_padded_for_the_graphs_give_the_same_loss_and_gradients():
+    """`FinetuneModule.pad_for_graphs` (on with graphed varlen layers, a GPU setting, forced here):
+    the padding document changes neither the loss sum nor any gradient; rows are padded to a
+    multiple of 256 tokens, never below the largest count so far."""
+    from lightning_ft.modules.finetune_module import GRAPH_TOKEN_MULTIPLE
+
+    module = _module()
+    batches = [collate_packed(_docs(lengths, seed)) for seed, lengths in enumerate([[30, 3], [300], [17, 9, 2]])]
+    assert module.pad_for_graphs(batches[0]) is batches[0]  # off unless the graphs replay varlen layers
+    module._graph_tokens = 0
+    padded = [module.pad_for_graphs(b) for b in batches]
+    assert [p.num_tokens for p in padded] == [GRAPH_TOKEN_MULTIPLE, 2 * GRAPH_TOKEN_MULTIPLE, 2 * GRAPH_TOKEN_MULTIPLE]
+    for batch, pad in zip(batches, padded):
+        results = []
+        for b in (batch, pad):
+            loss = module.loss_sum(b)
+            loss.backward()
+            results.append((loss.detach(), _grads(module)))
+            module.model.zero_grad(set_to_none=True)
+        (want_loss, want), (got_loss, got) = results
+        assert torch.allclose(got_loss, want_loss, rtol=1e-6)
+        # fp32 weight gradients summed over more rows (the padding's are zero): summation order only
+        assert all((got[n] - want[n]).norm() <= 1e-5 * want[n].norm() for n in want)
+
+
 def test_exported_adapter_loads_with_peft_and_reproduces_logits(tmp_path):
     from peft import PeftModel
 
