@@ -375,7 +375,7 @@ def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: t
     op: the recompute skips attention's forward, the most expensive op of a long row after the
     GEMMs (0.89 ms of 14.5 per layer-step at 8K tokens on the Qwen3-30B-A3B shape, H200;
     benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype plus
-    [Hq, T] fp32 per layer (and per CUDA-graph signature).
+    [Hq, T] fp32 per layer (one set for a layer's CUDA-graph signatures of one token count).
     """
     keep = kept.active("attention")
     if keep is None:

@@ -26,7 +26,7 @@ Kept activations (`lightning_ft.modules.kept`, selective checkpointing): the for
 keeps results that are expensive to recompute, and the backward graph's recompute reuses them:
 
 - ``keep_attention`` (on by default): each layer's attention output and log-sum-exp ([T, Hq, D]
-  in bf16 plus [Hq, T] fp32 per layer and signature); the recompute skips attention's forward (at
+  in bf16 plus [Hq, T] fp32 per layer and token count); the recompute skips attention's forward (at
   8K tokens 0.9 of 14.5 ms per layer-step on the Qwen3-30B-A3B shape, H200).
 - ``keep_projections`` (on by default): the outputs of the projections, the GEMMs of the layer:
   each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.modules.patching`,
@@ -249,7 +249,7 @@ class _LayerGraphs:
     unused: list[bool]  # weights the layer's output does not depend on: their gradient is None
     fingerprint: tuple
     kept: dict[str, KeptActivations]  # per kind (`KINDS`): what the forward graph keeps for the backward graph
-    holder: list[int]  # shared by the layer's recordings: the `_GraphedLayer` call whose forward its kept buffers hold
+    entries: list[tuple]  # the kept buffer sets (`KeptActivations.kept`) the forward graph writes, maybe shared
 
 
 def _fingerprint(layer: torch.nn.Module) -> tuple:
@@ -277,7 +277,7 @@ class _ModelGraphs:
         self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
         self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
         self.kept_shared: dict[tuple[int, str], dict] = {}  # (id(layer), kind) -> buffers its recordings share
-        self.kept_holders: dict[int, list[int]] = {}  # id(layer) -> [the call whose forward its kept buffers hold]
+        self.kept_writers: dict[int, int] = {}  # id(buffer set) -> the `_GraphedLayer` call whose forward wrote it last
         self.seen: dict[tuple[int, tuple], int] = {}
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
@@ -293,9 +293,13 @@ class _ModelGraphs:
             logger.info("cuda graphs: %s", message)
 
     def kept_bytes(self, kind: str | None = None) -> int:
-        """What the layers' recorded graphs keep (`KeptActivations.nbytes`), of one kind or all."""
+        """What the layers' recorded graphs keep, of one kind or all: each buffer set once (`KeptActivations.shared`)."""
         kinds = KINDS if kind is None else (kind,)
-        return sum(graphs.kept[k].nbytes for graphs in self.graphs.values() for k in kinds)
+        return sum(
+            sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+            for (_, k), store in self.kept_shared.items() if k in kinds
+            for values in store.values()
+        )
 
     def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
         """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.modules.kept`).
@@ -384,15 +388,14 @@ class _ModelGraphs:
         )
         input_grad = hidden.requires_grad
 
-        def allow(nbytes: int, kind: str) -> bool:  # what this layer keeps already is not in self.graphs yet
-            return self.allow_keep(nbytes + sum(keep.nbytes for keep in kept.values()), hidden.device, kind)
-
-        kept = {
-            kind: KeptActivations(kind, functools.partial(allow, kind=kind), shared=self.kept_shared.setdefault((id(layer), kind), {}))
+        kept = {  # what they keep enters their layer's shared store (and kept_bytes) as it is kept
+            kind: KeptActivations(
+                kind,
+                functools.partial(self.allow_keep, device=hidden.device, kind=kind),
+                shared=self.kept_shared.setdefault((id(layer), kind), {}),
+            )
             for kind in KINDS
         }
-        holder = self.kept_holders.setdefault(id(layer), [0])
-        holder[0] = 0  # the recording below writes the shared buffers with this call's input
 
         def run_forward() -> None:
             with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
@@ -435,7 +438,10 @@ class _ModelGraphs:
                 "attention outputs not kept for some layers: their attention has no kept kernel here (kept: varlen with "
                 "flash-attention, or cuDNN for one-document rows on Hopper; sdpa on the CPU)"
             )
-        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept, holder)
+        entries = [entry for keep in kept.values() for entry in keep.kept if entry is not None]
+        for entry in entries:  # the recording wrote them with this call's input (the replay that follows marks it)
+            self.kept_writers[id(entry)] = 0
+        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept, entries)
 
     def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
         if self.stream is None:
@@ -469,7 +475,7 @@ class _GraphedLayer(torch.autograd.Function):
     """A decoder layer replayed from its graphs; saves only its input (checkpointing), or offloads it."""
 
     @staticmethod
-    def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, kwargs: dict, offload, index: int, hidden: torch.Tensor, *params):
+    def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, writers: dict, kwargs: dict, offload, index: int, hidden: torch.Tensor, *params):
         ctx.offload = offload
         if offload is None:
             ctx.save_for_backward(hidden)
@@ -477,8 +483,10 @@ class _GraphedLayer(torch.autograd.Function):
             ctx.offloaded = offload.save(hidden, index)  # before the replay: the copy overlaps it
         static.load(hidden, kwargs)
         graphs.forward.replay()
-        graphs.holder[0] = ctx.forward_id = next(_FORWARD_IDS)
-        ctx.graphs, ctx.static, ctx.kwargs = graphs, static, kwargs
+        ctx.forward_id = next(_FORWARD_IDS)
+        for entry in graphs.entries:
+            writers[id(entry)] = ctx.forward_id
+        ctx.graphs, ctx.static, ctx.writers, ctx.kwargs = graphs, static, writers, kwargs
         return static.out.clone()
 
     @staticmethod
@@ -487,20 +495,21 @@ class _GraphedLayer(torch.autograd.Function):
         static: _StaticInputs = ctx.static
         static.load(hidden, ctx.kwargs)
         static.grad_out.copy_(grad_out)
-        if any(keep.enabled for keep in ctx.graphs.kept.values()) and ctx.graphs.holder[0] != ctx.forward_id:
-            # the layer ran forward again since (e.g. two forwards, then one backward; maybe another
-            # signature's, which shares the buffers): what it keeps is another input's; replay this
-            # input's forward to restore it
+        if any(ctx.writers.get(id(entry)) != ctx.forward_id for entry in ctx.graphs.entries):
+            # the layer ran forward again since (e.g. two forwards, then one backward; maybe for
+            # another signature, whose recording shares buffers): what it keeps is another input's;
+            # replay this input's forward to restore it
             ctx.graphs.forward.replay()
-            ctx.graphs.holder[0] = ctx.forward_id
+            for entry in ctx.graphs.entries:
+                ctx.writers[id(entry)] = ctx.forward_id
         ctx.graphs.backward.replay()
-        grad_in = static.grad_in.clone() if ctx.needs_input_grad[5] else None
+        grad_in = static.grad_in.clone() if ctx.needs_input_grad[6] else None
         # fresh tensors (one multi-tensor kernel): the buffers are overwritten by the next layer's replay
         graphs: _LayerGraphs = ctx.graphs
         used = [g for g, unused in zip(graphs.param_grads, graphs.unused) if not unused]
         fresh = iter(torch._foreach_mul(used, 1.0) if used else [])
         grads = [None if unused else next(fresh) for unused in graphs.unused]
-        return (None, None, None, None, None, grad_in, *grads)
+        return (None, None, None, None, None, None, grad_in, *grads)
 
 
 def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -513,7 +522,7 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     if found is not None:
         state.replayed += 1
         graphs, static = found
-        return _GraphedLayer.apply(graphs, static, kwargs, state.offload, index, hidden_states, *graphs.params)
+        return _GraphedLayer.apply(graphs, static, state.kept_writers, kwargs, state.offload, index, hidden_states, *graphs.params)
     state.eager += 1
     if state.offload is not None and (args or _requires_grad(kwargs)):  # gradients reach only the input and the weights
         state.log_once("calls with positional arguments or keyword tensors that require grad are not offloaded")
@@ -649,8 +658,8 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
     Returns:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
         graphs, ``recordings`` (layer × signature), and per kept kind (``attention``, ``projections``)
-        the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes they keep
-        (``kept_<kind>_bytes``); with ``activation_offload``, `ActivationOffload.stats`.
+        the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes of the
+        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs); with ``activation_offload``, `ActivationOffload.stats`.
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):

@@ -18,8 +18,8 @@ Kinds and the calls that keep:
                   output (split LoRA added) and its thin s·x·Aᵀ (scaled by the LoRA scaling)
 
 Budget: the layer's first forward asks ``allow`` with each call's bytes, until it refuses once; the
-calls from there on keep nothing (the layer keeps a prefix of its calls) and are computed in the
-recompute as before. The first forward's tensors become the buffers; later forwards copy into them,
+calls from there on keep nothing (the layer keeps a prefix of its calls, but for calls that reuse
+shared buffers, below) and are computed in the recompute as before. The first forward's tensors become the buffers; later forwards copy into them,
 so a forward recorded into a CUDA graph writes memory allocated outside the graph's pool (which
 other graphs may use as scratch): run the first forward eagerly.
 

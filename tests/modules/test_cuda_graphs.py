@@ -9,7 +9,6 @@ autograd wiring and recording policy); the ``gpu`` cases record real CUDA graphs
 
 import math
 import os
-import types
 import warnings
 
 import pytest
@@ -38,7 +37,7 @@ LORA = {
     "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }  # fmt: skip
 # rows of 64 tokens: three layouts of three or four documents (one varlen bucket: 4 docs, longest <= 64), one document
-ROWS = {"a": [40, 1, 20, 3], "b": [10, 50, 2, 2], "c": [45, 15, 4], "one": [64]}
+ROWS = {"a": [40, 1, 20, 3], "b": [10, 50, 2, 2], "c": [45, 15, 4], "one": [64], "short": [20, 12]}
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -259,6 +258,33 @@ def test_two_forwards_then_one_backward_give_the_eager_gradients(keep_attention,
         assert cuda_graph_stats(module.model)["kept_attention_bytes"] == layers * max(keep.nbytes for keep in attention)
 
 
+@pytest.mark.parametrize("rows, shared", [(("a", "short"), False), (("a", "b"), True)])
+def test_a_backward_replays_its_forward_only_when_another_forward_wrote_its_buffers(rows, shared):
+    """Two forwards, then one backward: the first row's backward must restore its kept buffers only
+    where the second row's recording shares them (one token count), not for rows of another length."""
+    module = _module("llama", "cpu")
+    apply_cuda_graphs(module.model)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    first, second = _batch(rows[0], "cpu", seed=1), _batch(rows[1], "cpu", seed=2)
+    for _ in range(2):  # eager, then recorded
+        (module.loss_sum(first) + module.loss_sum(second)).backward()
+    replays = []
+    for graphs in state.graphs.values():
+        graphs.forward = _CountedReplay(graphs.forward, replays)
+    (module.loss_sum(first) + module.loss_sum(second)).backward()
+    forwards = 2 * TINY["llama"]["num_hidden_layers"]
+    assert len(replays) > forwards if shared else len(replays) == forwards
+
+
+class _CountedReplay:
+    def __init__(self, graph, calls: list):
+        self.graph, self.calls = graph, calls
+
+    def replay(self) -> None:
+        self.calls.append(1)
+        self.graph.replay()
+
+
 def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound():
     """The graph's ``cu_seqlens`` holds the bound's count of documents: a row with fewer gets empty
     ones at the end (offsets repeating T), copied in per batch; one document keeps its own layout."""
@@ -288,8 +314,8 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     cuda = torch.device("cuda")
     state = _ModelGraphs(max_signatures=8, varlen=True)
     assert state.allow_keep(10 * gib, cuda) and not state.allow_keep(10 * gib + 1, cuda)
-    recorded = {"attention": types.SimpleNamespace(nbytes=5 * gib), "projections": types.SimpleNamespace(nbytes=3 * gib)}
-    state.graphs[(0, ())] = types.SimpleNamespace(kept=recorded)  # a layer recorded so far
+    for kind, size in (("attention", 5 * gib), ("projections", 3 * gib)):  # a layer recorded so far (no memory: meta)
+        state.kept_shared[(0, kind)] = {(0, ()): (torch.empty(size, dtype=torch.uint8, device="meta"),)}
     for kind in ("attention", "projections"):
         assert state.allow_keep(2 * gib, cuda, kind) and not state.allow_keep(2 * gib + 1, cuda, kind)
     before_a_step = _ModelGraphs(max_signatures=8, varlen=True, optimizer_bytes=6 * gib)
@@ -311,13 +337,15 @@ def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():
     for _ in range(3):
         _loss_and_grads(module, batch, train=True)
     assert state.captures == 3
+    kept = state.kept_bytes()
     lora_A = layer.self_attn.q_proj.lora_A["default"].weight
     lora_A.data = lora_A.data.clone()  # a new address
     want_loss, want = _loss_and_grads(module, batch, train=False)
     got_loss, got = _loss_and_grads(module, batch, train=True)
     assert state.captures == 4
     assert torch.equal(got_loss, want_loss) and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
-    assert len(state.graphs) == 3 and state.kept_bytes() == sum(g.kept["attention"].nbytes for g in state.graphs.values()) > 0
+    # the new recording reuses the layer's kept buffers: counted once, as before the move
+    assert len(state.graphs) == 3 and state.kept_bytes() == kept > 0
 
     assert revert_cuda_graphs(model) == 3
     assert "forward" not in vars(layer) and not hasattr(layer, _STATE_ATTR) and layer.gradient_checkpointing

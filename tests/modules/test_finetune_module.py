@@ -1,6 +1,7 @@
 """Exact loss normalisation, the PEFT round trip, the fused kernels' math, and skipped steps."""
 
 import math
+import types
 from functools import partial
 
 import lightning as L
@@ -77,16 +78,21 @@ def test_accumulation_of_uneven_micro_batches_equals_one_batch(monkeypatch):
 
 def test_rows_padded_for_the_graphs_give_the_same_loss_and_gradients():
     """`FinetuneModule.pad_for_graphs` (on with graphed varlen layers, a GPU setting, forced here):
-    the padding document changes neither the loss sum nor any gradient; rows are padded to a
-    multiple of 256 tokens, never below the largest count so far."""
+    the padding document changes neither the loss sum nor any gradient; rows of several documents
+    are padded to a multiple of 256 tokens, never below the largest count so far, nor past the
+    data module's max_tokens; a one-document row is left alone."""
     from lightning_ft.modules.finetune_module import GRAPH_TOKEN_MULTIPLE
 
     module = _module()
-    batches = [collate_packed(_docs(lengths, seed)) for seed, lengths in enumerate([[30, 3], [300], [17, 9, 2]])]
+    lengths = [[30, 3], [290, 10], [17, 9, 2], [300], [600, 50]]
+    batches = [collate_packed(_docs(row, seed)) for seed, row in enumerate(lengths)]
     assert module.pad_for_graphs(batches[0]) is batches[0]  # off unless the graphs replay varlen layers
     module._graph_tokens = 0
+    module._trainer = types.SimpleNamespace(datamodule=types.SimpleNamespace(max_tokens=700))
     padded = [module.pad_for_graphs(b) for b in batches]
-    assert [p.num_tokens for p in padded] == [GRAPH_TOKEN_MULTIPLE, 2 * GRAPH_TOKEN_MULTIPLE, 2 * GRAPH_TOKEN_MULTIPLE]
+    module._trainer = None
+    assert [p.num_tokens for p in padded] == [GRAPH_TOKEN_MULTIPLE, 2 * GRAPH_TOKEN_MULTIPLE, 2 * GRAPH_TOKEN_MULTIPLE, 300, 700]
+    assert padded[3] is batches[3]
     for batch, pad in zip(batches, padded):
         results = []
         for b in (batch, pad):
