@@ -64,8 +64,8 @@ Requirements (checked): ``model.attention=varlen`` or ``sdpa`` (flex is not supp
 rows with the same token count share graphs, recorded per power-of-two bound on the document count
 (the graph's ``cu_seqlens`` padded with empty documents) and on the longest document
 (`_packed_layout`; `FinetuneModule` pads packed rows to one token count); with sdpa each exact
-layout gets its own (its dense mask is derived from it); no sliding-window attention; no dropout (the recompute would draw another mask); no
-keyword tensor that requires grad; layers not sharded (FSDP2 gathers weights per layer at new
+layout gets its own (its dense mask is derived from it); no sliding-window attention; no dropout
+(the recompute would draw another mask); no keyword tensor that requires grad; layers not sharded (FSDP2 gathers weights per layer at new
 addresses: `FinetuneModule` skips the graphs there, with a warning). The graphs read weights at
 their addresses: a layer whose parameters are replaced, move or change ``requires_grad`` is
 recorded again (checked per call). Adapters switched, disabled or merged during training need
@@ -93,7 +93,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
-from lightning_ft.modules.kept import KINDS, KeptActivations, keeping
+from lightning_ft.modules.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "recomputing_for_backward", "revert_cuda_graphs"]
@@ -203,12 +203,8 @@ def _copy_into(static: Any, source: Any, path: tuple, sources: dict[tuple, Any],
         for i, (s, v) in enumerate(zip(static, source)):
             _copy_into(s, v, (*path, i), sources, device)
     elif isinstance(source, PackedBatch) and ("cu_seqlens", device) in static._cache and sources.get(path) is not source:
-        buffer = static._cache[("cu_seqlens", device)]
-        if buffer.numel() == source.cu_seqlens.numel():  # the batch's own device copy (built once per batch), device to device
-            key = ("cu_seqlens", device)
-            buffer.copy_(source.cached(key, lambda: device_cu_seqlens(source.cu_seqlens, device)))
-        else:  # grown by empty documents to the graph's count
-            buffer.copy_(device_cu_seqlens(_bucket_cu_seqlens(source.cu_seqlens, buffer.numel() - 1), device))
+        buffer = static._cache[("cu_seqlens", device)]  # the graph's count of documents: the batch's, then empty ones
+        buffer.copy_(device_cu_seqlens(_bucket_cu_seqlens(source.cu_seqlens, buffer.numel() - 1), device))
         sources[path] = source
 
 
@@ -295,11 +291,7 @@ class _ModelGraphs:
     def kept_bytes(self, kind: str | None = None) -> int:
         """What the layers' recorded graphs keep, of one kind or all: each buffer set once (`KeptActivations.shared`)."""
         kinds = KINDS if kind is None else (kind,)
-        return sum(
-            sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
-            for (_, k), store in self.kept_shared.items() if k in kinds
-            for values in store.values()
-        )
+        return sum(stored_nbytes(store) for (_, k), store in self.kept_shared.items() if k in kinds)
 
     def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
         """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.modules.kept`).
@@ -659,7 +651,8 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
         graphs, ``recordings`` (layer × signature), and per kept kind (``attention``, ``projections``)
         the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes of the
-        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs); with ``activation_offload``, `ActivationOffload.stats`.
+        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs); with
+        ``activation_offload``, `ActivationOffload.stats`.
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):

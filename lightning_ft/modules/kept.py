@@ -19,16 +19,17 @@ Kinds and the calls that keep:
 
 Budget: the layer's first forward asks ``allow`` with each call's bytes, until it refuses once; the
 calls from there on keep nothing (the layer keeps a prefix of its calls, but for calls that reuse
-shared buffers, below) and are computed in the recompute as before. The first forward's tensors become the buffers; later forwards copy into them,
-so a forward recorded into a CUDA graph writes memory allocated outside the graph's pool (which
-other graphs may use as scratch): run the first forward eagerly.
+shared buffers, below) and are computed in the recompute as before. The first forward's tensors
+become the buffers; later forwards copy into them, so a forward recorded into a CUDA graph writes
+memory allocated outside the graph's pool (which other graphs may use as scratch): run the first
+forward eagerly.
 
 Shared buffers: the keeps of one layer's recordings for other inputs (CUDA graphs record per input
 signature, e.g. per packed-batch layout) may share one ``shared`` store. A first forward's call
 whose results have the shapes and dtypes a call at the same position already kept there copies
 into those buffers and asks no budget, so a layer keeps one set of buffers for all its signatures
 of one token count instead of one per signature. Whoever replays must then know which input the
-buffers hold (`lightning_ft.modules.cuda_graphs` tracks it per layer).
+buffers hold (`lightning_ft.modules.cuda_graphs` tracks it per buffer set).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["KINDS", "KeptActivations", "active", "keeping"]
+__all__ = ["KINDS", "KeptActivations", "active", "keeping", "stored_nbytes"]
 
 KINDS = ("attention", "projections")
 
@@ -89,17 +90,13 @@ class KeptActivations:
             buffers = self.kept[index]
             if buffers is None:
                 return False
-            for buffer, value in zip(buffers, values):
-                if isinstance(buffer, torch.Tensor) and value is not buffer:  # not computed into it (`buffers`)
-                    buffer.copy_(value)
+            _copy_to_buffers(buffers, values)
             return True
         key = (index, tuple(_layout(v) for v in values))
         buffers = self.shared.get(key) if self.shared is not None else None
         if buffers is not None:  # the same call of another recording of this layer kept alike: its buffers
-            for buffer, value in zip(buffers, values):
-                if isinstance(buffer, torch.Tensor):
-                    buffer.copy_(value)
             self.kept.append(buffers)
+            _copy_to_buffers(buffers, values)
             return True
         refused = any(entry is None for entry in self.kept)  # a prefix of the calls keeps
         if refused or not self.allow(_nbytes(values)):
@@ -135,6 +132,17 @@ _ACTIVE: dict[str, KeptActivations] = {}
 
 def _nbytes(values: tuple[Any, ...]) -> int:
     return sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+
+
+def stored_nbytes(shared: dict[tuple, tuple[Any, ...]]) -> int:
+    """The bytes of the buffers in a shared store (`KeptActivations.shared`), each set once."""
+    return sum(_nbytes(values) for values in shared.values())
+
+
+def _copy_to_buffers(buffers: tuple[Any, ...], values: tuple[Any, ...]) -> None:
+    for buffer, value in zip(buffers, values):
+        if isinstance(buffer, torch.Tensor) and value is not buffer:  # not computed into it (`buffers`)
+            buffer.copy_(value)
 
 
 def _layout(value: Any) -> Any:
