@@ -332,7 +332,8 @@ class StepTimer:
                 "device_busy_ms_per_step": sum(e.self_device_time_total for e in device_events) / 1e3 / steps,
                 "kernels_per_step": sum(e.count for e in device_events) / steps,
             }
-        tables = [events.table(sort_by=key, row_limit=60)
+        # names wide enough to tell the kernels apart (the default cuts them at 55 characters)
+        tables = [events.table(sort_by=key, row_limit=60, max_name_column_width=110)
                   for key in (["self_device_time_total"] if device_events else []) + ["self_cpu_time_total"]]
         with open(self.profile_path, "w") as f:
             f.write(f"{steps} profiled steps; {self.summary or 'no device kernels (a CPU run)'}\n" + "\n".join(tables) + "\n")

@@ -14,14 +14,16 @@ agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and othe
 bias and trainable base weights are not covered: `lora_linear_adapters` says for which adapters
 this is the same math as PEFT's forward.
 
-Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y, h) to ``keep``;
-the recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which
-runs no product forward and differentiates as autograd does through the three ops above: each
-gradient it returns is the same products with the same roundings, in the same dtypes (tested bit
-for bit). One difference downstream: x's two gradient terms (base and LoRA) leave already summed,
-where autograd adds each into x's other contributions (q/k/v share their input), so that sum
-rounds in another order (fp32: ~1e-7 relative; bf16, after a few layers: ~1e-2 relative norm in
-the tests' tiny models, as between any two bf16 reductions). Frozen base weights only: the caller
+Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y, h) to ``keep``
+(a later forward, the CUDA graphs' recording and replays, computes them straight into the kept
+buffers: at 8K tokens of Qwen3-30B-A3B, 112 MiB of q/k/v/o outputs per layer not copied); the
+recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which runs no
+product forward and differentiates as autograd does through the three ops above: each gradient
+it returns is the same products with the same roundings, in the same dtypes (tested bit for bit).
+One difference downstream: x's two gradient terms (base and LoRA) leave already summed, where
+autograd adds each into x's other contributions (q/k/v share their input), so that sum rounds in
+another order (fp32: ~1e-7 relative; bf16, after a few layers: ~1e-2 relative norm in the tests'
+tiny models, as between any two bf16 reductions). Frozen base weights only: the caller
 (`lightning_ft.modules.patching`) keeps nothing otherwise.
 
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
@@ -59,10 +61,12 @@ def lora_linear(
             they are cast like any matmul operand).
         scaling: PEFT's ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
         keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
-            ``recompute``, ``store`` and ``take``), with ``weight`` and ``bias`` frozen: a forward
-            offers (y, h = x Aᵀ) to ``store``; a recompute of it on the same inputs takes them
-            back and computes no product (nothing may change y in place afterwards: it is a view
-            of the kept buffer then; no gradient for ``weight`` or ``bias``).
+            ``recompute``, ``store``, ``buffers`` and ``take``), with ``weight`` and ``bias`` frozen:
+            a forward offers (y, h = x Aᵀ) to ``store`` (a later forward computes them straight
+            into the keep's ``buffers`` where their dtypes allow: no copy); a recompute of it on
+            the same inputs takes them back and computes no product (nothing may change y in place
+            afterwards: it is the kept buffer, or a view of it; no gradient for ``weight`` or
+            ``bias``).
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
@@ -73,8 +77,17 @@ def lora_linear(
     if keep is not None and keep.recompute and (kept := keep.take()) is not None:
         y, h = kept
         return _KeptLoRALinear.apply(y, h, x, weight, lora_A, lora_B, scaling)
-    y = F.linear(x, weight, bias)
-    h = F.linear(x, lora_A)
+    buffers = keep.buffers() if keep is not None and not keep.recompute else None
+    if buffers is not None and _computable_into(buffers, x, weight, bias, lora_A):
+        # a later forward (a CUDA graph's): the products land in the kept buffers, no copy after
+        # (F.linear's own GEMMs, on the operands autocast would give them)
+        y, h = buffers
+        x2 = x.reshape(-1, x.shape[-1])
+        torch.mm(x2, weight.t(), out=y.view(-1, y.shape[-1]))
+        torch.mm(x2, lora_A.t().to(h.dtype), out=h.view(-1, h.shape[-1]))
+    else:
+        y = F.linear(x, weight, bias)
+        h = F.linear(x, lora_A)
     # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
     # copies y into a new [T, N] tensor (0.03 ms for q_proj at 8K tokens on Qwen3-30B-A3B, H200).
     # In-place ops are not autocast: B is cast as autocast would have cast it.
@@ -83,6 +96,22 @@ def lora_linear(
     if keep is not None and not keep.recompute:
         keep.store((y, h))
     return y
+
+
+def _computable_into(buffers: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A) -> bool:
+    """Whether `lora_linear`'s two first products can be computed straight into the kept ``(y, h)``:
+    no bias, x and the base weight in the buffers' dtype (what autocast computes in, so no cast is
+    skipped), A in it too or cast to it by autocast, and buffers laid out as the products'
+    contiguous outputs."""
+    y, h = buffers
+    return (
+        bias is None
+        and x.dtype == weight.dtype == y.dtype == h.dtype
+        and (lora_A.dtype == h.dtype or torch.is_autocast_enabled(x.device.type))
+        and y.is_contiguous()
+        and h.is_contiguous()
+        and y.shape[:-1] == x.shape[:-1] == h.shape[:-1]
+    )
 
 
 class _KeptLoRALinear(torch.autograd.Function):

@@ -92,6 +92,35 @@ def test_kept_output_gives_the_plain_gradients_exactly(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["fp32", "bf16-autocast", "fp32-input-bf16-autocast"])
+def test_later_forward_computes_into_the_kept_buffers(device, case):
+    """A later forward (the CUDA graphs' recording and replays) writes y and x Aᵀ straight into the
+    first forward's buffers, with the values a plain call gives (bit for bit); where autocast would
+    cast x (an fp32 input under bf16 autocast) it computes and copies as before."""
+    x, w, _, a, bb = _inputs(device, (3, 19), 40, 72, 8, True)
+    if case != "fp32":
+        w = w.to(torch.bfloat16)
+    if case == "bf16-autocast":
+        x = x.detach().to(torch.bfloat16)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=case != "fp32", cache_enabled=False)
+    keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+    with autocast, torch.no_grad():
+        with kept.keeping(keep, recompute=False):
+            first_y = lora_linear(x * 0.5, w, None, a, bb, 0.5, keep=keep)
+        buffers = tuple(t.clone() for t in keep.kept[0])
+        with kept.keeping(keep, recompute=False):
+            later_y = lora_linear(x, w, None, a, bb, 0.5, keep=keep)
+        want_y = lora_linear(x, w, None, a, bb, 0.5)
+        want_h = torch.nn.functional.linear(x, a)
+    assert first_y.data_ptr() == keep.kept[0][0].data_ptr()
+    assert (later_y.data_ptr() == first_y.data_ptr()) == (case != "fp32-input-bf16-autocast")
+    assert not torch.equal(buffers[0], keep.kept[0][0])  # overwritten by the later forward
+    torch.testing.assert_close(later_y, want_y, rtol=0, atol=0)
+    torch.testing.assert_close(keep.kept[0][0], want_y, rtol=0, atol=0)
+    torch.testing.assert_close(keep.kept[0][1], want_h, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_frozen_input_and_zero_lora_B(device):
     """No input gradient asked (the first layer reads frozen embeddings); B = 0 (PEFT's init): dA = 0, dB ≠ 0."""
     x, w, b, a, bb = _inputs(device, (9,), 24, 12, 4, False)

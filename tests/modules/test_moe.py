@@ -237,8 +237,8 @@ def test_patched_block_matches_hf_eager_experts_with_peft(backend, top_k, device
 def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(dtype, device, monkeypatch):
     """What the CUDA graphs do with kept ``projections``: a forward (no grad) keeps the gate/up output
     and its thin LoRA product (the first forward's become the buffers, a later one computes into
-    them); the recompute takes them, runs no gate/up GEMM, and gives the plain block's output,
-    input gradient and every LoRA gradient (the same kernels on the same inputs).
+    them); the recompute takes them, runs no gate/up GEMM and no gather of the tokens, and gives the
+    plain block's output, input gradient and every LoRA gradient (the same kernels on the same inputs).
     Sizes are multiples of 16 bytes in bf16 (else grouped_mm falls back to the native loop)."""
     block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24).to(dtype)
     apply_moe(block, "grouped_mm")
@@ -256,19 +256,25 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(dtype, device, monk
     assert keep.kept[0][0] is h_SF and keep.kept[0][1] is xa_SR
     assert h_SF.shape == (3 * 10 * 2, 2 * 24) and xa_SR.shape[0] == 60  # S = T * top_k rows, [gate | up]
     assert keep.nbytes == h_SF.nbytes + xa_SR.nbytes
-    weights = []
-    real = grouped_gemm._GROUPED_MM
+    weights, permuted = [], []
+    real, real_permute = grouped_gemm._GROUPED_MM, grouped_gemm.permute_tokens
     monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
+    monkeypatch.setattr(grouped_gemm, "permute_tokens", lambda *args: permuted.append(args) or real_permute(*args))
     with kept.keeping(keep, recompute=True):
         got_out, got_dx, got_grads = _block_step(block, x, grad)
     assert (6, 40, 48) not in weights and (6, 24, 40) in weights  # no gate/up GEMM ([E, D, 2I]); down ran
+    assert not permuted  # x is read through the routing: no [S, D] copy of the tokens
     exact = dict(rtol=0, atol=0)
     torch.testing.assert_close(forward_out, want_out, **exact)
     torch.testing.assert_close(got_out, want_out, **exact)
     torch.testing.assert_close(got_dx, want_dx, **exact)
     assert got_grads.keys() == want_grads.keys() and len(got_grads) == 4  # A and B of gate_up and down
     for name, g in got_grads.items():
-        torch.testing.assert_close(g, want_grads[name], **exact, msg=lambda m: f"{name}: {m}")
+        # gate_up's A gradient reads x through the Triton kernel's gather on CUDA when timed faster there:
+        # its own autotuned tiles, so another fp32 summation order than the plain path's kernel
+        gate_up_a = "lora_A" in name and g.shape[-1] == 40  # [E*R, D]; down's A is [E*R, I]
+        close = dict(rtol=1.6e-2, atol=1e-5) if device == "cuda" and gate_up_a else exact
+        torch.testing.assert_close(g, want_grads[name], **close, msg=lambda m: f"{name}: {m}")
 
     refused = kept.KeptActivations("projections", allow=lambda nbytes: False)  # over budget: computed both times
     with torch.no_grad(), kept.keeping(refused, recompute=False):

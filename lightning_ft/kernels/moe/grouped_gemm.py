@@ -80,7 +80,7 @@ import triton.testing
 
 from lightning_ft.kernels._utils import triton_can_run
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
-from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
+from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, sum_pairs, unpermute_tokens
 from lightning_ft.kernels.swiglu import swiglu_concat
 
 __all__ = [
@@ -834,8 +834,9 @@ def _thin_product(
     grouped_mm_fn: Callable[[], torch.Tensor],
     triton_fn: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
-    """One thin LoRA product of `_GroupedMMLinear` (``kind``: xa, dyb, dA or dB) on grouped_mm or our
-    Triton kernels, whichever ran faster the first time this shape was seen on this device.
+    """One thin LoRA product of `_GroupedMMLinear` (``kind``: xa, dyb, dA or dB; dA-gathered: dA reading
+    x as [T, C] tokens through the routing, `_KeptGroupedMMLinear`) on grouped_mm or our Triton
+    kernels, whichever ran faster the first time this shape was seen on this device.
 
     Why: which is faster depends on the shape and on how it runs. On the H200 at 65 536 rows, 128
     experts, R = 16, bf16 (Qwen3-30B-A3B's experts), one call at a time with L2 flushed
@@ -883,29 +884,24 @@ class _GroupedMMLinear(torch.autograd.Function):
 
     Forward: the base runs on ``grouped_mm`` and the thin ``xa = s x A_e^T`` [S, R] on grouped_mm or
     our Triton kernel (`_thin_product`, timed once per shape); ``xa B_e^T`` is added into the base
-    output by `_add_thin_grouped`. Backward, the same way: ``dx = dy W_e`` on grouped_mm with
-    ``(s dy B_e) A_e`` added into it in place (``s dy B_e``, ``dA_e = (s dy B_e)^T x`` and
-    ``dB_e = dy^T xa`` through `_thin_product`) and (full fine-tuning) ``dW_e = dy^T x``: each [S, N]
-    or [S, C] tensor is written once, where autograd over separate ops wrote each LoRA term and then
-    added it (profiled at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a 5.0 ms MoE block
-    forward+backward).
+    output by `_add_thin_grouped`. Backward (`_grouped_mm_linear_backward`), the same way: ``dx = dy
+    W_e`` on grouped_mm with ``(s dy B_e) A_e`` added into it in place (``s dy B_e``, ``dA_e = (s dy
+    B_e)^T x`` and ``dB_e = dy^T xa`` through `_thin_product`) and (full fine-tuning) ``dW_e = dy^T
+    x``: each [S, N] or [S, C] tensor is written once, where autograd over separate ops wrote each
+    LoRA term and then added it (profiled at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a
+    5.0 ms MoE block forward+backward).
     Saves x [S, C] and xa [S, R]. With ``compute_output=False`` (a recompute whose output value is
     discarded) y is left unwritten: the backward does not read it. Kept activations: ``store`` (a
     forward) is called with ``(y, xa)``, y computed into ``dest_y_SN`` when given (the keep's
-    buffer: no copy); given ``kept_y_SN`` and ``kept_xa_SR`` (a recompute: what the forward's
-    ``store`` got) nothing is computed, y is the kept one and xa is saved as kept.
+    buffer: no copy); the recompute of such a forward is `_KeptGroupedMMLinear`.
     """
 
     @staticmethod
     def forward(
-        ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, kept_y_SN, kept_xa_SR, store,
-        dest_y_SN,
+        ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, store, dest_y_SN,
     ):  # fmt: skip
         ctx.scaling = scaling
         ctx.copy_weights = copy_weights
-        if kept_y_SN is not None:
-            ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, kept_xa_SR, offsets_E)
-            return kept_y_SN.view_as(kept_y_SN)
         xa_SR = None
         if a_ERC is not None:
             xa_SR = _thin_product(
@@ -927,64 +923,124 @@ class _GroupedMMLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_SN):
         x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E = ctx.saved_tensors
-        needs_x, needs_w, needs_a, needs_b = ctx.needs_input_grad[:4]
-        dy_SN = dy_SN.contiguous()
-        dx_SC = dw_ENC = da_ERC = db_ENR = None
+        grads = _grouped_mm_linear_backward(
+            dy_SN, x_SC, None, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
+            ctx.needs_input_grad[:4],
+        )  # fmt: skip
+        return *grads, None, None, None, None, None, None
+
+
+class _KeptGroupedMMLinear(torch.autograd.Function):
+    """The recompute of a `_GroupedMMLinear` forward whose ``(y, xa)`` were kept: returns the kept y,
+    computes nothing, and differentiates as `_GroupedMMLinear` does (the same kernels on the same
+    values), but reads x from the layer's [T, C] tokens at ``token_idx_S`` instead of a permuted
+    [S, C] copy: the recompute gathers nothing (at 8K tokens of Qwen3-30B-A3B a 256 MiB copy, one
+    index_select per layer and step), the autograd graph saves [T, C], and the backward returns the
+    tokens' gradient, each token's K pair rows summed (`routing.sum_pairs`, as the permute's own
+    backward sums them). Only the LoRA A gradient reads x: through the Triton weight-gradient
+    kernel's fused gather where `_thin_product` timed it faster, else on a gathered copy.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, x_TC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, kept_y_SN, kept_xa_SR, token_idx_S,
+        inv_pair_S, top_k,
+    ):  # fmt: skip
+        ctx.scaling, ctx.copy_weights, ctx.top_k = scaling, copy_weights, top_k
+        ctx.save_for_backward(x_TC, w_ENC, a_ERC, b_ENR, kept_xa_SR, offsets_E, token_idx_S, inv_pair_S)
+        return kept_y_SN.view_as(kept_y_SN)
+
+    @staticmethod
+    def backward(ctx, dy_SN):
+        x_TC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, token_idx_S, inv_pair_S = ctx.saved_tensors
+        dx_SC, dw_ENC, da_ERC, db_ENR = _grouped_mm_linear_backward(
+            dy_SN, x_TC, token_idx_S, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
+            ctx.needs_input_grad[:4],
+        )  # fmt: skip
+        dx_TC = sum_pairs(dx_SC, inv_pair_S, ctx.top_k) if dx_SC is not None else None
+        return dx_TC, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, None, None, None
+
+
+def _grouped_mm_linear_backward(
+    dy_SN, x, token_idx_S, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, scaling, copy_weights, needs
+):  # fmt: skip
+    """(dx_SC, dW_ENC, dA_ERC, dB_ENR) of `_GroupedMMLinear` (None where ``needs`` says no); x is the
+    [S, C] sorted rows, or [T, C] read at rows ``token_idx_S`` (dx is [S, C] either way)."""
+    needs_x, needs_w, needs_a, needs_b = needs
+    dy_SN = dy_SN.contiguous()
+    dx_SC = dw_ENC = da_ERC = db_ENR = None
+    gathered = token_idx_S is not None
+    if needs_x:
+        # in "copies" mode, the layout the probe found correct: a view of the contiguous [E, C, N]
+        w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
+        dx_SC = _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
+    if a_ERC is not None and (needs_x or needs_a):
+        dyb_SR = _thin_product(  # s dy B_e: [S, R]
+            "dyb", dy_SN, a_ERC,
+            lambda: _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E),
+            lambda: grouped_gemm(dy_SN, b_ENR, offsets_E, dy_SN.shape[0]),
+        ).mul_(scaling)
         if needs_x:
-            # in "copies" mode, the layout the probe found correct: a view of the contiguous [E, C, N]
-            w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if ctx.copy_weights else w_ENC
-            dx_SC = _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
-        if a_ERC is not None and (needs_x or needs_a):
-            dyb_SR = _thin_product(  # s dy B_e: [S, R]
-                "dyb", dy_SN, a_ERC,
-                lambda: _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E),
-                lambda: grouped_gemm(dy_SN, b_ENR, offsets_E, dy_SN.shape[0]),
-            ).mul_(ctx.scaling)
-            if needs_x:
-                _add_thin_grouped(dx_SC, dyb_SR, a_ERC, offsets_E)
-            if needs_a:
-                da_ERC = _thin_product(
-                    "dA", x_SC, a_ERC,
-                    lambda: _GROUPED_MM(dyb_SR.t(), x_SC, offs=offsets_E),
-                    lambda: grouped_wgrad(dyb_SR, x_SC, offsets_E),
-                )
-        if needs_b:
-            db_ENR = _thin_product(
-                "dB", dy_SN, a_ERC,
-                lambda: _GROUPED_MM(dy_SN.t(), xa_SR, offs=offsets_E),
-                lambda: grouped_wgrad(dy_SN, xa_SR, offsets_E),
+            _add_thin_grouped(dx_SC, dyb_SR, a_ERC, offsets_E)
+        if needs_a:
+            da_ERC = _thin_product(
+                "dA-gathered" if gathered else "dA", x, a_ERC,
+                lambda: _GROUPED_MM(dyb_SR.t(), x.index_select(0, token_idx_S) if gathered else x, offs=offsets_E),
+                lambda: grouped_wgrad(dyb_SR, x, offsets_E, rhs_idx_S=token_idx_S),
             )
-        if needs_w:  # full fine-tuning of the experts
-            dw_ENC = _GROUPED_MM(dy_SN.t(), x_SC, offs=offsets_E)
-        return dx_SC, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, None, None, None
+    if needs_b:
+        db_ENR = _thin_product(
+            "dB", dy_SN, a_ERC,
+            lambda: _GROUPED_MM(dy_SN.t(), xa_SR, offs=offsets_E),
+            lambda: grouped_wgrad(dy_SN, xa_SR, offsets_E),
+        )
+    if needs_w:  # full fine-tuning of the experts
+        dw_ENC = _GROUPED_MM(dy_SN.t(), x.index_select(0, token_idx_S) if gathered else x, offs=offsets_E)
+    return dx_SC, dw_ENC, da_ERC, db_ENR
+
+
+def _padded_lora(lora: _LoRAFactors | None, dtype: torch.dtype) -> tuple:
+    """``(a_ERC, b_ENR, scaling)`` with R padded by zero factors to 16-byte rows of the thin [S, R]
+    middle (grouped_mm's stride rule; exact: the padded terms are zero)."""
+    a_ERC, b_ENR, scaling = _lora_args(lora)
+    if lora is not None:
+        pad = -a_ERC.shape[1] % (16 * 8 // torch.finfo(dtype).bits)
+        if pad:
+            a_ERC = F.pad(a_ERC, (0, 0, 0, pad))
+            b_ENR = F.pad(b_ENR, (0, pad))
+    return a_ERC, b_ENR, scaling
 
 
 def _linear_grouped_mm(
     x_SC, w_ENC, offsets_E, lora: _LoRAFactors | None, copy_weights: bool, compute_output: bool, keep=None
-):
-    a_ERC, b_ENR, scaling = _lora_args(lora)
-    if lora is not None:
-        # The thin [S, R] middle needs 16-byte rows: pad R with zero factors when it is not (exact).
-        pad = -a_ERC.shape[1] % (16 * 8 // torch.finfo(x_SC.dtype).bits)
-        if pad:
-            a_ERC = F.pad(a_ERC, (0, 0, 0, pad))
-            b_ENR = F.pad(b_ENR, (0, pad))
-    kept = keep.take() if keep is not None and keep.recompute else None  # None: computed
-    kept_y_SN, kept_xa_SR = kept if kept is not None else (None, None)
-    store = keep.store if keep is not None and not keep.recompute else None
-    buffers = keep.buffers() if store is not None else None  # a later forward: the LoRA sum lands in the buffer
+):  # fmt: skip
+    """`_GroupedMMLinear` on sorted rows; ``keep`` (a forward's, not a recompute's) is offered (y, xa)."""
+    a_ERC, b_ENR, scaling = _padded_lora(lora, x_SC.dtype)
+    store = keep.store if keep is not None else None
+    buffers = keep.buffers() if keep is not None else None  # a later forward: the LoRA sum lands in the buffer
     return _GroupedMMLinear.apply(
-        x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, kept_y_SN, kept_xa_SR, store,
+        x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, store,
         buffers[0] if buffers is not None else None,
     )
 
 
 def _experts_grouped_mm(
-    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights, output_needed,
+    x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights, output_needed,
     keep,
 ):  # fmt: skip
     offsets_E = routing.offsets_E
-    h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, lora_gate_up, copy_weights, True, keep=keep)
+    kept = keep.take() if keep is not None and keep.recompute else None  # None: computed
+    if kept is not None:  # the recompute of a forward that kept gate/up: no GEMM, no [S, D] gather
+        kept_h_SF, kept_xa_SR = kept
+        a_ERC, b_ENR, scaling = _padded_lora(lora_gate_up, x_TD.dtype)
+        h_SF = _KeptGroupedMMLinear.apply(
+            x_TD, w_gate_up_EFD, a_ERC, b_ENR, scaling, offsets_E, copy_weights, kept_h_SF, kept_xa_SR,
+            routing.token_idx_S, routing.inv_pair_S, routing.top_k,
+        )  # fmt: skip
+    else:
+        forward_keep = keep if keep is not None and not keep.recompute else None
+        x_SD = permute_tokens(x_TD, routing)
+        h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, lora_gate_up, copy_weights, True, keep=forward_keep)
     a_SI = _swiglu(h_SF, act_fn, weight_S)
     return _linear_grouped_mm(a_SI, w_down_EDI, offsets_E, lora_down, copy_weights, output_needed)
 
@@ -1040,9 +1096,10 @@ def moe_experts(
             computes into the ``buffers`` of the call, if any, and offers the gate/up
             output h [S, 2I] (split LoRA added) and the thin LoRA product s·x Aᵀ [S, R] (None
             without LoRA) to ``store``; the recompute of that forward, on the same inputs, takes
-            them back and skips the gate/up GEMM and its LoRA, differentiating through them as if
-            it had run them (the values are the forward's exactly: the same kernels on the same
-            inputs). Other backends neither store nor take.
+            them back and skips the gate/up GEMM, its LoRA and the [S, D] gather of x,
+            differentiating through them as if it had run them (the values are the forward's
+            exactly: the same kernels on the same inputs; `_KeptGroupedMMLinear`). Other backends
+            neither store nor take.
 
     Returns:
         [T, D] in ``x_TD``'s dtype; computed in the weights' dtype with autocast off.
@@ -1069,35 +1126,35 @@ def moe_experts(
             out_TD = _experts_triton(x, weight_S, routing, *weights, output_needed)
         else:
             # the routing weight scales each pair's down-projection input (inside the SwiGLU kernel)
-            x_SD = permute_tokens(x, routing)
             if backend == "grouped_mm":
-                y_SD, output_needed = _run_grouped_mm(x_SD, routing, weight_S, *weights, output_needed, keep)
+                y_SD, output_needed = _run_grouped_mm(x, routing, weight_S, *weights, output_needed, keep)
             else:
-                y_SD, output_needed = _experts_native(x_SD, routing, weight_S, *weights), True
+                y_SD, output_needed = _experts_native(permute_tokens(x, routing), routing, weight_S, *weights), True
             out_TD = unpermute_tokens(y_SD, routing, output_needed=output_needed)
     return out_TD.to(x_TD.dtype)
 
 
 def _run_grouped_mm(
-    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None
+    x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None
 ) -> tuple[torch.Tensor, bool]:
     """y_SD, and whether it holds values (False: skipped, see ``moe_experts(output_needed=...)``)."""
-    dtype = x_SD.dtype
-    mode = grouped_mm_mode(x_SD.device, dtype)
+    dtype = x_TD.dtype
+    mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
     if mode == "unsupported" or not _grouped_mm_aligned(dtype, sizes, (w_gate_up_EFD, w_down_EDI)):
         _log_once(
-            f"grouped_mm-fallback-{x_SD.device.type}-{dtype}-{sizes}",
+            f"grouped_mm-fallback-{x_TD.device.type}-{dtype}-{sizes}",
             logging.WARNING,
-            f"grouped_mm cannot run experts of sizes {sizes} at {dtype} on {x_SD.device.type} (mode {mode}, "
+            f"grouped_mm cannot run experts of sizes {sizes} at {dtype} on {x_TD.device.type} (mode {mode}, "
             "sizes must be multiples of 16 bytes); running the native_torch loop (one host sync per layer). "
             "Use moe.backend=triton to stay sync-free.",
         )
+        x_SD = permute_tokens(x_TD, routing)
         return _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down), True
     if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
-        _refuse_host_sync_in_capture(x_SD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
+        _refuse_host_sync_in_capture(x_TD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
     y_SD = _experts_grouped_mm(
-        x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
+        x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
         keep,
     )
     return y_SD, output_needed

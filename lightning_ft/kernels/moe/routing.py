@@ -35,7 +35,7 @@ import triton.language as tl
 
 from lightning_ft.kernels._utils import num_warps_for, triton_can_run
 
-__all__ = ["ExpertRouting", "permute_tokens", "sort_by_expert", "topk_routing", "unpermute_tokens"]
+__all__ = ["ExpertRouting", "permute_tokens", "sort_by_expert", "sum_pairs", "topk_routing", "unpermute_tokens"]
 
 
 def topk_routing(
@@ -146,7 +146,7 @@ def _sum_pairs_kernel(Y, INV, OUT, n_cols, stride_y, stride_out, TOP_K: tl.const
     tl.store(OUT + token * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torch.Tensor:
+def sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torch.Tensor:
     """[S, D] expert-sorted rows -> [T, D]: row t is the sum of its K pairs' rows, fp32 accumulation.
 
     One fused gather + sum where Triton runs: it reads the S rows once and writes the T rows. The
@@ -180,7 +180,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SD):
         (inv_pair_S,) = ctx.saved_tensors
-        return _sum_pairs(grad_SD, inv_pair_S, ctx.top_k), None, None, None
+        return sum_pairs(grad_SD, inv_pair_S, ctx.top_k), None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
@@ -191,7 +191,7 @@ class _UnpermuteTokens(torch.autograd.Function):
         ctx.save_for_backward(token_idx_S)
         if not output_needed:
             return y_SD.new_zeros(inv_pair_S.numel() // top_k, y_SD.shape[-1])
-        return _sum_pairs(y_SD, inv_pair_S, top_k)
+        return sum_pairs(y_SD, inv_pair_S, top_k)
 
     @staticmethod
     def backward(ctx, grad_TD):
