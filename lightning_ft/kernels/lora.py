@@ -100,12 +100,15 @@ def lora_linear(
 
 def _computable_into(buffers: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A) -> bool:
     """Whether `lora_linear`'s two first products can be computed straight into the kept ``(y, h)``:
-    no bias, x and the base weight in the buffers' dtype (what autocast computes in, so no cast is
-    skipped), A in it too or cast to it by autocast, and buffers laid out as the products'
-    contiguous outputs."""
+    no grad mode (``out=`` products are not differentiable; the CUDA graphs' forwards run without
+    grad), no bias, a contiguous x (else F.linear takes another matmul path, other roundings), x and
+    the base weight in the buffers' dtype (what autocast computes in, so no cast is skipped), A in
+    it too or cast to it by autocast, and buffers laid out as the products' contiguous outputs."""
     y, h = buffers
     return (
-        bias is None
+        not torch.is_grad_enabled()
+        and bias is None
+        and x.is_contiguous()
         and x.dtype == weight.dtype == y.dtype == h.dtype
         and (lora_A.dtype == h.dtype or torch.is_autocast_enabled(x.device.type))
         and y.is_contiguous()

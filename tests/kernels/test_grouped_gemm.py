@@ -4,6 +4,7 @@ The reference is the stock PEFT math (delta weight per expert, then one linear p
 float64; each backend runs at fp32 (tight) and bf16 (against the same float64 reference).
 """
 
+import contextlib
 import itertools
 import logging
 import os
@@ -24,6 +25,7 @@ from lightning_ft.kernels.moe import (
     sort_by_expert,
 )
 from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
+from lightning_ft.modules import kept
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
@@ -116,21 +118,28 @@ def _reference(case: Case, topk_idx: torch.Tensor, t: dict) -> torch.Tensor:
     return (y * t["topk_weight"][..., None]).sum(dim=1)
 
 
-def _run(backend, case, topk_idx, tensors, dtype, grad_out, act_fn=torch.nn.SiLU(), trainable=None, output_needed=True):
+def _run(
+    backend, case, topk_idx, tensors, dtype, grad_out, act_fn=torch.nn.SiLU(), trainable=None, output_needed=True, keep=None
+):  # fmt: skip
     """Forward + backward of one backend; returns the output and the grads of the trainable tensors.
 
     ``nn.SiLU`` (what transformers' experts hold) takes the fused SwiGLU kernel with the routing
     weight folded in; any other callable takes the plain-torch activation path. ``trainable``: the
-    tensors that require grad (default: `_trainable`).
+    tensors that require grad (default: `_trainable`). ``keep``: kept activations inside
+    `kept.keeping` (a recompute when ``grad_out`` is given, else a forward only, without grad).
     """
     trainable = _trainable(case) if trainable is None else trainable
     t = {name: v.detach().to(dtype).requires_grad_(name in trainable) for name, v in tensors.items()}
     gate_up_lora, down_lora = _loras(case, t)
     routing = sort_by_expert(topk_idx, case.experts)
-    out = moe_experts(
-        t["x"], t["topk_weight"], routing, t["w_gate_up"], t["w_down"], act_fn,
-        gate_up_lora=gate_up_lora, down_lora=down_lora, backend=backend, output_needed=output_needed,
-    )
+    keeping = kept.keeping(keep, recompute=grad_out is not None) if keep is not None else contextlib.nullcontext()
+    with keeping, torch.set_grad_enabled(grad_out is not None):
+        out = moe_experts(
+            t["x"], t["topk_weight"], routing, t["w_gate_up"], t["w_down"], act_fn,
+            gate_up_lora=gate_up_lora, down_lora=down_lora, backend=backend, output_needed=output_needed, keep=keep,
+        )
+    if grad_out is None:
+        return out, {}
     out.backward(grad_out.to(dtype))
     return out, {name: t[name].grad for name in trainable}
 
@@ -244,6 +253,45 @@ def test_every_expert_lora_tensor_gets_gradient(backend, device):
         a_ERC, b_ENR, _ = lora_grad.factors(torch.float32)
         assert torch.all(a_ERC.abs().sum(dim=(1, 2)) > 0), f"{backend}: an expert's {name} lora_A got no gradient"
         assert torch.all(b_ENR.abs().sum(dim=(1, 2)) > 0), f"{backend}: an expert's {name} lora_B got no gradient"
+
+
+KEPT_CASES = {name: CASES[name] for name in ("base", "e6_top1_empty", "full_finetune")} | {
+    "padded_rank": Case(tokens=16, hidden=32, intermediate=16, experts=4, top_k=2, rank=3, empty=(1,)),
+}
+
+
+@pytest.mark.parametrize("thin", ["grouped_mm", "triton"])
+@pytest.mark.parametrize("mode", ["views", "copies"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case_name", list(KEPT_CASES))
+def test_kept_gate_up_recompute_gives_the_plain_gradients_bit_for_bit(case_name, dtype, mode, thin, monkeypatch):
+    """grouped_mm with the gate/up output kept (the CUDA graphs' recompute, `_KeptGroupedMMLinear`):
+    after a first and a later forward without grad keep h and s·x·Aᵀ, the recompute on the same
+    inputs reads the tokens through the routing (no [S, D] gather) and gives the plain path's
+    output and every gradient bit for bit: top_k=1 with empty experts, a rank padded to 16-byte
+    rows, full fine-tuning of the experts (no LoRA: dW from the tokens), the weights' views and
+    copies modes, and each thin-product candidate (Triton's LoRA A gradient then gathers in its
+    loads). CPU: the same kernels on both paths (on CUDA the candidates are timed per key)."""
+    case = KEPT_CASES[case_name]
+    monkeypatch.setattr(gg, "grouped_mm_mode", lambda device, dtype: mode)
+    if thin == "triton":
+        monkeypatch.setattr(gg, "_thin_product", lambda kind, rows, a, grouped_mm_fn, triton_fn: triton_fn())
+    topk_idx, tensors = _make(case, "cpu")
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1))
+    want_out, want = _run("grouped_mm", case, topk_idx, tensors, dtype, grad_out)
+    keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+    for scale in (0.5, 1.0):  # the first forward's results become the buffers, the later one's land in them
+        _run("grouped_mm", case, topk_idx, tensors | {"x": tensors["x"] * scale}, dtype, None, keep=keep)
+    assert keep.enabled and len(keep.kept) == 1
+    permuted = []
+    real_permute = gg.permute_tokens
+    monkeypatch.setattr(gg, "permute_tokens", lambda *args: permuted.append(args) or real_permute(*args))
+    got_out, got = _run("grouped_mm", case, topk_idx, tensors, dtype, grad_out, keep=keep)
+    assert not permuted
+    torch.testing.assert_close(got_out, want_out, rtol=0, atol=0)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

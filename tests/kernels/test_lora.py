@@ -92,28 +92,34 @@ def test_kept_output_gives_the_plain_gradients_exactly(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["plain", "bias", "grad-mode", "non-contiguous-x"])
 @pytest.mark.parametrize("case", ["fp32", "bf16-autocast", "fp32-input-bf16-autocast"])
-def test_later_forward_computes_into_the_kept_buffers(device, case):
-    """A later forward (the CUDA graphs' recording and replays) writes y and x Aᵀ straight into the
-    first forward's buffers, with the values a plain call gives (bit for bit); where autocast would
-    cast x (an fp32 input under bf16 autocast) it computes and copies as before."""
-    x, w, _, a, bb = _inputs(device, (3, 19), 40, 72, 8, True)
+def test_later_forward_computes_into_the_kept_buffers(device, case, variant):
+    """A later forward (the CUDA graphs' recording and replays, without grad) writes y and x Aᵀ
+    straight into the first forward's buffers, with the values a plain call gives (bit for bit).
+    Where that could not give F.linear's values or autograd, it computes and copies as before: a
+    cast autocast would make (an fp32 input under bf16 autocast), a bias, grad mode, a
+    non-contiguous x."""
+    x, w, b, a, bb = _inputs(device, (3, 19), 40, 72, 8, variant == "bias")
+    if variant == "non-contiguous-x":
+        x = x.detach().transpose(0, 1).contiguous().transpose(0, 1)  # [3, 19, 40], strides of [19, 3, 40]
     if case != "fp32":
-        w = w.to(torch.bfloat16)
+        w, b = w.to(torch.bfloat16), b.to(torch.bfloat16) if b is not None else None
     if case == "bf16-autocast":
         x = x.detach().to(torch.bfloat16)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=case != "fp32", cache_enabled=False)
     keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
-    with autocast, torch.no_grad():
+    with autocast, torch.set_grad_enabled(variant == "grad-mode"):
         with kept.keeping(keep, recompute=False):
-            first_y = lora_linear(x * 0.5, w, None, a, bb, 0.5, keep=keep)
-        buffers = tuple(t.clone() for t in keep.kept[0])
+            first_y = lora_linear(x * 0.5, w, b, a, bb, 0.5, keep=keep)
+        buffers = tuple(t.detach().clone() for t in keep.kept[0])
         with kept.keeping(keep, recompute=False):
-            later_y = lora_linear(x, w, None, a, bb, 0.5, keep=keep)
-        want_y = lora_linear(x, w, None, a, bb, 0.5)
+            later_y = lora_linear(x, w, b, a, bb, 0.5, keep=keep)
+        want_y = lora_linear(x, w, b, a, bb, 0.5)
         want_h = torch.nn.functional.linear(x, a)
     assert first_y.data_ptr() == keep.kept[0][0].data_ptr()
-    assert (later_y.data_ptr() == first_y.data_ptr()) == (case != "fp32-input-bf16-autocast")
+    computed_into = variant == "plain" and case != "fp32-input-bf16-autocast"
+    assert (later_y.data_ptr() == first_y.data_ptr()) == computed_into
     assert not torch.equal(buffers[0], keep.kept[0][0])  # overwritten by the later forward
     torch.testing.assert_close(later_y, want_y, rtol=0, atol=0)
     torch.testing.assert_close(keep.kept[0][0], want_y, rtol=0, atol=0)

@@ -853,7 +853,8 @@ def _thin_product(
     under ``TRITON_INTERPRET=1`` and for fp64 (which our kernels do not take) grouped_mm runs,
     untimed. Note: nothing is timed while a CUDA graph is being recorded (timing syncs): an uncached
     key then runs grouped_mm. The graphs record a shape only after running it eagerly, so its keys
-    are cached by then.
+    are cached by then; ``dA-gathered``, which only a recompute of kept activations meets, is timed
+    in the recording's warm-up (its backward runs eagerly once per signature).
     """
     device, dtype = rows_S.device, rows_S.dtype
     if device.type != "cuda" or _INTERPRET or dtype == torch.float64:
@@ -937,8 +938,11 @@ class _KeptGroupedMMLinear(torch.autograd.Function):
     [S, C] copy: the recompute gathers nothing (at 8K tokens of Qwen3-30B-A3B a 256 MiB copy, one
     index_select per layer and step), the autograd graph saves [T, C], and the backward returns the
     tokens' gradient, each token's K pair rows summed (`routing.sum_pairs`, as the permute's own
-    backward sums them). Only the LoRA A gradient reads x: through the Triton weight-gradient
-    kernel's fused gather where `_thin_product` timed it faster, else on a gathered copy.
+    backward sums them). Only the LoRA A gradient (and dW, full fine-tuning) reads x: through the
+    Triton weight-gradient kernel's fused gather where `_thin_product` timed it faster (its own key,
+    ``dA-gathered``, so on CUDA that one gradient may come from the other kernel than the forward
+    path's and differ in fp32 summation order; bit for bit where both take the same), else on a
+    gathered copy.
     """
 
     @staticmethod
@@ -970,6 +974,13 @@ def _grouped_mm_linear_backward(
     dy_SN = dy_SN.contiguous()
     dx_SC = dw_ENC = da_ERC = db_ENR = None
     gathered = token_idx_S is not None
+    sorted_rows = []  # x in sorted-row order, gathered at most once
+
+    def x_SC():
+        if not sorted_rows:
+            sorted_rows.append(x.index_select(0, token_idx_S) if gathered else x)
+        return sorted_rows[0]
+
     if needs_x:
         # in "copies" mode, the layout the probe found correct: a view of the contiguous [E, C, N]
         w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
@@ -985,7 +996,7 @@ def _grouped_mm_linear_backward(
         if needs_a:
             da_ERC = _thin_product(
                 "dA-gathered" if gathered else "dA", x, a_ERC,
-                lambda: _GROUPED_MM(dyb_SR.t(), x.index_select(0, token_idx_S) if gathered else x, offs=offsets_E),
+                lambda: _GROUPED_MM(dyb_SR.t(), x_SC(), offs=offsets_E),
                 lambda: grouped_wgrad(dyb_SR, x, offsets_E, rhs_idx_S=token_idx_S),
             )
     if needs_b:
@@ -995,7 +1006,7 @@ def _grouped_mm_linear_backward(
             lambda: grouped_wgrad(dy_SN, xa_SR, offsets_E),
         )
     if needs_w:  # full fine-tuning of the experts
-        dw_ENC = _GROUPED_MM(dy_SN.t(), x.index_select(0, token_idx_S) if gathered else x, offs=offsets_E)
+        dw_ENC = _GROUPED_MM(dy_SN.t(), x_SC(), offs=offsets_E)
     return dx_SC, dw_ENC, da_ERC, db_ENR
 
 
