@@ -31,6 +31,7 @@ class ModelConfig:
     cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs in training (CUDA, checkpointing, varlen|sdpa, no dropout)
     cuda_graphs_keep_attention: bool = True  # with cuda_graphs: keep attention's output for the backward (skips its recompute; [T, heads, head_dim] per layer, while it fits)
     cuda_graphs_keep_projections: bool = True  # with cuda_graphs: keep the outputs of the projections (LoRA q/k/v/o..., MoE experts' gate/up) for the backward (skips those GEMMs' recompute; per layer, while it fits)
+    cuda_graphs_keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (attention and projections together, GiB, in layer order); null: while 90% of the GPU's memory holds
     activation_offload: bool = False  # with cuda_graphs: each layer's checkpointed input waits in pinned host memory for the backward (less GPU memory for long rows; copies overlapped)
     trust_remote_code: bool = False
 

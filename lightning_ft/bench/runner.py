@@ -98,7 +98,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
                 "model": cfg.name,
                 "seq_len": seq_len,
                 "model_config": model_config,
-                "model_options": {k: cfg.model[k] for k in ("attention", "cuda_graphs", "cuda_graphs_keep_attention", "cuda_graphs_keep_projections", "activation_offload") if k in cfg.model},
+                "model_options": {k: cfg.model[k] for k in ("attention", "cuda_graphs", "cuda_graphs_keep_attention", "cuda_graphs_keep_projections", "cuda_graphs_keep_max_gib", "activation_offload") if k in cfg.model},
                 "lora": OmegaConf.to_container(cfg.lora, resolve=True),
                 "kernels": OmegaConf.to_container(cfg.kernels, resolve=True),
                 "moe": OmegaConf.to_container(cfg.moe, resolve=True),

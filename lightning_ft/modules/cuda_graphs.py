@@ -96,7 +96,9 @@ from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
 from lightning_ft.modules.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
-__all__ = ["apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "recomputing_for_backward", "revert_cuda_graphs"]
+__all__ = [
+    "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -263,10 +265,12 @@ class _ModelGraphs:
         optimizer_bytes: int = 0,
         offload: ActivationOffload | None = None,
         keep_projections: bool = True,
+        keep_max_bytes: int | None = None,
     ):
         self.max_signatures = max_signatures
         self.varlen = varlen
         self.keep = {"attention": keep_attention, "projections": keep_projections}  # the kinds layers may keep
+        self.keep_max_bytes = keep_max_bytes  # a cap on all that is kept (None: the memory budget alone)
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
         self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
         self.statics: dict[tuple, _StaticInputs] = {}
@@ -298,10 +302,17 @@ class _ModelGraphs:
 
         On CUDA: while the peak reserved so far, everything kept so far, these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
-        stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. Layers
-        that do not fit recompute instead. Off CUDA: always (when the kind may keep at all).
+        stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. On every
+        device: while everything kept so far and these fit in ``keep_max_bytes``, when set. Layers
+        that do not fit recompute instead (when the kind may keep at all).
         """
         if not self.keep[kind]:
+            return False
+        if self.keep_max_bytes is not None and self.kept_bytes() + nbytes > self.keep_max_bytes:
+            self.log_once(
+                f"model.cuda_graphs_keep_max_gib={self.keep_max_bytes / 2**30:g} reached: the rest of the layers' "
+                f"{kind} outputs are recomputed"
+            )
             return False
         if device.type == "cuda":
             limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
@@ -525,6 +536,19 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
     return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
 
 
+def keep_max_bytes(keep_max_gib: float | None) -> int | None:
+    """``model.cuda_graphs_keep_max_gib`` in bytes (None: no cap).
+
+    Raises:
+        ValueError: not a number of GiB >= 0.
+    """
+    if keep_max_gib is None:
+        return None
+    if isinstance(keep_max_gib, bool) or not isinstance(keep_max_gib, (int, float)) or not keep_max_gib >= 0:
+        raise ValueError(f"model.cuda_graphs_keep_max_gib={keep_max_gib!r}: expected a number of GiB >= 0, or null for no cap")
+    return int(keep_max_gib * 2**30)
+
+
 def check_cuda_graphs(
     gradient_checkpointing: bool,
     attention: str,
@@ -575,6 +599,7 @@ def apply_cuda_graphs(
     keep_attention: bool = True,
     activation_offload: bool = False,
     keep_projections: bool = True,
+    keep_max_gib: float | None = None,
 ) -> int:
     """Run every decoder layer of ``model`` (HF or PEFT-wrapped) from CUDA graphs in training.
 
@@ -598,13 +623,16 @@ def apply_cuda_graphs(
             layers (those the architecture's patch table lists) and of the MoE experts' gate/up
             GEMM (``grouped_mm`` backend), with their thin LoRA products, for its backward graph,
             whose recompute then skips those GEMMs, within the same budget.
+        keep_max_gib: at most this many GiB kept, both kinds together, in layer order (the layers
+            after the cap recompute, as past the memory budget); None: the memory budget alone.
+            For a peak below what the budget allows (a shared GPU, a memory target).
 
     Returns:
         The number of layers patched.
 
     Raises:
-        ValueError: no ``GradientCheckpointingLayer`` in the model, sliding-window attention, or
-            what `check_cuda_graphs` refuses.
+        ValueError: no ``GradientCheckpointingLayer`` in the model, sliding-window attention, a
+            negative ``keep_max_gib``, or what `check_cuda_graphs` refuses.
     """
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
@@ -633,6 +661,7 @@ def apply_cuda_graphs(
         optimizer_bytes=2 * trainable_bytes,
         offload=ActivationOffload(len(layers)) if activation_offload else None,
         keep_projections=keep_projections,
+        keep_max_bytes=keep_max_bytes(keep_max_gib),
     )
     for index, layer in enumerate(layers):
         setattr(layer, _INDEX_ATTR, index)

@@ -56,7 +56,7 @@ from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
-from lightning_ft.modules.cuda_graphs import apply_cuda_graphs, check_cuda_graphs
+from lightning_ft.modules.cuda_graphs import apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
 from lightning_ft.modules.moe import apply_moe
 from lightning_ft.modules.patching import apply_kernels
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
@@ -211,9 +211,11 @@ def check_model_switches(model: dict[str, Any], no_cuda: str | None = None, hint
         hint: appended to the no-CUDA error.
 
     Raises:
-        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, or ``model.cuda_graphs``
-            where ``no_cuda`` says why it cannot run, naming every key to change.
+        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, ``model.cuda_graphs``
+            where ``no_cuda`` says why it cannot run, naming every key to change, or a
+            ``model.cuda_graphs_keep_max_gib`` that is not a number of GiB >= 0.
     """
+    keep_max_bytes(model.get("cuda_graphs_keep_max_gib"))
     offload = bool(model.get("activation_offload"))
     if offload and not model.get("cuda_graphs"):
         raise ValueError("model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)")
@@ -359,6 +361,7 @@ class FinetuneModule(L.LightningModule):
                 keep_attention=cfg.get("cuda_graphs_keep_attention", True),
                 activation_offload=offload,
                 keep_projections=cfg.get("cuda_graphs_keep_projections", True),
+                keep_max_gib=cfg.get("cuda_graphs_keep_max_gib"),
             )
             rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
             if attention == "varlen":

@@ -17,8 +17,14 @@ import torch
 import lightning_ft.modules.moe
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.kernels.moe import moe_experts
-from lightning_ft.modules.cuda_graphs import _STATE_ATTR, apply_cuda_graphs, cuda_graph_stats, revert_cuda_graphs
-from lightning_ft.modules.finetune_module import FinetuneModule, _use_cuda_graphs
+from lightning_ft.modules.cuda_graphs import (
+    _STATE_ATTR,
+    apply_cuda_graphs,
+    cuda_graph_stats,
+    keep_max_bytes,
+    revert_cuda_graphs,
+)
+from lightning_ft.modules.finetune_module import FinetuneModule, _use_cuda_graphs, check_model_switches
 
 TINY = {
     "llama": dict(
@@ -305,7 +311,8 @@ def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound()
 
 
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
-    """One budget for every kind: what any layer keeps (attention and experts) counts against it."""
+    """One budget for every kind: what any layer keeps (attention and experts) counts against it;
+    ``model.cuda_graphs_keep_max_gib`` caps it further, on every device."""
     from lightning_ft.modules.cuda_graphs import _ModelGraphs
 
     gib = 2**30
@@ -325,6 +332,18 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     no_experts = _ModelGraphs(max_signatures=8, varlen=True, keep_projections=False)
     assert no_experts.allow_keep(1, cuda, "attention") and not no_experts.allow_keep(1, cuda, "projections")
     assert _ModelGraphs(max_signatures=8, varlen=True).allow_keep(10**15, torch.device("cpu"))  # tests: no budget
+    # model.cuda_graphs_keep_max_gib: a cap on both kinds together, on every device, under the budget too
+    capped = _ModelGraphs(max_signatures=8, varlen=True, keep_max_bytes=keep_max_bytes(9))
+    capped.kept_shared[(0, "attention")] = {(0, ()): (torch.empty(5 * gib, dtype=torch.uint8, device="meta"),)}
+    capped.kept_shared[(0, "projections")] = {(0, ()): (torch.empty(3 * gib, dtype=torch.uint8, device="meta"),)}
+    for device in (cuda, torch.device("cpu")):
+        for kind in ("attention", "projections"):
+            assert capped.allow_keep(gib, device, kind) and not capped.allow_keep(gib + 1, device, kind)
+    assert not _ModelGraphs(max_signatures=8, varlen=True, keep_max_bytes=0).allow_keep(1, torch.device("cpu"))
+    assert keep_max_bytes(None) is None and keep_max_bytes(0.5) == gib // 2
+    for bad in (-1, "8", True):
+        with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=.*expected a number of GiB >= 0"):
+            keep_max_bytes(bad)
 
 
 def test_a_moved_weight_is_recorded_again_and_revert_restores_the_layers():
@@ -396,6 +415,8 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     )
     with pytest.raises(ValueError, match="model.activation_offload=true needs model.cuda_graphs=true"):
         offload_alone.configure_model()
+    with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=-2: expected a number of GiB >= 0"):
+        check_model_switches({"cuda_graphs": True, "cuda_graphs_keep_max_gib": -2})
 
 
 @pytest.mark.gpu
