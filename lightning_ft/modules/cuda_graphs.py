@@ -308,7 +308,8 @@ class _ModelGraphs:
         """
         if not self.keep[kind]:
             return False
-        if self.keep_max_bytes is not None and self.kept_bytes() + nbytes > self.keep_max_bytes:
+        kept = self.kept_bytes() + nbytes
+        if self.keep_max_bytes is not None and kept > self.keep_max_bytes:
             self.log_once(
                 f"model.cuda_graphs_keep_max_gib={self.keep_max_bytes / 2**30:g} reached: the rest of the layers' "
                 f"{kind} outputs are recomputed"
@@ -316,7 +317,7 @@ class _ModelGraphs:
             return False
         if device.type == "cuda":
             limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
-            if torch.cuda.max_memory_reserved(device) + self.kept_bytes() + nbytes + self.optimizer_bytes > limit:
+            if torch.cuda.max_memory_reserved(device) + kept + self.optimizer_bytes > limit:
                 self.log_once(f"not enough GPU memory to keep more of the layers' {kind} outputs: the rest are recomputed")
                 return False
         return True

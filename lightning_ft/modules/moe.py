@@ -20,9 +20,9 @@ layer's forward the block keeps the experts' gate/up output (split LoRA added) a
 product, and the recompute reuses them, skipping the gate/up GEMM (at 8K tokens on Qwen3-30B-A3B,
 65 536 routed rows × 2048 × 1536: 0.4 TFLOP per layer-step) and the gather of the tokens into
 expert order (a 256 MiB copy: the LoRA A gradient reads the tokens through the routing instead)
-for 194 MiB per layer (of the 306 MiB such a layer keeps with its q/k/v/o outputs). The recompute routes again (the same kernels on the
-same input: the same order), so the kept rows line up. ``grouped_mm`` backend only; the others
-recompute (their forward offers nothing to keep).
+for 194 MiB per layer (of the 306 MiB such a layer keeps with its q/k/v/o outputs). The recompute
+routes again (the same kernels on the same input: the same order), so the kept rows line up.
+``grouped_mm`` backend only; the others recompute (their forward offers nothing to keep).
 
 Router logits: transformers v5 collects ``output_router_logits`` with forward hooks that its
 ``capture_outputs`` decorator installs on every ``Qwen3MoeTopKRouter`` (``OutputRecorder(index=0)``).

@@ -67,6 +67,7 @@ loop) and ``models/qwen3_moe``; PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapp
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -974,12 +975,8 @@ def _grouped_mm_linear_backward(
     dy_SN = dy_SN.contiguous()
     dx_SC = dw_ENC = da_ERC = db_ENR = None
     gathered = token_idx_S is not None
-    sorted_rows = []  # x in sorted-row order, gathered at most once
-
-    def x_SC():
-        if not sorted_rows:
-            sorted_rows.append(x.index_select(0, token_idx_S) if gathered else x)
-        return sorted_rows[0]
+    # x in sorted-row order, gathered at most once (LoRA A on grouped_mm and dW may both read it)
+    x_SC = functools.cache(lambda: x.index_select(0, token_idx_S) if gathered else x)
 
     if needs_x:
         # in "copies" mode, the layout the probe found correct: a view of the contiguous [E, C, N]
