@@ -44,7 +44,7 @@ _RESUMABLE_CHANGES = (
     "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
     "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
     "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.cuda_graphs_keep_projections",
-    "model.cuda_graphs_keep_max_gib", "model.activation_offload",
+    "model.cuda_graphs_keep_max_gib", "model.activation_offload", "moe.lora_slots",
 )
 _INT_TRAINER_KEYS = (
     "max_steps", "min_steps", "max_epochs", "min_epochs", "accumulate_grad_batches", "log_every_n_steps",
@@ -442,7 +442,7 @@ def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path)
             + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
             + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
             "model.cuda_graphs, model.cuda_graphs_keep_attention, model.cuda_graphs_keep_projections, "
-            "model.cuda_graphs_keep_max_gib and model.activation_offload may change)"
+            "model.cuda_graphs_keep_max_gib, model.activation_offload and moe.lora_slots may change)"
         )
     stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
     if stretched and config.get("scheduler") and _first_process():

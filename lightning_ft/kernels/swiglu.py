@@ -165,9 +165,9 @@ class SwiGLUConcatFunction(torch.autograd.Function):
     """silu(h[:, :I]) * h[:, I:] (* w) on a [rows, 2I] tensor; saves h (and w), its gradient is one [rows, 2I] tensor."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, row_weight: torch.Tensor | None, pad_out: int, pad_grad: int) -> torch.Tensor:
         rows, n_cols = h.shape[0], h.shape[1] // 2
-        y = h.new_empty(rows, n_cols)
+        y = h.new_empty(rows, n_cols + pad_out)[:, :n_cols]
         block = _concat_block(n_cols)
         if y.numel():
             _swiglu_concat_fwd_kernel[(rows, triton.cdiv(n_cols, block))](
@@ -175,13 +175,14 @@ class SwiGLUConcatFunction(torch.autograd.Function):
                 HAS_WEIGHT=row_weight is not None, BLOCK=block, num_warps=num_warps_for(block),
             )  # fmt: skip
         ctx.save_for_backward(h, row_weight)
+        ctx.pad_grad = pad_grad
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         h, row_weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dh = torch.empty_like(h)
+        dh = h.new_empty(h.shape[0], h.shape[1] + ctx.pad_grad)[:, : h.shape[1]]
         d_weight = torch.empty_like(row_weight) if ctx.needs_input_grad[1] else None
         rows, n_cols = dy.shape
         block = _concat_block(n_cols)
@@ -194,10 +195,12 @@ class SwiGLUConcatFunction(torch.autograd.Function):
             )  # fmt: skip
         elif d_weight is not None:
             d_weight.zero_()
-        return dh, d_weight
+        return dh, d_weight, None, None
 
 
-def swiglu_concat(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_concat(
+    h: torch.Tensor, row_weight: torch.Tensor | None = None, *, pad_out: int = 0, pad_grad: int = 0
+) -> torch.Tensor:
     """Fused silu(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
 
     The MoE experts' layout (one GEMM against the stacked ``gate_up_proj``): no chunk views, no silu
@@ -212,6 +215,10 @@ def swiglu_concat(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> to
             [rows, I] input instead of the [rows, D] output saves two elementwise passes over the
             larger tensor per forward and two (plus a reduction) per backward (measured on the
             H200: 0.33 ms per pass at 65536 x 2048, Qwen3-30B-A3B at 8K tokens).
+        pad_out / pad_grad: where the kernel runs, the output is a view of [rows, I + pad_out] rows
+            and h's gradient a view of [rows, 2I + pad_grad] rows (spare columns, uninitialised,
+            for a LoRA-augmented expert GEMM's thin LoRA middle: `lightning_ft.kernels.moe`); the
+            plain-torch fallback returns contiguous tensors.
 
     Returns:
         [rows, I] in h's dtype.
@@ -229,7 +236,8 @@ def swiglu_concat(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> to
     if not triton_can_run(h):
         warn_fallback("swiglu_concat", h.device)
         return swiglu_concat_reference(h, row_weight)
-    return SwiGLUConcatFunction.apply(h.contiguous(), None if row_weight is None else row_weight.contiguous())
+    weight = None if row_weight is None else row_weight.contiguous()
+    return SwiGLUConcatFunction.apply(h.contiguous(), weight, pad_out, pad_grad)
 
 
 def swiglu_concat_reference(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:

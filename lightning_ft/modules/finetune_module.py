@@ -57,7 +57,7 @@ from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.modules.cuda_graphs import apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
-from lightning_ft.modules.moe import apply_moe
+from lightning_ft.modules.moe import apply_moe, augment_expert_weights
 from lightning_ft.modules.patching import apply_kernels
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
@@ -273,7 +273,7 @@ class FinetuneModule(L.LightningModule):
             ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
         moe: the ``moe`` config group: ``backend`` (``hf`` = stock transformers experts, or
             ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.modules.moe`)
-            and ``train_router``.
+            ``train_router`` and ``lora_slots`` (grouped_mm: `augment_expert_weights`).
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
         scheduler: a partial LR scheduler taking the optimizer and ``num_training_steps``, or None.
         vocab_size: the tokenizer's size (for random-init models).
@@ -350,6 +350,10 @@ class FinetuneModule(L.LightningModule):
         if moe_backend != "hf":
             backend = apply_moe(model, backend=moe_backend, train_router=self.moe_cfg.get("train_router", False))
             rank_zero_info(f"moe: {backend} experts backend")
+            sharded = self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
+            lora_slots = backend == "grouped_mm" and self.moe_cfg.get("lora_slots", True) and not sharded
+            if lora_slots and (augmented := augment_expert_weights(model)):
+                rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
                 _use_cuda_graphs(cfg, self.lora_cfg, attention, device, self._trainer, backend)
         for line in apply_kernels(model, self.kernels_cfg):

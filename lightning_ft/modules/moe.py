@@ -41,6 +41,10 @@ routed token, so the gradients land in PEFT's own parameters and ``save_pretrain
 adapter file. PEFT's adapter state is honoured: disabled adapters (``disable_adapter()``) or merged
 weights mean no LoRA term, as in PEFT's forward.
 
+LoRA slots (``moe.lora_slots``, grouped_mm): `augment_expert_weights` lays each frozen expert weight
+with split LoRA out inside a tensor with R spare rows and columns, which the backend fills with the
+factors each forward, so that LoRA joins the expert GEMMs along K instead of a pass of its own.
+
 Order: call `apply_moe` after ``get_peft_model`` when ``train_router=True`` (PEFT freezes every
 non-adapter weight when it wraps); otherwise either order works, the LoRA is looked up per forward.
 
@@ -63,10 +67,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
+from lightning_ft.kernels.moe.grouped_gemm import augment_expert_weight, padded_rank
 from lightning_ft.modules import kept
 from lightning_ft.modules.cuda_graphs import recomputing_for_backward
 
-__all__ = ["apply_moe", "revert_moe"]
+__all__ = ["apply_moe", "augment_expert_weights", "revert_moe"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +154,31 @@ def revert_moe(model: torch.nn.Module) -> int:
             module.weight.requires_grad_(getattr(module, _ROUTER_GRAD_ATTR))
             delattr(module, _ROUTER_GRAD_ATTR)
     return reverted
+
+
+def augment_expert_weights(model: torch.nn.Module) -> int:
+    """Lay every frozen expert weight that carries split LoRA out with LoRA slots (in place).
+
+    For the ``grouped_mm`` backend: each such ``gate_up_proj``/``down_proj`` becomes a view inside an
+    [E, N + R, C + R] tensor (`lightning_ft.kernels.moe.grouped_gemm.augment_expert_weight`), so the
+    LoRA term joins the base GEMM along K in the forward and in the input gradient. The backend
+    falls back to adding LoRA apart (and logs nothing) wherever the layout no longer holds: another
+    rank, a moved or replaced weight, the probe's "copies" mode. Call after the adapters exist
+    (``get_peft_model``) and before a strategy shards the parameters (not under FSDP2: it re-lays
+    the parameters out itself). `revert_moe` keeps the layout (a view computes as before).
+
+    Returns:
+        The number of weights laid out (already laid-out weights of the same rank are skipped).
+    """
+    count = 0
+    for block in (m for m in model.modules() if isinstance(m, Qwen3MoeSparseMoeBlock)):
+        experts, loras = _experts_and_lora(block.experts)
+        for name, lora in loras.items():
+            weight = getattr(experts, name)
+            rank = padded_rank(lora.lora_A.shape[0] // lora.num_experts, weight.dtype)
+            if not weight.requires_grad and augment_expert_weight(weight, rank):
+                count += 1
+    return count
 
 
 def _sparse_moe_block_forward(self: Qwen3MoeSparseMoeBlock, hidden_states: torch.Tensor) -> torch.Tensor:

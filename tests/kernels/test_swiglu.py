@@ -93,6 +93,26 @@ def test_concat_row_weight_without_grad(device):
     assert weight.grad is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_concat_padded_rows_hold_the_same_values(device, dtype):
+    """pad_out / pad_grad: the output and h's gradient are views of rows with spare columns (for a
+    LoRA-augmented expert GEMM), bit for bit the contiguous results."""
+    h = torch.randn(7, 2 * 24, device=device, dtype=dtype)
+    weight = torch.rand(7, device=device, dtype=dtype)
+    dy = torch.randn(7, 24, device=device, dtype=dtype)
+    results = []
+    for pad_out, pad_grad in ((0, 0), (8, 16)):
+        leaf, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        h_input, grad_h = leaf * 1, []  # a non-leaf: its hook sees the gradient as the kernel wrote it
+        h_input.register_hook(grad_h.append)
+        y = swiglu_concat(h_input, w, pad_out=pad_out, pad_grad=pad_grad)
+        y.backward(dy)
+        assert y.stride() == (24 + pad_out, 1) and grad_h[0].stride() == (48 + pad_grad, 1)
+        results.append((y, grad_h[0], w.grad))
+    for plain, padded in zip(*results):
+        torch.testing.assert_close(padded, plain, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_no_host_sync():
     gate = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)

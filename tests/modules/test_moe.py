@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from lightning_ft.kernels.moe import BACKENDS, grouped_gemm
 from lightning_ft.modules import kept
-from lightning_ft.modules.moe import apply_moe, revert_moe
+from lightning_ft.modules.moe import apply_moe, augment_expert_weights, revert_moe
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -232,16 +232,72 @@ def test_patched_block_matches_hf_eager_experts_with_peft(backend, top_k, device
         assert _rel_err(g, ref_grads[name]) <= 2 * _rel_err(stock16[2][name], ref_grads[name]) + 2e-2, name
 
 
+def _augmented_shapes(pad: int) -> dict[str, tuple[int, int, int]]:
+    """The GEMM weights' shapes of `_peft_block(2, ..., 40, 24)` with LoRA slots of ``pad`` columns."""
+    return {"gate_up forward": (6, 40 + pad, 48), "gate_up dx": (6, 48 + pad, 40),
+            "down forward": (6, 24 + pad, 40), "down dx": (6, 40 + pad, 24)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(dtype, device, monkeypatch):
+def test_lora_slots_join_lora_to_the_expert_gemms(dtype, device, monkeypatch):
+    """`augment_expert_weights`: each frozen expert weight becomes a view inside [E, N + R, C + R]
+    (its values unchanged) and the grouped_mm backend runs each projection's forward and input
+    gradient as one GEMM with the LoRA factors in the spare rows and columns. Output, input gradient
+    and every LoRA gradient match the unaugmented block (one rounding of the LoRA sum fewer in bf16);
+    the GEMMs that ran are the augmented ones."""
+    block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24).to(dtype)
+    apply_moe(block, "grouped_mm")
+    x = torch.rand(3, 10, 40, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    want_out, want_dx, want_grads = _block_step(block, x, grad)
+    experts = block.experts.base_layer.base_layer
+    before = {name: getattr(experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+
+    assert augment_expert_weights(block) == 2 and augment_expert_weights(block) == 0
+    for name, value in before.items():
+        weight = getattr(experts, name)
+        assert not weight.is_contiguous() and torch.equal(weight, value), name
+    weights = []
+    real = grouped_gemm._GROUPED_MM
+    monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
+    got_out, got_dx, got_grads = _block_step(block, x, grad)
+    pad, ran = grouped_gemm.padded_rank(4, dtype), set(weights)
+    # the SwiGLU kernel pads its output's and gradient's rows; its plain-torch fallback does not
+    joined = {"gate_up forward", "down dx"} | ({"gate_up dx", "down forward"} if grouped_gemm.triton_can_run(x) else set())
+    for name, shape in _augmented_shapes(pad).items():
+        assert (shape in ran) == (name in joined), (name, shape, sorted(ran))
+    assert _augmented_shapes(0)["gate_up forward"] not in ran
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 4
+    got = {"out": got_out, "dx": got_dx} | got_grads
+    want = {"out": want_out, "dx": want_dx} | want_grads
+    if dtype == torch.float32:
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    else:  # as close to the fp32 block as the plain bf16 path is
+        block32 = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24)
+        apply_moe(block32, "grouped_mm")
+        out32, dx32, grads32 = _block_step(block32, x.float(), grad.float())
+        reference = {"out": out32, "dx": dx32} | grads32
+        for name in want:
+            assert _rel_err(got[name], reference[name]) <= 1.25 * _rel_err(want[name], reference[name]) + 1e-3, name
+    revert_moe(block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("augmented", [False, True], ids=["plain", "lora_slots"])
+def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(augmented, dtype, device, monkeypatch):
     """What the CUDA graphs do with kept ``projections``: a forward (no grad) keeps the gate/up output
     and its thin LoRA product (the first forward's become the buffers, a later one computes into
     them); the recompute takes them, runs no gate/up GEMM and no gather of the tokens, and gives the
-    plain block's output, input gradient and every LoRA gradient (the same kernels on the same inputs).
+    plain block's output, input gradient and every LoRA gradient (the same kernels on the same inputs),
+    with and without LoRA slots in the expert weights (`augment_expert_weights`).
     Sizes are multiples of 16 bytes in bf16 (else grouped_mm falls back to the native loop)."""
     block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24).to(dtype)
     apply_moe(block, "grouped_mm")
+    if augmented:
+        assert augment_expert_weights(block) == 2
     x = torch.rand(3, 10, 40, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     want_out, want_dx, want_grads = _block_step(block, x, grad)
@@ -259,10 +315,12 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(dtype, device, monk
     weights, permuted = [], []
     real, real_permute = grouped_gemm._GROUPED_MM, grouped_gemm.permute_tokens
     monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
-    monkeypatch.setattr(grouped_gemm, "permute_tokens", lambda *args: permuted.append(args) or real_permute(*args))
+    monkeypatch.setattr(grouped_gemm, "permute_tokens", lambda *args, **kw: permuted.append(args) or real_permute(*args, **kw))
     with kept.keeping(keep, recompute=True):
         got_out, got_dx, got_grads = _block_step(block, x, grad)
-    assert (6, 40, 48) not in weights and (6, 24, 40) in weights  # no gate/up GEMM ([E, D, 2I]); down ran
+    # no gate/up GEMM ([E, D (+ slots), 2I]); down's ran
+    assert not [shape for shape in weights if len(shape) == 3 and shape[1] >= 40 and shape[2] == 48], weights
+    assert [shape for shape in weights if len(shape) == 3 and shape[1] in range(24, 33) and shape[2] == 40], weights
     assert not permuted  # x is read through the routing: no [S, D] copy of the tokens
     exact = dict(rtol=0, atol=0)
     torch.testing.assert_close(forward_out, want_out, **exact)
