@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels._utils import num_warps_for, triton_can_run, warn_fallback
+from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run, warn_fallback
 
 _BLOCK = 2048
 
@@ -167,7 +167,7 @@ class SwiGLUConcatFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, row_weight: torch.Tensor | None, pad_out: int, pad_grad: int) -> torch.Tensor:
         rows, n_cols = h.shape[0], h.shape[1] // 2
-        y = h.new_empty(rows, n_cols + pad_out)[:, :n_cols]
+        y = row_padded(rows, n_cols, pad_out, h)
         block = _concat_block(n_cols)
         if y.numel():
             _swiglu_concat_fwd_kernel[(rows, triton.cdiv(n_cols, block))](
@@ -182,7 +182,7 @@ class SwiGLUConcatFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         h, row_weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dh = h.new_empty(h.shape[0], h.shape[1] + ctx.pad_grad)[:, : h.shape[1]]
+        dh = row_padded(h.shape[0], h.shape[1], ctx.pad_grad, h)
         d_weight = torch.empty_like(row_weight) if ctx.needs_input_grad[1] else None
         rows, n_cols = dy.shape
         block = _concat_block(n_cols)

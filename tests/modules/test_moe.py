@@ -285,6 +285,50 @@ def test_lora_slots_join_lora_to_the_expert_gemms(dtype, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_lora_slots_hold_each_backward_s_own_factors(device):
+    """Two adapters trained in one backward (``set_adapter`` between the forwards, losses summed):
+    the second forward writes its factors into the same slots, and each backward still gets its
+    own forward's LoRA gradients (each slot is filled right before the GEMM that reads it)."""
+    from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    block = inject_adapter_in_model(lora, block, adapter_name="other")
+    gen = torch.Generator().manual_seed(5)
+    for name, param in block.named_parameters():
+        if "other" in name:
+            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+
+    def use(adapter):
+        for module in block.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.set_adapter(adapter)
+        for name, param in block.named_parameters():
+            param.requires_grad_("lora" in name)
+
+    apply_moe(block, "grouped_mm")
+    assert augment_expert_weights(block) == 2
+    x = torch.rand(3, 10, 40, generator=torch.Generator().manual_seed(3)).to(device)
+    grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device)
+    want = {}
+    for adapter in ("default", "other"):  # one adapter per backward
+        use(adapter)
+        block.zero_grad(set_to_none=True)
+        block(x).backward(grad)
+        want |= {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None and adapter in n}
+    block.zero_grad(set_to_none=True)
+    use("default")
+    first = block(x)
+    use("other")
+    (first + block(x)).backward(grad)
+    assert len(want) == 8
+    for name, expected in want.items():
+        torch.testing.assert_close(block.get_parameter(name).grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    revert_moe(block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("augmented", [False, True], ids=["plain", "lora_slots"])
 def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(augmented, dtype, device, monkeypatch):

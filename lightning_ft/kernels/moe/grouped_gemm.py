@@ -685,7 +685,11 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> tuple[str, bo
     try:
         if correct(w_ENC.transpose(1, 2)):
             augmented = F.pad(w_ENC, (0, 8, 0, 8))[:, :n_dim, :c_dim]  # an augmented weight's strides
-            return "views", correct(augmented.transpose(1, 2))
+            try:
+                return "views", correct(augmented.transpose(1, 2))
+            except (RuntimeError, NotImplementedError) as error:
+                logger.info("grouped_mm probe of padded views on %s %s failed: %s", device, dtype, error)
+                return "views", False
         if correct(w_ENC.transpose(1, 2).contiguous()):
             return "copies", False
     except (RuntimeError, NotImplementedError) as error:
@@ -909,7 +913,9 @@ class _GroupedMMLinear(torch.autograd.Function):
     With LoRA slots in the weight (``w_aug``, `augment_expert_weight`), an x [S, C] in rows with R
     spare columns and a dy in such rows, the LoRA term joins the base GEMM instead: xa goes into x's
     spare columns and y is one GEMM against [W | B]; s dy B goes into dy's and dx is one GEMM against
-    [W ; A] (the factors are copied into the slots each forward).
+    [W ; A] (each factor copied into its slot right before the GEMM that reads it). Passing
+    ``w_aug`` asserts that x's spare columns, and those of the dy that arrives in such rows, belong
+    to this call (`_experts_grouped_mm` made them: `row_padded`, the SwiGLU kernel).
     Saves x [S, C] and xa [S, R]. With ``compute_output=False`` (a recompute whose output value is
     discarded) y is left unwritten: the backward does not read it. Kept activations: ``store`` (a
     forward) is called with ``(y, xa)``, y computed into ``dest_y_SN`` when given (the keep's
@@ -923,8 +929,6 @@ class _GroupedMMLinear(torch.autograd.Function):
         ctx.scaling = scaling
         ctx.copy_weights = copy_weights
         ctx.w_aug = w_aug
-        if w_aug is not None:
-            _fill_lora_slots(w_aug, a_ERC, b_ENR)
         xa_SR = None
         if a_ERC is not None:
             xa_SR = _thin_product(
@@ -939,7 +943,9 @@ class _GroupedMMLinear(torch.autograd.Function):
         if not compute_output:
             return x_SC.new_empty(x_SC.shape[0], w_ENC.shape[1])
         if x_aug is not None:  # LoRA folded into K: [x | s x A^T] [W | B]^T, one GEMM
-            y_SN = _GROUPED_MM(x_aug, w_aug[:, : w_ENC.shape[1]].transpose(1, 2), offs=offsets_E)
+            n_dim, rank = w_ENC.shape[1], a_ERC.shape[1]
+            w_aug[:, :n_dim, -rank:].copy_(b_ENR)  # B's slot, filled where it is read
+            y_SN = _GROUPED_MM(x_aug, w_aug[:, :n_dim].transpose(1, 2), offs=offsets_E)
             if dest_y_SN is not None:
                 y_SN = dest_y_SN.copy_(y_SN)
         else:
@@ -981,8 +987,6 @@ class _KeptGroupedMMLinear(torch.autograd.Function):
         inv_pair_S, top_k, w_aug,
     ):  # fmt: skip
         ctx.scaling, ctx.copy_weights, ctx.top_k, ctx.w_aug = scaling, copy_weights, top_k, w_aug
-        if w_aug is not None:
-            _fill_lora_slots(w_aug, a_ERC, b_ENR)
         ctx.save_for_backward(x_TC, w_ENC, a_ERC, b_ENR, kept_xa_SR, offsets_E, token_idx_S, inv_pair_S)
         return kept_y_SN.view_as(kept_y_SN)
 
@@ -1021,9 +1025,12 @@ def _grouped_mm_linear_backward(
             lambda: _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E),
             lambda: grouped_gemm(dy_SN, b_ENR, offsets_E, dy_SN.shape[0]),
         ).mul_(scaling)
-        if dy_aug is not None:  # the A slot holds A: one GEMM over [dy | s dy B]
+        if dy_aug is not None:  # one GEMM over [dy | s dy B] against [W ; A]
             n_dim, c_dim = w_ENC.shape[1:]
             dy_aug[:, n_dim:].copy_(dyb_SR)
+            # A's slot, filled where it is read: another forward through this weight (another
+            # adapter) may have used the slots since this backward's forward
+            w_aug[:, n_dim:, :c_dim].copy_(a_ERC)
             dx_SC = _GROUPED_MM(dy_aug, w_aug[:, :, :c_dim], offs=offsets_E)
         elif needs_x:
             _add_thin_grouped(dx_SC, dyb_SR, a_ERC, offsets_E)
@@ -1069,8 +1076,8 @@ def augment_expert_weight(weight_ENC: torch.nn.Parameter, rank: int) -> bool:
     """Lay a frozen [E, N, C] expert weight out inside an [E, N + R, C + R] tensor, in place.
 
     The weight becomes the ``[:, :N, :C]`` view; the spare columns ``[:, :N, C:]`` and rows
-    ``[:, N:, :C]`` are slots that the ``grouped_mm`` backend fills each forward with the expert's
-    LoRA B [N, R] and A [R, C] (in the weight's dtype). The split LoRA then joins the base GEMM along
+    ``[:, N:, :C]`` are slots where the ``grouped_mm`` backend copies the expert's LoRA B [N, R]
+    and A [R, C] (in the weight's dtype) right before the GEMM that reads them. The split LoRA then joins the base GEMM along
     K: the forward is one GEMM ``[x | s x Aᵀ] [W | B]ᵀ`` (the thin [S, R] middle written into spare
     columns of x's rows) and the input gradient one GEMM ``[dy | s dy B] [W ; A]``, where otherwise a
     Triton pass reads and writes the [S, N] output (the [S, C] input gradient) to add the LoRA term.
@@ -1085,15 +1092,21 @@ def augment_expert_weight(weight_ENC: torch.nn.Parameter, rank: int) -> bool:
         rank: R, the LoRA rank padded as the backend pads it (`padded_rank`).
 
     Returns:
-        False when the weight already has slots of this rank (nothing done), else True.
+        True when laid out; False (nothing done) when the weight already has slots of this rank or
+        when the one-time probe found grouped_mm's results on such views wrong on this device and
+        dtype (`grouped_mm_mode`): every path then keeps reading a contiguous weight.
 
     Raises:
-        ValueError: the weight is trainable (full fine-tuning reads its gradient's layout) or not 3-D.
+        ValueError: the weight is trainable (the backend takes the slots of frozen weights only: a
+            trained weight's gradient dW is another GEMM) or not 3-D.
     """
     if weight_ENC.requires_grad or weight_ENC.dim() != 3:
         raise ValueError(f"augment_expert_weight: expected a frozen [E, N, C] weight, got {tuple(weight_ENC.shape)} "
                          f"requires_grad={weight_ENC.requires_grad}")
     if getattr(weight_ENC, _LORA_SLOTS_ATTR, None) == rank and _lora_slots(weight_ENC, rank) is not None:
+        return False
+    device, dtype = weight_ENC.device, weight_ENC.dtype
+    if grouped_mm_mode(device, dtype) != "views" or not _AUGMENTED_VIEWS_OK[(device.type, device.index, dtype)]:
         return False
     num_experts, n_dim, c_dim = weight_ENC.shape
     augmented = weight_ENC.new_zeros(num_experts, n_dim + rank, c_dim + rank)
@@ -1115,12 +1128,6 @@ def _lora_slots(w_ENC: torch.Tensor, rank: int | None) -> torch.Tensor | None:
         return None
     # .data: the slots' writes leave the weight's version counter alone (autograd saved the weight)
     return w_ENC.data.as_strided((num_experts, n_dim + rank, c_dim + rank), stride, 0)
-
-
-def _fill_lora_slots(w_aug: torch.Tensor, a_ERC: torch.Tensor, b_ENR: torch.Tensor) -> None:
-    rank = a_ERC.shape[1]
-    w_aug[:, :-rank, -rank:].copy_(b_ENR)
-    w_aug[:, -rank:, :-rank].copy_(a_ERC)
 
 
 def _padded_rows(t_SC: torch.Tensor, pad: int) -> torch.Tensor | None:
