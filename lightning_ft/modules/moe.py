@@ -42,8 +42,9 @@ adapter file. PEFT's adapter state is honoured: disabled adapters (``disable_ada
 weights mean no LoRA term, as in PEFT's forward.
 
 LoRA slots (``moe.lora_slots``, grouped_mm): `augment_expert_weights` lays each frozen expert weight
-with split LoRA out inside a tensor with R spare rows and columns, which the backend fills with the
-factors each forward, so that LoRA joins the expert GEMMs along K instead of a pass of its own.
+with split LoRA out inside a tensor with R spare rows and columns, where the backend copies the
+factors right before the GEMMs that read them, so that LoRA joins the expert GEMMs along K instead
+of a pass of its own.
 
 Order: call `apply_moe` after ``get_peft_model`` when ``train_router=True`` (PEFT freezes every
 non-adapter weight when it wraps); otherwise either order works, the LoRA is looked up per forward.

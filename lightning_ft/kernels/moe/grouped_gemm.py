@@ -936,23 +936,22 @@ class _GroupedMMLinear(torch.autograd.Function):
                 lambda: _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E),
                 lambda: grouped_gemm(x_SC, a_ERC.transpose(1, 2), offsets_E, x_SC.shape[0]),
             ).mul_(scaling)
-        x_aug = _padded_rows(x_SC, a_ERC.shape[1]) if w_aug is not None and compute_output else None
-        if x_aug is not None:  # x's spare columns hold s x A^T
-            x_aug[:, x_SC.shape[1]:].copy_(xa_SR)
         ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E)
         if not compute_output:
             return x_SC.new_empty(x_SC.shape[0], w_ENC.shape[1])
+        x_aug = _padded_rows(x_SC, a_ERC.shape[1]) if w_aug is not None else None
         if x_aug is not None:  # LoRA folded into K: [x | s x A^T] [W | B]^T, one GEMM
-            n_dim, rank = w_ENC.shape[1], a_ERC.shape[1]
-            w_aug[:, :n_dim, -rank:].copy_(b_ENR)  # B's slot, filled where it is read
+            n_dim, c_dim = w_ENC.shape[1:]
+            x_aug[:, c_dim:].copy_(xa_SR)  # x's spare columns (no version bump: x stays as saved)
+            w_aug[:, :n_dim, c_dim:].copy_(b_ENR)  # B's slot, filled where it is read
             y_SN = _GROUPED_MM(x_aug, w_aug[:, :n_dim].transpose(1, 2), offs=offsets_E)
             if dest_y_SN is not None:
                 y_SN = dest_y_SN.copy_(y_SN)
         else:
             w_ECN = w_ENC.transpose(1, 2)
             y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
-        if xa_SR is not None and x_aug is None:  # B as [E, R, N]: a view (the Triton kernel takes any strides)
-            y_SN = _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E, dest_SN=dest_y_SN)
+            if xa_SR is not None:  # B as [E, R, N]: a view (the Triton kernel takes any strides)
+                y_SN = _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E, dest_SN=dest_y_SN)
         if store is not None:
             store((y_SN, xa_SR))
         return y_SN
@@ -1076,11 +1075,12 @@ def augment_expert_weight(weight_ENC: torch.nn.Parameter, rank: int) -> bool:
     """Lay a frozen [E, N, C] expert weight out inside an [E, N + R, C + R] tensor, in place.
 
     The weight becomes the ``[:, :N, :C]`` view; the spare columns ``[:, :N, C:]`` and rows
-    ``[:, N:, :C]`` are slots where the ``grouped_mm`` backend copies the expert's LoRA B [N, R]
-    and A [R, C] (in the weight's dtype) right before the GEMM that reads them. The split LoRA then joins the base GEMM along
-    K: the forward is one GEMM ``[x | s x Aᵀ] [W | B]ᵀ`` (the thin [S, R] middle written into spare
-    columns of x's rows) and the input gradient one GEMM ``[dy | s dy B] [W ; A]``, where otherwise a
-    Triton pass reads and writes the [S, N] output (the [S, C] input gradient) to add the LoRA term.
+    ``[:, N:, :C]`` are slots where the ``grouped_mm`` backend copies the expert's LoRA B [N, R] and
+    A [R, C] (in the weight's dtype) right before the GEMM that reads them. The split LoRA then
+    joins the base GEMM along K: the forward is one GEMM ``[x | s x Aᵀ] [W | B]ᵀ`` (the thin [S, R]
+    middle written into spare columns of x's rows) and the input gradient one GEMM
+    ``[dy | s dy B] [W ; A]``, where otherwise a Triton pass reads and writes the [S, N] output (the
+    [S, C] input gradient) to add the LoRA term.
     B·A is never formed, and the sum is rounded once instead of twice. Measured on the H200 at
     65 536 rows, 128 experts, R = 16 (Qwen3-30B-A3B at 8K tokens, µs per layer, the GEMMs alone):
     gate/up forward 833 → 732, its input gradient 954 → 840; down 590 → 442 and 513 → 482; the
@@ -1103,10 +1103,7 @@ def augment_expert_weight(weight_ENC: torch.nn.Parameter, rank: int) -> bool:
     if weight_ENC.requires_grad or weight_ENC.dim() != 3:
         raise ValueError(f"augment_expert_weight: expected a frozen [E, N, C] weight, got {tuple(weight_ENC.shape)} "
                          f"requires_grad={weight_ENC.requires_grad}")
-    if getattr(weight_ENC, _LORA_SLOTS_ATTR, None) == rank and _lora_slots(weight_ENC, rank) is not None:
-        return False
-    device, dtype = weight_ENC.device, weight_ENC.dtype
-    if grouped_mm_mode(device, dtype) != "views" or not _AUGMENTED_VIEWS_OK[(device.type, device.index, dtype)]:
+    if _lora_slots(weight_ENC, rank) is not None or not _augmented_views_ok(weight_ENC.device, weight_ENC.dtype):
         return False
     num_experts, n_dim, c_dim = weight_ENC.shape
     augmented = weight_ENC.new_zeros(num_experts, n_dim + rank, c_dim + rank)
@@ -1114,6 +1111,11 @@ def augment_expert_weight(weight_ENC: torch.nn.Parameter, rank: int) -> bool:
     weight_ENC.data = augmented[:, :n_dim, :c_dim]
     setattr(weight_ENC, _LORA_SLOTS_ATTR, rank)
     return True
+
+
+def _augmented_views_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm runs on transposed views here and the probe found augmented weights' views correct."""
+    return grouped_mm_mode(device, dtype) == "views" and _AUGMENTED_VIEWS_OK.get((device.type, device.index, dtype), False)
 
 
 def _lora_slots(w_ENC: torch.Tensor, rank: int | None) -> torch.Tensor | None:
@@ -1291,7 +1293,7 @@ def _run_grouped_mm(
         return _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down), True, 0
     if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
         _refuse_host_sync_in_capture(x_TD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
-    use_slots = mode == "views" and _AUGMENTED_VIEWS_OK.get((x_TD.device.type, x_TD.device.index, dtype), False)
+    use_slots = _augmented_views_ok(x_TD.device, dtype)
     y_SD, grad_pad = _experts_grouped_mm(
         x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
         keep, use_slots,
