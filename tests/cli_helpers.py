@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 from lightning_ft.strategies.fsdp2 import full_tensor
 
 TESTS_DIR = Path(__file__).resolve().parent
+
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
 
 #: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens
 FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=128", "trainer.log_every_n_steps=1")
@@ -32,7 +35,9 @@ def run_cli(run_dir: Path, *overrides: str, ok: bool = True, timeout: int = 300)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    # every process's exception line (a second rank's traceback may be far from the end), then the tails
+    errors = "\n".join(line for line in proc.stderr.splitlines() if _EXCEPTION_LINE.match(line))
+    output = f"exceptions raised:\n{errors}\n---\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
     assert (proc.returncode == 0) == ok, f"exit status {proc.returncode}\n{output}"
     return proc
 

@@ -474,9 +474,12 @@ def test_thin_product_times_once_per_key_and_never_while_capturing(monkeypatch, 
     assert len(timed) == 4 and len(gg._THIN_CHOICES) == 2
 
 
-def test_grouped_mm_probe_and_fallback(caplog):
-    """On this torch the view path is probed once; misaligned sizes fall back to the loop, logged once."""
-    mode = grouped_mm_mode(torch.device("cpu"), torch.float32)
+def test_grouped_mm_probe_and_fallback(caplog, monkeypatch):
+    """On this torch the view path is probed once, with the same answer when the first call comes from
+    inference_mode (generation before training); misaligned sizes fall back to the loop, logged once."""
+    monkeypatch.setattr(gg, "_GROUPED_MM_MODES", {})
+    with torch.inference_mode():
+        mode = grouped_mm_mode(torch.device("cpu"), torch.float32)
     has_grouped_mm = hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
     assert mode in (("views", "copies") if has_grouped_mm else ("unsupported",))
     assert grouped_mm_mode(torch.device("cpu"), torch.float32) == mode  # cached

@@ -708,8 +708,13 @@ def grouped_mm_mode(device: torch.device, dtype: torch.dtype) -> str:
     key = (device.type, device.index, dtype)
     if key not in _GROUPED_MM_MODES:
         # The first call may come from inside a checkpointed layer: identity saved-tensor hooks keep
-        # the probe's own saved tensors out of the checkpoint's forward/recompute bookkeeping.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        # the probe's own saved tensors out of the checkpoint's forward/recompute bookkeeping. It may
+        # also come from generation under inference_mode, where the probe's backward could not run
+        # (and "unsupported" would stay cached for training).
+        with (
+            torch.inference_mode(False), torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
             mode, _AUGMENTED_VIEWS_OK[key] = _probe_grouped_mm(device, dtype)
         _GROUPED_MM_MODES[key] = mode
         level = logging.INFO if mode == "views" else logging.WARNING
