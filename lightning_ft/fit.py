@@ -166,16 +166,25 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     names for the keys (PEFT's ``r``, torch's "Invalid learning rate").
 
     Raises:
-        ValueError: ``lora.rank`` < 1, ``lora.dropout`` outside [0, 1), a negative ``optimizer.lr``,
-            or ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
+        ValueError: ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
+            ``optimizer.lr`` that is negative or not a number, an unknown ``moe.backend``, or
+            ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
     """
+    from lightning_ft.kernels.moe.grouped_gemm import BACKENDS
+
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
+    if cfg.lora.enabled and not cfg.lora.init_from and cfg.lora.alpha <= 0:
+        raise ValueError(f"lora.alpha={cfg.lora.alpha}: must be positive (the LoRA update is scaled by alpha / rank)")
     if cfg.lora.enabled and not 0 <= cfg.lora.dropout < 1:
         raise ValueError(f"lora.dropout={cfg.lora.dropout}: expected a probability in [0, 1)")
     lr = cfg.optimizer.get("lr") if cfg.optimizer else None
-    if isinstance(lr, (int, float)) and lr < 0:
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
+        raise ValueError(f"optimizer.lr={lr!r}: expected a number, such as 2e-4")
+    if lr is not None and lr < 0:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
+    if cfg.moe.backend not in ("hf", "auto", *BACKENDS):
+        raise ValueError(f"moe.backend={cfg.moe.backend}: expected one of hf, auto, {', '.join(BACKENDS)}")
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
     if cfg.moe.backend == "triton" and no_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -151,7 +151,10 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
     [
         ("lora.rank=0", "lora.rank=0: must be at least 1"),
         ("lora.dropout=1.0", r"lora.dropout=1.0: expected a probability in \[0, 1\)"),
+        ("lora.alpha=-4", r"lora.alpha=-4.0: must be positive"),
         ("optimizer.lr=-1", "optimizer.lr=-1: must be at least 0"),
+        ("optimizer.lr=abc", "optimizer.lr='abc': expected a number"),
+        ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton"),
         ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\): use moe=native_torch"),
     ],
 )

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -155,6 +156,8 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
 
     Raises:
         FileNotFoundError: ``init_from`` is not a folder holding a PEFT ``adapter_config.json``.
+        ValueError: a name in ``target_modules`` or ``target_parameters`` matches nothing in
+            ``model`` (PEFT would drop it silently, or only warn, and train without that adapter).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -175,6 +178,12 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         )
         return model
     target_modules = lora["target_modules"]
+    if not isinstance(target_modules, str):  # a string: "all-linear" or a regular expression
+        leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+        _check_lora_targets("lora.target_modules", target_modules, leaves)
+    _check_lora_targets("lora.target_parameters", lora.get("target_parameters") or [], [
+        name for name, p in model.named_parameters() if p.dim() == 3
+    ])
     config = LoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"],
@@ -185,6 +194,20 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def _check_lora_targets(key: str, targets: list[str], names: list[str]) -> None:
+    """Refuse a LoRA target that matches none of ``names`` as PEFT matches a list: the whole name,
+    or its dotted suffix (``q_proj`` matches ``model.layers.0.self_attn.q_proj``).
+
+    Raises:
+        ValueError: naming ``key``, the unmatched targets and the model's own suffixes to choose from.
+    """
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        # the names without their layer prefix ("model.layers.3."): what a target list holds
+        choices = sorted({re.sub(r"^.*\.\d+\.", "", n) for n in names if re.search(r"\.\d+\.", n)}) or sorted(names)
+        raise ValueError(f"{key}: {unmatched} match nothing in the model; its layers have: {', '.join(choices) or 'none'}")
 
 
 def _skip_adapter_input_casts(model: torch.nn.Module) -> None:

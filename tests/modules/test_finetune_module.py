@@ -39,6 +39,19 @@ def _module():
     return module
 
 
+@pytest.mark.parametrize(
+    ("key", "targets", "message"),
+    [
+        ("target_modules", ["q_proj", "vv_proj"], r"lora.target_modules: \['vv_proj'\] match nothing in the model; its layers have: .*self_attn.q_proj"),
+        ("target_parameters", ["mlp.experts.foo"], r"lora.target_parameters: \['mlp.experts.foo'\] match nothing .*: mlp.experts.down_proj, mlp.experts.gate_up_proj$"),
+    ],
+)
+def test_a_lora_target_that_matches_nothing_is_refused_by_key(key, targets, message):
+    """PEFT drops an unmatched name of a target list (or only warns, for target_parameters) and trains without it."""
+    with pytest.raises(ValueError, match=message):
+        FinetuneModule(model=TINY_MODEL, lora={**LORA, key: targets}).configure_model()
+
+
 def _grads(module):
     return {n: p.grad.clone() for n, p in module.model.named_parameters() if p.requires_grad}
 
