@@ -125,7 +125,8 @@ def _module(kind, backend, moe):
     torch.manual_seed(0)
     module = FinetuneModule(
         model={"init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16", "attention": backend},
-        lora=LORA,
+        # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
+        lora=LORA if kind == "llama" else {**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         moe={"backend": moe},
     )
     with CUDA:

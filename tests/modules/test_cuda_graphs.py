@@ -55,6 +55,8 @@ def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_k
     lora = dict(lora)
     if kind == "llama":
         lora.pop("target_parameters")
+    else:  # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
+        lora["target_modules"] = [t for t in lora["target_modules"] if t not in ("gate_proj", "up_proj", "down_proj")]
     module = FinetuneModule(
         model={
             "init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16" if cuda else "float32",
