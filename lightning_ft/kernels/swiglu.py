@@ -115,12 +115,19 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_concat_fwd_kernel(H, W, Y, n_cols, stride_h, stride_y, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_concat_fwd_kernel(
+    H, W, Y, HC, n_cols, stride_h, stride_y, stride_hc, HAS_WEIGHT: tl.constexpr, COPY_H: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g_in = tl.load(H + row * stride_h + cols, mask=mask, other=0.0)
+    u_in = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0)
+    if COPY_H:
+        tl.store(HC + row * stride_hc + cols, g_in, mask=mask)
+        tl.store(HC + row * stride_hc + n_cols + cols, u_in, mask=mask)
+    g = g_in.to(tl.float32)
+    u = u_in.to(tl.float32)
     y = g * tl.sigmoid(g) * u
     if HAS_WEIGHT:
         y = y * tl.load(W + row).to(tl.float32)
@@ -165,14 +172,17 @@ class SwiGLUConcatFunction(torch.autograd.Function):
     """silu(h[:, :I]) * h[:, I:] (* w) on a [rows, 2I] tensor; saves h (and w), its gradient is one [rows, 2I] tensor."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, row_weight: torch.Tensor | None, pad_out: int, pad_grad: int) -> torch.Tensor:
+    def forward(
+        ctx, h: torch.Tensor, row_weight: torch.Tensor | None, pad_out: int, pad_grad: int, h_copy: torch.Tensor | None
+    ) -> torch.Tensor:
         rows, n_cols = h.shape[0], h.shape[1] // 2
         y = row_padded(rows, n_cols, pad_out, h)
         block = _concat_block(n_cols)
         if y.numel():
             _swiglu_concat_fwd_kernel[(rows, triton.cdiv(n_cols, block))](
-                h, h if row_weight is None else row_weight, y, n_cols, h.stride(0), y.stride(0),
-                HAS_WEIGHT=row_weight is not None, BLOCK=block, num_warps=num_warps_for(block),
+                h, h if row_weight is None else row_weight, y, h if h_copy is None else h_copy,
+                n_cols, h.stride(0), y.stride(0), 0 if h_copy is None else h_copy.stride(0),
+                HAS_WEIGHT=row_weight is not None, COPY_H=h_copy is not None, BLOCK=block, num_warps=num_warps_for(block),
             )  # fmt: skip
         ctx.save_for_backward(h, row_weight)
         ctx.pad_grad = pad_grad
@@ -195,11 +205,16 @@ class SwiGLUConcatFunction(torch.autograd.Function):
             )  # fmt: skip
         elif d_weight is not None:
             d_weight.zero_()
-        return dh, d_weight, None, None
+        return dh, d_weight, None, None, None
 
 
 def swiglu_concat(
-    h: torch.Tensor, row_weight: torch.Tensor | None = None, *, pad_out: int = 0, pad_grad: int = 0
+    h: torch.Tensor,
+    row_weight: torch.Tensor | None = None,
+    *,
+    pad_out: int = 0,
+    pad_grad: int = 0,
+    h_copy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused silu(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
 
@@ -219,12 +234,19 @@ def swiglu_concat(
             and h's gradient a view of [rows, 2I + pad_grad] rows (spare columns, uninitialised,
             for a LoRA-augmented expert GEMM's thin LoRA middle: `lightning_ft.kernels.moe`); the
             plain-torch fallback returns contiguous tensors.
+        h_copy: optional [rows, 2I] tensor of h's dtype and device with unit column stride (any row
+            stride) that receives h's values, written as the kernel reads them: one write instead
+            of a copy's read and write (not part of autograd). The MoE experts pass the kept
+            gate/up output's buffer here when their slotted GEMM cannot write into it
+            (`lightning_ft.kernels.moe`; a [rows, 2I] copy per layer and step otherwise: 201 MB at
+            8K tokens of Qwen3-30B-A3B).
 
     Returns:
         [rows, I] in h's dtype.
 
     Raises:
-        ValueError: h is not 2-D with an even number of columns, or row_weight is not [rows] on h's device.
+        ValueError: h is not 2-D with an even number of columns, row_weight is not [rows] on h's
+            device, or h_copy does not match h as described.
     """
     if h.dim() != 2 or h.shape[1] % 2:
         raise ValueError(f"swiglu_concat: expected [rows, 2I], got {tuple(h.shape)}")
@@ -233,11 +255,20 @@ def swiglu_concat(
             f"swiglu_concat: row_weight must be [{h.shape[0]}] on {h.device}, "
             f"got {tuple(row_weight.shape)} on {row_weight.device}"
         )
+    if h_copy is not None and (
+        h_copy.shape != h.shape or h_copy.dtype != h.dtype or h_copy.device != h.device or h_copy.stride(1) != 1
+    ):
+        raise ValueError(
+            f"swiglu_concat: h_copy must be {tuple(h.shape)} {h.dtype} on {h.device} with unit column stride, got "
+            f"{tuple(h_copy.shape)} {h_copy.dtype} on {h_copy.device} with strides {h_copy.stride()}"
+        )
     if not triton_can_run(h):
         warn_fallback("swiglu_concat", h.device)
+        if h_copy is not None:
+            h_copy.copy_(h)
         return swiglu_concat_reference(h, row_weight)
     weight = None if row_weight is None else row_weight.contiguous()
-    return SwiGLUConcatFunction.apply(h.contiguous(), weight, pad_out, pad_grad)
+    return SwiGLUConcatFunction.apply(h.contiguous(), weight, pad_out, pad_grad, h_copy)
 
 
 def swiglu_concat_reference(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:

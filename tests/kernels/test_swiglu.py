@@ -113,6 +113,31 @@ def test_concat_padded_rows_hold_the_same_values(device, dtype):
         torch.testing.assert_close(padded, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_concat_h_copy_receives_h_and_changes_nothing_else(device, dtype):
+    """h_copy (the MoE experts' kept gate/up buffer): written with h's values bit for bit, in rows of any
+    stride (here a view of wider rows, whose other columns stay as they were); output and gradients
+    unchanged. A buffer of another shape, dtype or column stride is refused."""
+    h = torch.randn(9, 2 * 40, device=device, dtype=dtype)
+    weight = torch.rand(9, device=device, dtype=dtype)
+    dy = torch.randn(9, 40, device=device, dtype=dtype)
+    results = []
+    wide = torch.full((9, 2 * 40 + 8), 7.0, device=device, dtype=dtype)
+    for h_copy in (None, wide[:, :80]):
+        leaf, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = swiglu_concat(leaf, w, h_copy=h_copy)
+        y.backward(dy)
+        results.append((y, leaf.grad, w.grad))
+    torch.testing.assert_close(wide[:, :80], h, rtol=0, atol=0)
+    assert (wide[:, 80:] == 7).all()
+    for plain, copied in zip(*results):
+        torch.testing.assert_close(copied, plain, rtol=0, atol=0)
+    for bad in (torch.empty(9, 78, device=device, dtype=dtype), torch.empty(9, 80, device=device, dtype=torch.float64),
+                torch.empty(80, 9, device=device, dtype=dtype).t()):
+        with pytest.raises(ValueError, match="h_copy must be"):
+            swiglu_concat(h, weight, h_copy=bad)
+
+
 @pytest.mark.gpu
 def test_no_host_sync():
     gate = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -775,12 +775,16 @@ def _swiglu(
     weight_S: torch.Tensor | None = None,
     pad_out: int = 0,
     pad_grad: int = 0,
+    h_copy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(gate) * up (* routing weight per row) of h = [gate | up]; SiLU (every Qwen3-MoE) takes the
-    fused `swiglu_concat` kernel, which folds the weight in (see its docstring for why) and pads the
-    output's and the gradient's rows as asked (other activations: contiguous)."""
+    fused `swiglu_concat` kernel, which folds the weight in (see its docstring for why), pads the
+    output's and the gradient's rows as asked (other activations: contiguous) and writes h into
+    ``h_copy`` as it reads it (other activations: a copy)."""
     if type(act_fn).__name__ in _SILU_NAMES and triton_can_run(h_SF):
-        return swiglu_concat(h_SF, weight_S, pad_out=pad_out, pad_grad=pad_grad)
+        return swiglu_concat(h_SF, weight_S, pad_out=pad_out, pad_grad=pad_grad, h_copy=h_copy)
+    if h_copy is not None:
+        h_copy.copy_(h_SF)
     gate_SI, up_SI = h_SF.chunk(2, dim=-1)
     y_SI = act_fn(gate_SI) * up_SI
     return y_SI if weight_S is None else y_SI * weight_S[:, None]
@@ -924,7 +928,8 @@ class _GroupedMMLinear(torch.autograd.Function):
     Saves x [S, C] and xa [S, R]. With ``compute_output=False`` (a recompute whose output value is
     discarded) y is left unwritten: the backward does not read it. Kept activations: ``store`` (a
     forward) is called with ``(y, xa)``, y computed into ``dest_y_SN`` when given (the keep's
-    buffer: no copy); the recompute of such a forward is `_KeptGroupedMMLinear`.
+    buffer: no copy; the plain path only, the slotted GEMM has no ``out=``); the recompute of such
+    a forward is `_KeptGroupedMMLinear`.
     """
 
     @staticmethod
@@ -949,9 +954,7 @@ class _GroupedMMLinear(torch.autograd.Function):
             n_dim, c_dim = w_ENC.shape[1:]
             x_aug[:, c_dim:].copy_(xa_SR)  # x's spare columns (no version bump: x stays as saved)
             w_aug[:, :n_dim, c_dim:].copy_(b_ENR)  # B's slot, filled where it is read
-            y_SN = _GROUPED_MM(x_aug, w_aug[:, :n_dim].transpose(1, 2), offs=offsets_E)
-            if dest_y_SN is not None:
-                y_SN = dest_y_SN.copy_(y_SN)
+            y_SN = _GROUPED_MM(x_aug, w_aug[:, :n_dim].transpose(1, 2), offs=offsets_E)  # no out=: ``store`` copies
         else:
             w_ECN = w_ENC.transpose(1, 2)
             y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
@@ -1149,13 +1152,25 @@ def _padded_rows(t_SC: torch.Tensor, pad: int) -> torch.Tensor | None:
 
 def _linear_grouped_mm(x_SC, w_ENC, offsets_E, padded_lora: tuple, copy_weights, compute_output, w_aug, keep=None):
     """`_GroupedMMLinear` on sorted rows (``padded_lora`` from `_padded_lora`); ``keep`` (a forward's,
-    not a recompute's) is offered (y, xa)."""
+    not a recompute's) is offered (y, xa). Returns y and the kept buffer the caller must copy y into
+    (`_swiglu`'s ``h_copy``), or None."""
     store = keep.store if keep is not None else None
-    buffers = keep.buffers() if keep is not None else None  # a later forward: the LoRA sum lands in the buffer
-    return _GroupedMMLinear.apply(
-        x_SC, w_ENC, *padded_lora, offsets_E, copy_weights, compute_output, store,
-        buffers[0] if buffers is not None else None, w_aug,
+    buffers = keep.buffers() if keep is not None else None  # a later forward: y lands in the buffer
+    dest_y_SN = buffers[0] if buffers is not None else None
+    pending = None
+    if dest_y_SN is not None and w_aug is not None and _padded_rows(x_SC, padded_lora[0].shape[1]) is not None:
+        # the slotted GEMM has no out=: its consumer writes y into the buffer as it reads it
+        # (one [S, N] write instead of a copy's read and write), and the keep is offered the buffer
+        pending, dest_y_SN = dest_y_SN, None
+        store = functools.partial(_store_pending, keep.store, pending)
+    y_SN = _GroupedMMLinear.apply(
+        x_SC, w_ENC, *padded_lora, offsets_E, copy_weights, compute_output, store, dest_y_SN, w_aug,
     )
+    return y_SN, pending
+
+
+def _store_pending(store: Callable, pending_y_SN: torch.Tensor, values: tuple) -> None:
+    store((pending_y_SN, *values[1:]))
 
 
 def _experts_grouped_mm(
@@ -1175,6 +1190,7 @@ def _experts_grouped_mm(
     kept = keep.take() if keep is not None and keep.recompute else None  # None: computed
     if kept is not None:  # the recompute of a forward that kept gate/up: no GEMM, no [S, D] gather
         kept_h_SF, kept_xa_SR = kept
+        h_copy = None
         h_SF = _KeptGroupedMMLinear.apply(
             x_TD, w_gate_up_EFD, *gate_up, offsets_E, copy_weights, kept_h_SF, kept_xa_SR,
             routing.token_idx_S, routing.inv_pair_S, routing.top_k, gate_up_aug,
@@ -1182,9 +1198,11 @@ def _experts_grouped_mm(
     else:
         forward_keep = keep if keep is not None and not keep.recompute else None
         x_SD = permute_tokens(x_TD, routing, pad=gate_up_pad)
-        h_SF = _linear_grouped_mm(x_SD, w_gate_up_EFD, offsets_E, gate_up, copy_weights, True, gate_up_aug, forward_keep)
-    a_SI = _swiglu(h_SF, act_fn, weight_S, pad_out=down_pad, pad_grad=gate_up_pad)
-    y_SD = _linear_grouped_mm(a_SI, w_down_EDI, offsets_E, down, copy_weights, output_needed, down_aug)
+        h_SF, h_copy = _linear_grouped_mm(
+            x_SD, w_gate_up_EFD, offsets_E, gate_up, copy_weights, True, gate_up_aug, forward_keep
+        )
+    a_SI = _swiglu(h_SF, act_fn, weight_S, pad_out=down_pad, pad_grad=gate_up_pad, h_copy=h_copy)
+    y_SD, _ = _linear_grouped_mm(a_SI, w_down_EDI, offsets_E, down, copy_weights, output_needed, down_aug)
     return y_SD, down_pad
 
 
@@ -1236,7 +1254,8 @@ def moe_experts(
             the un-permute, whose backward needs neither, and return zeros attached to the graph.
         keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
             ``recompute``, ``store``, ``buffers`` and ``take``), ``grouped_mm`` only: a forward
-            computes into the ``buffers`` of the call, if any, and offers the gate/up
+            computes into the ``buffers`` of the call, if any (with LoRA slots the SwiGLU kernel
+            writes h there as it reads it: the slotted GEMM has no ``out=``), and offers the gate/up
             output h [S, 2I] (split LoRA added) and the thin LoRA product s·x Aᵀ [S, R] (None
             without LoRA) to ``store``; the recompute of that forward, on the same inputs, takes
             them back and skips the gate/up GEMM, its LoRA and the [S, D] gather of x,
