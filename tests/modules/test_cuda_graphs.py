@@ -17,6 +17,7 @@ import torch
 import lightning_ft.modules.moe
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.kernels.moe import moe_experts
+from lightning_ft.kernels.moe.grouped_gemm import padded_rank
 from lightning_ft.modules.cuda_graphs import (
     _STATE_ATTR,
     apply_cuda_graphs,
@@ -83,14 +84,16 @@ def _batch(name: str, device: str, seed: int = 0):
 def _kept_projection_bytes(module: FinetuneModule, kind: str, linears: bool, experts: bool, itemsize: int) -> int:
     """What one layer keeps of its projections over a 64-token row: each listed LoRA linear's [T, N]
     output and [T, R] x·Aᵀ (Qwen3-MoE: q/k/v/o; Llama: v/o, gate/up/down, not q/k) if ``linears``;
-    the experts' gate/up [S, 2I] and [S, R] (S = T·top_k, R PEFT's gate_up rank) if ``experts``."""
+    the experts' gate/up [S, 2I] and [S, R] (S = T·top_k, R PEFT's gate_up rank as the grouped_mm
+    backend pads it: `padded_rank`, 8 for rank 4 in bf16) if ``experts``."""
     config, tokens = TINY[kind], 64
     q, kv, hidden = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"], config["hidden_size"]
     widths = [q, kv, kv, hidden] if kind == "qwen3_moe" else [kv, hidden, config["intermediate_size"], config["intermediate_size"], hidden]
     total = sum(tokens * (n + LORA["rank"]) for n in widths) if linears else 0
     if experts:
         gate_up = module.model.get_base_model().model.layers[0].mlp.experts.base_layer  # PEFT's gate_up_proj wrapper
-        rank = gate_up.lora_A["default"].weight.shape[0] // config["num_experts"]
+        dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
+        rank = padded_rank(gate_up.lora_A["default"].weight.shape[0] // config["num_experts"], dtype)
         total += tokens * config["num_experts_per_tok"] * (2 * config["moe_intermediate_size"] + rank)
     return total * itemsize
 
