@@ -9,6 +9,7 @@ import lightning as L
 from typing_extensions import override
 
 from lightning_ft.data.packing import PackedBatch
+from lightning_ft.modules.finetune_module import host_scalar
 
 
 class TokenThroughput(L.Callback):
@@ -62,4 +63,4 @@ class TokenThroughput(L.Callback):
         now = time.perf_counter()
         self.steps.append((batch.step_tokens, now - self._t0))
         self._t0 = now
-        pl_module.log("train/tokens_per_s", batch.step_tokens / max(self.steps[-1][1], 1e-9), prog_bar=True)
+        pl_module.log("train/tokens_per_s", host_scalar(batch.step_tokens / max(self.steps[-1][1], 1e-9)), prog_bar=True)

@@ -511,12 +511,12 @@ class FinetuneModule(L.LightningModule):
             self._log_skipped()
             return
         loss = loss_sum / self._step_target_tokens
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", host_scalar(loss), prog_bar=True)
         self.step_losses.append(loss)
 
     def _log_skipped(self) -> None:
         # NaN, not nothing: the loggers would otherwise write the previous step's loss for this step
-        self.log("train/loss", float("nan"), prog_bar=True)
+        self.log("train/loss", host_scalar(float("nan")), prog_bar=True)
         self.step_losses.append(None)
 
     @override
@@ -626,6 +626,17 @@ class FinetuneModule(L.LightningModule):
             )
             return
         self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+def host_scalar(value: float) -> torch.Tensor:
+    """``value`` as a float32 tensor on the host, for ``self.log``.
+
+    Why: Lightning turns a logged Python number into a tensor on the module's device, a blocking
+    copy (the host waits for every kernel queued before it, on the H200 the optimizer's update), and
+    its progress bar and loggers read it back with ``.item()``: two host syncs per logged value and
+    step. A host tensor stays on the host (Lightning moves a logged tensor nowhere).
+    """
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -180,6 +180,33 @@ def test_a_step_without_target_tokens_is_skipped_and_counted():
     assert {int(optimizer.state[p]["step"]) for p in module.model.parameters() if p.requires_grad} == {1}
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_logged_step_values_stay_on_the_host(accelerator, monkeypatch):
+    """train/loss and train/tokens_per_s reach ``self.log`` as host tensors (`host_scalar`), not
+    floats: Lightning makes a logged float a tensor on the module's device (a blocking copy, then
+    ``.item()`` back for the progress bar), two host syncs per value and step. The values are the step's."""
+    from torch.utils.data import DataLoader
+
+    from lightning_ft.callbacks.throughput import TokenThroughput
+
+    logged = []
+    log = L.LightningModule.log
+    monkeypatch.setattr(L.LightningModule, "log", lambda self, name, value, **kw: logged.append((name, value)) or log(self, name, value, **kw))
+
+    loader = DataLoader([collate_packed(_docs([12, 7], seed)) for seed in (11, 12)], batch_size=1, collate_fn=lambda items: items[0])
+    torch.manual_seed(0)
+    module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[TokenThroughput()])
+    trainer.fit(module, train_dataloaders=loader)
+    assert sorted({name for name, _ in logged}) == ["train/loss", "train/tokens_per_s"] and len(logged) == 4
+    assert all(isinstance(value, torch.Tensor) and value.device.type == "cpu" for _, value in logged), logged
+    metrics = trainer.callback_metrics
+    assert metrics["train/loss"].device.type == "cpu" and metrics["train/tokens_per_s"].device.type == "cpu"
+    assert metrics["train/loss"].item() == pytest.approx(module.step_losses[-1], rel=1e-6)
+    assert metrics["train/tokens_per_s"].item() > 0
+
+
 def _train_with_a_nan_step(fused: bool, on_nonfinite: str = "skip", accelerator: str = "cpu", nan_batch: int = 1,
                            optimizer=torch.optim.AdamW, **optimizer_args):
     """Three steps of ``optimizer`` (lr 1e-2), batch ``nan_batch``'s loss NaN (its LM head NaN for that batch)."""
