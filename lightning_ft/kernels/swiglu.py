@@ -234,8 +234,9 @@ def swiglu_concat(
             and h's gradient a view of [rows, 2I + pad_grad] rows (spare columns, uninitialised,
             for a LoRA-augmented expert GEMM's thin LoRA middle: `lightning_ft.kernels.moe`); the
             plain-torch fallback returns contiguous tensors.
-        h_copy: optional [rows, 2I] tensor of h's dtype and device with unit column stride (any row
-            stride) that receives h's values, written as the kernel reads them: one write instead
+        h_copy: optional [rows, 2I] tensor of h's dtype and device in rows that do not overlap (unit
+            column stride, any row stride of at least 2I) and in memory apart from h's, that receives
+            h's values, written as the kernel reads them: one write instead
             of a copy's read and write (not part of autograd). The MoE experts pass the kept
             gate/up output's buffer here when their slotted GEMM cannot write into it
             (`lightning_ft.kernels.moe`; a [rows, 2I] copy per layer and step otherwise: 201 MB at
@@ -257,10 +258,13 @@ def swiglu_concat(
         )
     if h_copy is not None and (
         h_copy.shape != h.shape or h_copy.dtype != h.dtype or h_copy.device != h.device or h_copy.stride(1) != 1
-    ):
+        or (h.shape[0] > 1 and h_copy.stride(0) < h.shape[1])
+        or (h_copy.numel() and h_copy.untyped_storage().data_ptr() == h.untyped_storage().data_ptr())
+    ):  # fmt: skip
         raise ValueError(
-            f"swiglu_concat: h_copy must be {tuple(h.shape)} {h.dtype} on {h.device} with unit column stride, got "
-            f"{tuple(h_copy.shape)} {h_copy.dtype} on {h_copy.device} with strides {h_copy.stride()}"
+            f"swiglu_concat: h_copy must be {tuple(h.shape)} {h.dtype} on {h.device} in rows that do not overlap "
+            f"(unit column stride, row stride >= {h.shape[1]}) and share no memory with h, got {tuple(h_copy.shape)} "
+            f"{h_copy.dtype} on {h_copy.device} with strides {h_copy.stride()}"
         )
     if not triton_can_run(h):
         warn_fallback("swiglu_concat", h.device)

@@ -634,7 +634,9 @@ def host_scalar(value: float) -> torch.Tensor:
     Why: Lightning turns a logged Python number into a tensor on the module's device, a blocking
     copy (the host waits for every kernel queued before it, on the H200 the optimizer's update), and
     its progress bar and loggers read it back with ``.item()``: two host syncs per logged value and
-    step. A host tensor stays on the host (Lightning moves a logged tensor nowhere).
+    step. A host tensor stays on the host (Lightning moves a logged tensor nowhere). Not for
+    ``sync_dist=True`` under NCCL, whose all-reduce needs the tensor on the GPU (these values need no
+    reduction: the loss is summed over ranks before it is logged, tokens/s counts all ranks' tokens).
     """
     return torch.tensor(value, dtype=torch.float32)
 

@@ -115,7 +115,8 @@ class KeptActivations:
 
     def buffers(self) -> tuple[Any, ...] | None:
         """In a later forward, the buffers the next `store` copies into (a caller may compute into
-        them and store them: no copy); None in the first forward or where the call keeps nothing."""
+        them and store them: no copy; or store a buffer first and write it later, before anything
+        reads it); None in the first forward or where the call keeps nothing."""
         return self.kept[self.calls] if not self.recompute and self.calls < len(self.kept) else None
 
     def take(self) -> tuple[Any, ...] | None:

@@ -117,7 +117,8 @@ def test_concat_padded_rows_hold_the_same_values(device, dtype):
 def test_concat_h_copy_receives_h_and_changes_nothing_else(device, dtype):
     """h_copy (the MoE experts' kept gate/up buffer): written with h's values bit for bit, in rows of any
     stride (here a view of wider rows, whose other columns stay as they were); output and gradients
-    unchanged. A buffer of another shape, dtype or column stride is refused."""
+    unchanged. A buffer of another shape, dtype or column stride, with overlapping rows, or in h's
+    memory is refused."""
     h = torch.randn(9, 2 * 40, device=device, dtype=dtype)
     weight = torch.rand(9, device=device, dtype=dtype)
     dy = torch.randn(9, 40, device=device, dtype=dtype)
@@ -132,10 +133,15 @@ def test_concat_h_copy_receives_h_and_changes_nothing_else(device, dtype):
     assert (wide[:, 80:] == 7).all()
     for plain, copied in zip(*results):
         torch.testing.assert_close(copied, plain, rtol=0, atol=0)
+    overlapping_rows = torch.empty(9 * 40 + 40, device=device, dtype=dtype).as_strided((9, 80), (40, 1))
+    shares_h = torch.empty(9, 81, device=device, dtype=dtype)
     for bad in (torch.empty(9, 78, device=device, dtype=dtype), torch.empty(9, 80, device=device, dtype=torch.float64),
-                torch.empty(80, 9, device=device, dtype=dtype).t()):
+                torch.empty(80, 9, device=device, dtype=dtype).t(), overlapping_rows,
+                torch.empty(1, 80, device=device, dtype=dtype).expand(9, 80)):
         with pytest.raises(ValueError, match="h_copy must be"):
             swiglu_concat(h, weight, h_copy=bad)
+    with pytest.raises(ValueError, match="share no memory with h"):  # h itself, or a view of h's memory
+        swiglu_concat(shares_h[:, :80], weight, h_copy=shares_h[:, 1:])
 
 
 @pytest.mark.gpu
