@@ -67,7 +67,9 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         FileNotFoundError: the tokenizer, a data file or ``ckpt_path`` cannot be found.
 
     Nothing is written into ``run_dir`` before every check that can be made without the model has
-    passed: a refused run leaves the folder (a finished run's files too) as it was.
+    passed: a refused run leaves the folder (a finished run's files too) as it was. A resume of a run
+    whose checkpoint has reached ``trainer.max_steps`` trains nothing, writes nothing and returns the
+    run's ``summary.json`` (logged as a warning).
     """
     _quiet_library_notices(resuming=bool(cfg.ckpt_path))
     if logging.getLogger().hasHandlers():
@@ -302,6 +304,15 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], writt
     if cfg.ckpt_path == "last":
         _check_last_checkpoint(callbacks)
     if cfg.ckpt_path:
+        finished = _finished_at(cfg.ckpt_path, callbacks, trainer_kwargs.get("max_steps", -1))
+        if finished is not None:  # a scheduler re-running a finished job: a success that changes nothing
+            log.warning(
+                "ckpt_path=%s: %s is at step %d and trainer.max_steps=%d: the run is finished, nothing is trained "
+                "and the run folder is left as it was; to train on, resume with a larger trainer.max_steps",
+                cfg.ckpt_path, finished[0], finished[1], trainer_kwargs["max_steps"],
+            )
+            summary_file = run_dir / "summary.json"
+            return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
         _keep_previous_metrics(run_dir)
     _check_strategy(trainer_kwargs.get("strategy"), cfg.eval.generate)
     try:
@@ -469,6 +480,28 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
             out += _diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
         return out
     return [] if old == new else [(prefix, old, new)]
+
+
+def _finished_at(ckpt_path: str, callbacks: list[Any], max_steps: int) -> tuple[Path, int] | None:
+    """(checkpoint file, its optimizer step) when the checkpoint ``ckpt_path`` resumes from (for
+    ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``max_steps`` already, where
+    Lightning would only log "`max_steps` reached"; None otherwise, and for a file that does not read
+    as a checkpoint (Lightning's own load then says why)."""
+    if max_steps is None or max_steps < 1:
+        return None
+    if ckpt_path == "last":
+        dirs = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+        candidates = [p for d in dirs for p in d.glob("last*.ckpt")]
+        if not candidates:
+            return None
+        checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
+    else:
+        checkpoint = Path(ckpt_path)
+    try:  # mmap: the weights and optimizer state are not read
+        step = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True).get("global_step")
+    except Exception:  # noqa: BLE001 - not ours to report: Lightning's load of the same file raises its own error
+        return None
+    return (checkpoint, step) if isinstance(step, int) and step >= max_steps else None
 
 
 def _check_last_checkpoint(callbacks: list[Any]) -> None:

@@ -298,6 +298,15 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     # the first run's metrics survive the resume beside the new file
     assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1
     assert (tmp_path / "logs" / "metrics.csv").exists()
+    # resuming the finished run (a scheduler re-running the job): says so, trains nothing, changes nothing
+    def run_files():  # all but Hydra's own (.hydra/, its job log) and the folder's lock
+        return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts
+                and p.name not in (".lock", "__main__.log")}
+
+    files = run_files()
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")
+    assert "last.ckpt is at step 5 and trainer.max_steps=5: the run is finished" in proc.stdout + proc.stderr
+    assert run_files() == files and any(p.suffix == ".ckpt" for p in files) and any(p.suffix == ".csv" for p in files)
 
 
 def _signal_at_step(run_dir, step, *overrides, signal_name=None):
