@@ -236,11 +236,10 @@ def swiglu_concat(
             plain-torch fallback returns contiguous tensors.
         h_copy: optional [rows, 2I] tensor of h's dtype and device in rows that do not overlap (unit
             column stride, any row stride of at least 2I) and in memory apart from h's, that receives
-            h's values, written as the kernel reads them: one write instead
-            of a copy's read and write (not part of autograd). The MoE experts pass the kept
-            gate/up output's buffer here when their slotted GEMM cannot write into it
-            (`lightning_ft.kernels.moe`; a [rows, 2I] copy per layer and step otherwise: 201 MB at
-            8K tokens of Qwen3-30B-A3B).
+            h's values, written as the kernel reads them: one write instead of a copy's read and
+            write (not part of autograd). The MoE experts pass the kept gate/up output's buffer here
+            when their slotted GEMM cannot write into it (`lightning_ft.kernels.moe`; a [rows, 2I]
+            copy per layer and step otherwise: 201 MB at 8K tokens of Qwen3-30B-A3B).
 
     Returns:
         [rows, I] in h's dtype.
