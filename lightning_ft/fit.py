@@ -31,7 +31,7 @@ from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.modules.finetune_module import FinetuneModule, check_model_switches
-from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
 
@@ -314,6 +314,10 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], writt
             summary_file = run_dir / "summary.json"
             return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
         _keep_previous_metrics(run_dir)
+        if _first_process():
+            dirs = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+            for partial in remove_partial_checkpoints(dirs):
+                log.info("resume: removed %s, a checkpoint write the interrupted run did not finish", partial)
     _check_strategy(trainer_kwargs.get("strategy"), cfg.eval.generate)
     try:
         trainer = L.Trainer(

@@ -95,7 +95,10 @@ def test_killed_run_resumes_exactly_mid_epoch_and_at_an_epoch_boundary(tmp_path)
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.ckpt", "step000007.ckpt", "step000008.ckpt"]
 
     run_cli(tmp_path / "mid", *common, f"ckpt_path={killed / 'checkpoints' / 'step000007.ckpt'}")
-    run_cli(killed, *common, "ckpt_path=last")
+    # what a kill -9 in the middle of a checkpoint write leaves (no later save replaces it): the resume removes it
+    (killed / "checkpoints" / "step000009.ckpt.tmp").write_bytes(b"half a checkpoint")
+    resumed = run_cli(killed, *common, "ckpt_path=last")
+    assert "step000009.ckpt.tmp, a checkpoint write the interrupted run did not finish" in resumed.stdout + resumed.stderr
     for resumed, first in ((tmp_path / "mid", 7), (killed, 8)):
         losses = summary(resumed)["step_losses"]
         assert len(losses) == 12
