@@ -315,8 +315,7 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], writt
             return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
         _keep_previous_metrics(run_dir)
         if _first_process():
-            dirs = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
-            for partial in remove_partial_checkpoints(dirs):
+            for partial in remove_partial_checkpoints(_checkpoint_dirs(callbacks)):
                 log.info("resume: removed %s, a checkpoint write the interrupted run did not finish", partial)
     _check_strategy(trainer_kwargs.get("strategy"), cfg.eval.generate)
     try:
@@ -494,8 +493,7 @@ def _finished_at(ckpt_path: str, callbacks: list[Any], max_steps: int) -> tuple[
     if max_steps is None or max_steps < 1:
         return None
     if ckpt_path == "last":
-        dirs = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
-        candidates = [p for d in dirs for p in d.glob("last*.ckpt")]
+        candidates = [p for d in _checkpoint_dirs(callbacks) for p in d.glob("last*.ckpt")]
         if not candidates:
             return None
         checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
@@ -508,9 +506,14 @@ def _finished_at(ckpt_path: str, callbacks: list[Any], max_steps: int) -> tuple[
     return (checkpoint, step) if isinstance(step, int) and step >= max_steps else None
 
 
+def _checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
+    """The folders the run's `ModelCheckpoint` callbacks write to."""
+    return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+
+
 def _check_last_checkpoint(callbacks: list[Any]) -> None:
     """Lightning only warns when ``ckpt_path=last`` finds nothing and then trains from scratch."""
-    dirs = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+    dirs = _checkpoint_dirs(callbacks)
     if not any(any(d.glob("last*.ckpt")) for d in dirs):
         raise ValueError(
             f"ckpt_path=last: no last checkpoint in {', '.join(map(str, dirs)) or 'the run (no ModelCheckpoint callback)'}; "
