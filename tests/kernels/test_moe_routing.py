@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lightning_ft.kernels.moe.routing import permute_tokens, sort_by_expert, topk_routing, unpermute_tokens
+from lightning_ft.kernels._utils import triton_can_run
+from lightning_ft.kernels.moe.routing import permute_tokens, sort_by_expert, topk, topk_routing, unpermute_tokens
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -34,8 +35,49 @@ def test_topk_routing_matches_transformers_router(device, num_experts, top_k, no
     logits, hf_weight, hf_idx = router(x)
     weight, idx = topk_routing(torch.nn.functional.linear(x, router.weight), top_k, norm_topk_prob)
     assert weight.dtype == hf_weight.dtype and idx.dtype == torch.int64
-    torch.testing.assert_close(idx, hf_idx, rtol=0, atol=0)
     torch.testing.assert_close(weight, hf_weight, rtol=0, atol=0)
+    # the same experts' probabilities in each position; equal probabilities (bf16 logits tie) may
+    # list their experts in another order (`topk`), and torch's CPU top-k breaks a tie at the K-th
+    # value by another rule than its GPU one (the lowest experts, as `topk`)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(probs.gather(1, idx), probs.gather(1, hf_idx))
+    distinct = torch.tensor([len(set(row.tolist())) == num_experts for row in probs.cpu()])
+    assert torch.equal(idx[distinct.to(device)], hf_idx[distinct.to(device)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens,num_experts,k", [(37, 128, 8), (5, 60, 1), (9, 5, 5), (300, 128, 8), (0, 16, 2), (70, 33, 32)])
+def test_topk_selects_as_torch_topk(device, num_tokens, num_experts, k):
+    """Values descending, equal values in column order: a stable descending sort's first k, exactly
+    (ties are frequent: bf16-rounded probabilities); on the GPU the same values and the same set of
+    columns per row as torch.topk (whose selection takes the lowest columns equal to the k-th
+    value there). The gradient is torch.topk's: the values' gradient scattered into zeros."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(num_tokens, num_experts)).bfloat16().float()
+    x = torch.softmax(logits, dim=-1).bfloat16().float().to(device).requires_grad_()
+    values, indices = topk(x, k)
+    sorted_values, order = torch.sort(x.detach(), dim=-1, descending=True, stable=True)
+    assert torch.equal(values, sorted_values[:, :k])
+    if triton_can_run(x):  # else torch.topk itself
+        assert torch.equal(indices, order[:, :k])
+    if device == "cuda":
+        ref_values, ref_indices = torch.topk(x.detach(), k, dim=-1)
+        assert torch.equal(values, ref_values)
+        assert torch.equal(indices.sort(dim=-1).values, ref_indices.sort(dim=-1).values)
+    grad = torch.randn(num_tokens, k, device=device)
+    values.backward(grad)
+    assert torch.equal(x.grad, torch.zeros_like(x).scatter_(1, indices, grad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_ranks_nan_first_and_falls_back(device):
+    x = torch.tensor([[0.1, float("nan"), 0.3, 0.3], [0.5, 0.2, 0.2, 0.1]], device=device)
+    values, indices = topk(x, 2)
+    assert values[0, 0].isnan() and values[0, 1] == 0.3 and indices[0, 0] == 1 and indices[1, 0] == 0
+    if triton_can_run(x):
+        assert indices.tolist() == [[1, 2], [0, 1]]
+    wide = torch.rand(3, 2000, device=device)  # wider than the kernel's rows: torch.topk itself
+    assert torch.equal(topk(wide, 4)[0], torch.topk(wide, 4, dim=-1)[0])
 
 
 def test_topk_routing_rejects_bad_arguments():

@@ -410,6 +410,29 @@ def test_router_logits_aux_loss_and_gradient_checkpointing():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6)
 
 
+def test_router_top_k_runs_our_kernel_and_other_torch_calls_stay(monkeypatch):
+    """HF's router runs as it is, but its torch.topk is `routing.topk` (two sparse layers: two
+    calls); a top-k our kernel does not compute (here: not sorted) reaches torch.topk."""
+    import lightning_ft.modules.moe as moe_module
+    from lightning_ft.kernels.moe import routing
+
+    calls = []
+    monkeypatch.setattr(moe_module, "topk", lambda x, k: calls.append((tuple(x.shape), k)) or routing.topk(x, k))
+    model = _peft_model()
+    input_ids = _input_ids("cpu")
+    ref, ref_grads = _step(model, input_ids)
+    apply_moe(model, "native_torch")
+    out, grads = _step(model, input_ids)
+    revert_moe(model)
+    assert calls == [((32, 6), 2)] * 2
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6)
+    with moe_module._RouterTopK():
+        values, _ = torch.topk(torch.tensor([[1.0, 3.0, 2.0]]), 2, sorted=False)
+    assert len(calls) == 2 and sorted(values[0].tolist()) == [2.0, 3.0]
+
+
 def test_router_frozen_by_default_and_trainable_on_request():
     model = _peft_model()
     input_ids = _input_ids("cpu")

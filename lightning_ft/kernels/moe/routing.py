@@ -35,7 +35,94 @@ import triton.language as tl
 
 from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run
 
-__all__ = ["ExpertRouting", "permute_tokens", "sort_by_expert", "sum_pairs", "topk_routing", "unpermute_tokens"]
+__all__ = [
+    "ExpertRouting", "permute_tokens", "sort_by_expert", "sum_pairs", "topk", "topk_routing", "unpermute_tokens",
+]  # fmt: skip
+
+TOPK_MAX_K = 32  # `topk`'s kernel unrolls its K selections
+TOPK_MAX_WIDTH = 1024  # ... over rows held in registers: a router's E experts
+
+
+@triton.jit
+def _topk_kernel(X, VALUES, INDICES, n_rows, n_cols, stride_x, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per row: K times the largest remaining value (NaN largest, as torch orders them), the lowest
+    column among equal values; its value and column go to output column k."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    alive = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=alive, other=0.0)
+    key = tl.where(x != x, float("inf"), x.to(tl.float32))  # NaN ranks first
+    for k in tl.static_range(K):
+        best = tl.max(tl.where(alive, key, float("-inf")), axis=1)
+        hit = alive & (key == best[:, None])
+        col = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+        chosen = cols[None, :] == col[:, None]
+        value = tl.sum(tl.where(chosen, x, 0.0), axis=1)  # the input's own value (a NaN stays NaN)
+        tl.store(VALUES + rows64 * K + k, value.to(VALUES.dtype.element_ty), mask=row_mask)
+        tl.store(INDICES + rows64 * K + k, col.to(tl.int64), mask=row_mask)
+        alive = alive & ~chosen
+
+
+class _TopK(torch.autograd.Function):
+    """`topk`'s kernel; the backward scatters the values' gradient into zeros, as torch.topk's does."""
+
+    @staticmethod
+    def forward(ctx, x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n_rows, n_cols = x_TE.shape
+        x_TE = x_TE if x_TE.stride(-1) == 1 else x_TE.contiguous()
+        values = x_TE.new_empty(n_rows, k)
+        indices = torch.empty(n_rows, k, dtype=torch.int64, device=x_TE.device)
+        if n_rows:
+            block_e = triton.next_power_of_2(n_cols)
+            block_t = max(1, min(64, 4096 // block_e))
+            _topk_kernel[(triton.cdiv(n_rows, block_t),)](
+                x_TE, values, indices, n_rows, n_cols, x_TE.stride(0),
+                K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps_for(block_t * block_e),
+            )  # fmt: skip
+        ctx.save_for_backward(indices)
+        ctx.n_cols = n_cols
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_values: torch.Tensor, _grad_indices):
+        (indices,) = ctx.saved_tensors
+        grad = grad_values.new_zeros(grad_values.shape[0], ctx.n_cols)
+        return grad.scatter_(1, indices, grad_values), None
+
+
+def topk(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x_TE, k, dim=-1)`` (largest, sorted) for a router's [T, E] rows, in one kernel.
+
+    Why: on the H200, torch.topk of Qwen3-30B-A3B's router probabilities at 8K tokens ([8192, 128]
+    fp32, K = 8) takes ~60 µs in its radix-select kernel plus ~9 µs sorting the K results, twice per
+    layer and step (forward and recompute): ~1.6 ms of a 12-layer step. Here each program holds
+    rows in registers and selects K times.
+
+    The same selection as torch.topk: every value above the K-th largest, then the lowest columns
+    among those equal to it (torch's gather writes them in column order and takes the first); NaN
+    counts as the largest. Values come out descending, equal values in column order: torch.topk
+    leaves the order of equal values to its sort and promises none, so that order alone may differ
+    from torch's (the same values in the same positions, only which of the equal columns is listed
+    first). Gradient: zeros with the values' gradient at the selected columns (torch's backward).
+
+    Args:
+        x_TE: [T, E] floating point, E <= `TOPK_MAX_WIDTH`.
+        k: 1 <= k <= min(E, `TOPK_MAX_K`).
+
+    Returns:
+        ``(values [T, k] in x's dtype, indices [T, k] int64)``; torch.topk itself where Triton
+        cannot run (the CPU without ``TRITON_INTERPRET=1``) or the sizes are out of these bounds.
+    """
+    if (
+        x_TE.dim() != 2 or not x_TE.is_floating_point() or not triton_can_run(x_TE) or x_TE.dtype == torch.float64
+        or not 1 <= k <= min(x_TE.shape[1], TOPK_MAX_K) or x_TE.shape[1] > TOPK_MAX_WIDTH
+    ):
+        return torch.topk(x_TE, k, dim=-1)
+    return _TopK.apply(x_TE, k)
 
 
 def topk_routing(
@@ -43,9 +130,10 @@ def topk_routing(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, then the top-k experts of each token and their weights.
 
-    The math of transformers' ``Qwen3MoeTopKRouter`` (bit-identical, tested), for callers that own
-    their router: the benchmark's routing rows and model-free use of these kernels. The Qwen3-MoE
-    patch keeps HF's router module so that ``router_logits`` stay what transformers records.
+    The math of transformers' ``Qwen3MoeTopKRouter`` (the same values, tested; the top-k by `topk`,
+    whose order among equal weights may differ), for callers that own their router: the benchmark's
+    routing rows and model-free use of these kernels. The Qwen3-MoE patch keeps HF's router module
+    so that ``router_logits`` stay what transformers records (its top-k runs `topk` too).
 
     Args:
         router_logits_TE: [T, E] router logits, any float dtype.
@@ -64,7 +152,7 @@ def topk_routing(
     if not 1 <= top_k <= router_logits_TE.shape[1]:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
     probs_TE = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
-    topk_weight_TK, topk_idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    topk_weight_TK, topk_idx_TK = topk(probs_TE, top_k)
     if norm_topk_prob:
         topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(dim=-1, keepdim=True)
     return topk_weight_TK.to(router_logits_TE.dtype), topk_idx_TK
