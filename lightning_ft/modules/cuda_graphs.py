@@ -97,8 +97,7 @@ from lightning_ft.modules.kept import KINDS, KeptActivations, keeping, stored_nb
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = [
-    "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "layer_output_buffer",
-    "recomputing_for_backward", "revert_cuda_graphs",
+    "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,7 +107,6 @@ _CHECKPOINTING_ATTR = "_lightning_ft_cuda_graphs_checkpointing"  # the layer's o
 _INDEX_ATTR = "_lightning_ft_cuda_graphs_index"  # on each patched layer: its position among the decoder layers
 _SCALARS = (type(None), bool, int, float, str)
 _RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
-_OUTPUT_BUFFER: list[torch.Tensor | None] = [None]  # the forward graph's output buffer while it records (layer_output_buffer)
 _FORWARD_IDS = itertools.count(1)
 
 
@@ -121,17 +119,6 @@ def recomputing_for_backward() -> bool:
     does not need it; the MoE experts skip their down projection and un-permute this way.
     """
     return _RECOMPUTING[0]
-
-
-def layer_output_buffer() -> torch.Tensor | None:
-    """The static output buffer of the decoder layer whose forward graph is being recorded, else None.
-
-    A layer forward that returns this very tensor, its output computed into it (no grad mode, the
-    output's shape and dtype), saves the graph the copy into it (one [T, D] pass per layer; at 8K
-    tokens of Qwen3-30B-A3B 16 µs on the H200). Only the layer's own forward may write it, as its
-    last step (`lightning_ft.modules.patching`'s decoder layers do).
-    """
-    return _OUTPUT_BUFFER[0]
 
 
 class _Ungraphable(Exception):
@@ -415,14 +402,8 @@ class _ModelGraphs:
         }
 
         def run_forward() -> None:
-            _OUTPUT_BUFFER[0] = static.out
-            try:
-                with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
-                    out = forward(static.hidden, **static.kwargs)
-            finally:
-                _OUTPUT_BUFFER[0] = None
-            if out is not static.out:  # not computed into it (`layer_output_buffer`)
-                static.out.copy_(out)
+            with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
+                static.out.copy_(forward(static.hidden, **static.kwargs))
 
         names = [name for name, p in layer.named_parameters() if p.requires_grad]
 

@@ -21,11 +21,8 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 
-import lightning_ft.modules.patching as patching
 from lightning_ft.kernels._utils import INTERPRETER
-from lightning_ft.kernels.rms_norm import residual_rms_norm
 from lightning_ft.modules.patching import (
-    _RESIDUAL_NORM_ATTR,
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
     _fused_lora_forward,
@@ -90,8 +87,6 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     table = PATCH_TABLES[model_type]
     modeling = importlib.import_module(table.modeling_module)
     stock_rope = modeling.apply_rotary_pos_emb
-    (layer_class,) = (getattr(modeling, name) for name in table.decoder_layers)
-    layer_forward = layer_class.forward  # stock, or patched for another model alive in this process
 
     assert apply_kernels(model, ALL_OFF) == []
     logits_off, loss_off, grads_off = _step(model, device)
@@ -108,9 +103,6 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     assert all(m.forward.__func__ is _fused_swiglu_mlp_forward for m in mlps)
     assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
     assert modeling.apply_rotary_pos_emb is _fused_apply_rotary_pos_emb
-    layers = [m for m in model.modules() if type(m) is layer_class]
-    assert layer_class.forward is not patching._LAYER_PATCHES[layer_class][0]  # HF's own
-    assert all(m.__dict__[_RESIDUAL_NORM_ATTR] for m in layers)
     logits_on, loss_on, grads_on = _step(model, device)
 
     torch.testing.assert_close(logits_on, logits_off, atol=1e-5, rtol=1e-5)
@@ -122,7 +114,6 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     revert_kernels(model)
     assert all("forward" not in m.__dict__ for m in norms + mlps + loras)
     assert modeling.apply_rotary_pos_emb is stock_rope
-    assert layer_class.forward is layer_forward and not any(_RESIDUAL_NORM_ATTR in m.__dict__ for m in layers)
     logits_back, loss_back, grads_back = _step(model, device)
     assert torch.equal(logits_back, logits_off) and torch.equal(loss_back, loss_off)
     assert all(torch.equal(grads_back[name], grad) for name, grad in grads_off.items())
@@ -173,48 +164,14 @@ def test_rope_patch_is_reference_counted_across_models():
     assert modeling.apply_rotary_pos_emb is stock_rope
 
 
-def test_layer_patch_is_reference_counted_and_runs_stock_for_other_models(monkeypatch):
-    """The decoder layer's patch is its class's forward: a model not patched (or a layer whose norm
-    has a hook) runs HF's own forward, with the same values; the stock forward returns with the
-    last model reverted."""
-    modeling = importlib.import_module(PATCH_TABLES["llama"].modeling_module)
-    cls = modeling.LlamaDecoderLayer
-    before, users = cls.forward, patching._LAYER_PATCHES.get(cls, (None, 0))[1]  # other models may hold it
-    fused_calls = []
-    monkeypatch.setattr(patching, "residual_rms_norm", lambda *a, **k: fused_calls.append(1) or residual_rms_norm(*a, **k))
-    first, second, plain = (_tiny_lora_model("llama", "cpu") for _ in range(3))
-    apply_kernels(first, {"rms_norm": True})
-    apply_kernels(second, {"rms_norm": True})
-    logits, _, grads = _step(first, "cpu")
-    assert len(fused_calls) == 2 * 2  # two sums per layer, two layers
-    fused_calls.clear()
-    plain_logits, _, plain_grads = _step(plain, "cpu")  # the same weights (seeded), not patched: stock
-    assert not fused_calls
-    torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, plain_grads[name], atol=1e-4, rtol=1e-4)
-    hooked = []
-    first.get_base_model().model.layers[0].input_layernorm.register_forward_hook(lambda *args: hooked.append(1))
-    _step(first, "cpu")
-    assert hooked == [1] and len(fused_calls) == 2  # layer 0 ran stock (its norm's hook fired), layer 1 fused
-    assert patching._LAYER_PATCHES[cls][1] == users + 2
-    revert_kernels(first)
-    assert patching._LAYER_PATCHES[cls][1] == users + 1 and cls.forward is not patching._LAYER_PATCHES[cls][0]
-    revert_kernels(second)
-    assert cls.forward is before and patching._LAYER_PATCHES.get(cls, (None, 0))[1] == users
-
-
 def test_applying_twice_replaces_the_first_patch():
     model = _tiny_lora_model("qwen3", "cpu")
-    layer_class = importlib.import_module(PATCH_TABLES["qwen3"].modeling_module).Qwen3DecoderLayer
-    layer_forward = layer_class.forward
     apply_kernels(model, {"rms_norm": True, "swiglu": True})
     # 2 layers x (input, post-attention, q, k norms) + the final norm
-    assert apply_kernels(model, {"rms_norm": True}) == ["rms_norm: 9 x Qwen3RMSNorm, the residual sums of 2 x Qwen3DecoderLayer"]
+    assert apply_kernels(model, {"rms_norm": True}) == ["rms_norm: 9 x Qwen3RMSNorm"]
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "Qwen3MLP")
     revert_kernels(model)
-    assert not any("forward" in m.__dict__ or _RESIDUAL_NORM_ATTR in m.__dict__ for m in model.modules())
-    assert layer_class.forward is layer_forward
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_rejects_unknown_switches_and_architectures():
