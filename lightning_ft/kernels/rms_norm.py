@@ -16,11 +16,6 @@ P programs (4 per SM) each walks its own contiguous range of rows and writes one
 then a [P, N] -> [N] sum gives dW, cast to weight.dtype. dW is skipped when weight does not require
 grad (LoRA). Saved for backward: x (input dtype) and rstd (fp32 [M]), nothing else.
 
-Residual stream (`residual_rms_norm`): with a residual the forward first forms s = x + residual,
-rounded to x's dtype (torch's add) and written out, then normalises s; the backward adds s's
-gradient from its other uses (ds, rounded the norm's dx first, as autograd sums two gradients):
-ds_total = dx(dy) + ds, one pass instead of the norm's backward and an add.
-
 Shapes: x [..., N] with any leading dims (flattened to M rows), weight [N]; N need not be a power of
 two (2880, 5120, 128 for the q/k norms all work). Tiles are [BLOCK_M, BLOCK_N] with BLOCK_N the
 next power of two of N and BLOCK_M > 1 rows per program when N is small.

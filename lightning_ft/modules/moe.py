@@ -71,8 +71,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
-from lightning_ft.kernels.moe.routing import topk
 from lightning_ft.kernels.moe.grouped_gemm import augment_expert_weight, padded_rank
+from lightning_ft.kernels.moe.routing import topk
 from lightning_ft.modules import kept
 from lightning_ft.modules.cuda_graphs import recomputing_for_backward
 

@@ -45,8 +45,8 @@ TOPK_MAX_WIDTH = 1024  # ... over rows held in registers: a router's E experts
 
 @triton.jit
 def _topk_kernel(X, VALUES, INDICES, n_rows, n_cols, stride_x, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Per row: K times the largest remaining value (NaN largest, as torch orders them), the lowest
-    column among equal values; its value and column go to output column k."""
+    """Per row: K times the largest remaining value (NaN ranked as +inf), the lowest column among
+    equal values; its value and column go to output column k."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < n_rows
@@ -104,7 +104,9 @@ def topk(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     The same selection as torch.topk: every value above the K-th largest, then the lowest columns
     among those equal to it (torch's gather writes them in column order and takes the first); NaN
-    counts as the largest. Values come out descending, equal values in column order: torch.topk
+    ranks as +inf, above every finite value (torch ranks it above +inf too: a row holding both may
+    differ, as may a selected -0.0, which comes out as +0.0; a router's probabilities hold
+    neither). Values come out descending, equal values in column order: torch.topk
     leaves the order of equal values to its sort and promises none, so that order alone may differ
     from torch's (the same values in the same positions, only which of the equal columns is listed
     first). Gradient: zeros with the values' gradient at the selected columns (torch's backward).
