@@ -354,6 +354,74 @@ def test_triton_grouped_gemm_accumulates_in_place(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_grouped_gemm_stores_the_rows_it_gathers(device, dtype):
+    """``gathered_out``: the gathered rows land bit for bit in a padded [S, C] view (its spare
+    columns untouched), beside ``alpha`` times the product; C spans two tiles and N two column tiles
+    (each row stored once is the kernel's business, the same values either way)."""
+    _skip_unless_runnable("triton", device)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 12, 3])
+    rows, c_dim, n_dim, pad = int(counts.sum()), 70, 80, 3
+    offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
+    expert_of_row = torch.repeat_interleave(torch.arange(4), counts).to(device)
+    src = torch.randn(9, c_dim, generator=gen).to(device, dtype)
+    src_idx = torch.randint(0, 9, (rows,), generator=gen).to(device)
+    w_ECN = torch.randn(4, c_dim, n_dim, generator=gen).to(device, dtype)
+    padded = torch.full((rows, c_dim + pad), float("nan"), device=device, dtype=dtype)
+
+    out = grouped_gemm(src, w_ECN, offsets, rows, src_idx_S=src_idx, gathered_out=padded[:, :c_dim], alpha=0.25)
+    assert torch.equal(padded[:, :c_dim], src[src_idx])
+    assert padded[:, c_dim:].isnan().all()
+    expected = 0.25 * torch.einsum("sc,scn->sn", src[src_idx].double(), w_ECN[expert_of_row].double())
+    _assert_close(out, expected, dtype, "alpha * product")
+    with pytest.raises(ValueError, match="gathered_out"):
+        grouped_gemm(src, w_ECN, offsets, rows, src_idx_S=src_idx, gathered_out=padded[:, : c_dim - 1])
+
+
+def test_thin_handoff_gives_its_product_to_that_gradient_once():
+    """`_ThinHandoff`: the dy B product goes to the gradient it was computed from, once; a view of
+    other strides, another tensor, or the same one changed in place (autograd accumulating into
+    it) get None, and the projection computes its own."""
+    handoff, dy, dyb = gg._ThinHandoff(), torch.randn(6, 4), torch.randn(6, 2)
+    handoff.put(dy, dyb)
+    assert handoff.take(dy) is dyb and handoff.take(dy) is None
+    for other in (lambda: dy[:, :3], lambda: dy.clone(), lambda: dy.add_(1.0)):
+        handoff.put(dy, dyb)
+        assert handoff.take(other()) is None
+
+
+@pytest.mark.parametrize("case_name", ["base", "e6_top1_empty"])  # odd_sizes: grouped_mm needs 16-byte rows
+def test_grouped_mm_backend_gathers_into_the_thin_products(case_name, monkeypatch):
+    """Where Triton runs, the grouped_mm backend computes gate/up's x A^T in the pass that gathers x
+    into expert order and down's dy B in the pass that gathers the output gradient (no separate
+    thin product runs for those two), the down projection's backward takes that dy B, and the
+    output and every gradient match the reference."""
+    _skip_unless_runnable("triton", "cpu")
+    thin, kinds = gg._thin_product, []
+
+    def counted(kind, *args):
+        kinds.append(kind)
+        return thin(kind, *args)
+
+    taken = []
+    take = gg._ThinHandoff.take
+    monkeypatch.setattr(gg, "_thin_product", counted)
+    monkeypatch.setattr(gg._ThinHandoff, "take", lambda self, dy: taken.append(take(self, dy)) or taken[-1])
+    case = CASES[case_name]
+    topk_idx, tensors = _make(case, "cpu")
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1))
+    ref_out, ref_grads = _reference_run(case, topk_idx, tensors, grad_out)
+    out, grads = _run("grouped_mm", case, topk_idx, tensors, torch.float32, grad_out)
+    assert len(taken) == 1 and taken[0] is not None
+    # down's x A^T (its input comes from the SwiGLU kernel) and gate/up's dy B (from its backward)
+    assert sorted(kinds) == ["dA", "dA", "dB", "dB", "dyb", "xa"]
+    _assert_close(out, ref_out, torch.float32, "output")
+    for name, ref_grad in ref_grads.items():
+        _assert_close(grads[name], ref_grad, torch.float32, f"grad of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_triton_grouped_wgrad_ragged_with_empty_expert(device):
     _skip_unless_runnable("triton", device)
     torch.manual_seed(0)

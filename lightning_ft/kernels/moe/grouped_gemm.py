@@ -39,8 +39,11 @@ Backends (what they do on each device):
   ``(x A_e^T) B_e^T`` LoRA term (and its input-gradient twin) is added into the base GEMM's output
   in place by our Triton kernel (``grouped_gemm(accumulate_into=...)``), not written and added, or,
   where the frozen weights carry LoRA slots (`augment_expert_weight`, ``moe.lora_slots``), joins the
-  base GEMM along K (forward and input gradient: one GEMM each, no [S, N] pass). The
-  four thin LoRA products (``x A_e^T``, ``dy B_e``, dA_e, dB_e) run on grouped_mm or our Triton
+  base GEMM along K (forward and input gradient: one GEMM each, no [S, N] pass). Where Triton
+  runs, gate/up's ``x A_e^T`` is computed by the pass that gathers x into expert order and down's
+  ``dy B_e`` by the pass that gathers the output gradient (`_PermuteThin`, `_UnpermuteThin`: the
+  [S, D] rows are read once, not written and read back). The other thin LoRA products (``x A_e^T``,
+  ``dy B_e``, dA_e, dB_e) run on grouped_mm or our Triton
   kernels, whichever was faster for the shape when first timed on CUDA (`_thin_product`: neither
   wins everywhere on the H200, benchmarks/RESULTS.md "Thin expert-LoRA GEMMs"). A one-time probe
   per (device, dtype) checks that the view path is correct; if only the contiguous layout is, it
@@ -81,7 +84,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from lightning_ft.kernels._utils import triton_can_run
+from lightning_ft.kernels._utils import row_padded, triton_can_run
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
 from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, sum_pairs, unpermute_tokens
 from lightning_ft.kernels.swiglu import swiglu_concat
@@ -194,24 +197,27 @@ _AUTOTUNE_KW = {"cache_results": True} if "cache_results" in inspect.signature(t
 @triton.jit
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
-    N, C, R, E, scaling,
+    gathered_ptr,
+    N, C, R, E, scaling, alpha,
     stride_src_m, stride_src_c,
+    stride_g_m, stride_g_c,
     stride_w_e, stride_w_c, stride_w_n,
     stride_out_m, stride_out_n,
     stride_acc_m, stride_acc_n,
     stride_mid_m, stride_mid_r,
     stride_lb_e, stride_lb_r, stride_lb_n,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr,
-    ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """out[orow(p)] (+)= scale[p] * (src[irow(p)] @ w[e(p)] + scaling * mid[p] @ lora_b[e(p)]).
+    """out[orow(p)] (+)= alpha * scale[p] * (src[irow(p)] @ w[e(p)] + scaling * mid[p] @ lora_b[e(p)]).
 
     p runs over expert-sorted rows; irow(p) = src_idx[p] if GATHER else p; orow(p) = out_idx[p] if
     SCATTER else p; scale = row_scale if ROW_SCALE else 1; w is [E, C, N], lora_b [E, R, N], mid
     [S, R]; fp32 accumulation, stored in out's dtype; ACCUMULATE adds acc[orow(p)] first (in fp32;
-    acc is out itself for an in-place sum).
+    acc is out itself for an in-place sum). STORE_GATHERED also writes the src rows it loads to
+    gathered[p] (the column tiles of pid_n == 0: each row once).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -252,6 +258,13 @@ def _grouped_gemm_body(
             mask=row_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
+        if STORE_GATHERED:
+            if pid_n == 0:
+                tl.store(
+                    gathered_ptr + rows.to(tl.int64)[:, None] * stride_g_m + k[None, :] * stride_g_c,
+                    a,
+                    mask=row_mask[:, None] & k_mask[None, :],
+                )
         b = tl.load(
             w_base + k[:, None] * stride_w_c + cols[None, :] * stride_w_n,
             mask=k_mask[:, None] & col_mask[None, :],
@@ -283,6 +296,7 @@ def _grouped_gemm_body(
     if ROW_SCALE:
         scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
+    acc = acc * alpha
     if SCATTER:
         out_rows = tl.load(out_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
@@ -306,7 +320,7 @@ _GEMM_AUTOTUNE = dict(
         ],
         interpret=(16, 64, 64),
     ),
-    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "ACCUMULATE"],
+    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "ACCUMULATE", "STORE_GATHERED"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -422,10 +436,12 @@ def grouped_gemm(
     scaling: float = 1.0,
     accumulate_into: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    gathered_out: torch.Tensor | None = None,
+    alpha: float = 1.0,
 ) -> torch.Tensor:
     """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, scale, scatter.
 
-    ``out[orow(p)] = row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e])``
+    ``out[orow(p)] = alpha * row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e])``
     for the S = ``num_rows`` sorted rows p, e the expert owning row p (from ``offsets_E``),
     ``irow(p) = src_idx_S[p]`` (else p) and ``orow(p) = out_idx_S[p]`` (else p). With
     ``accumulate_into`` the result is added into that tensor in place (``out += ...``, one read and
@@ -444,6 +460,11 @@ def grouped_gemm(
         scaling: LoRA scaling.
         accumulate_into: [S, N] tensor in ``src``'s dtype to add the result into (returned).
         out: [S, N] tensor in ``src``'s dtype to store into, with ``accumulate_into`` only.
+        gathered_out: [S, C] tensor in ``src``'s dtype (any strides) that also receives the rows
+            as loaded, ``gathered_out[p] = src[irow(p)]``: a thin GEMM that gathers its input
+            writes the gathered copy a wide GEMM needs in the same pass (one read of the rows
+            instead of the copy's write and re-read).
+        alpha: factor on the whole product (in fp32, before the store).
 
     Returns:
         [S, N] tensor in ``src``'s dtype (fp32 accumulation): ``out``, else ``accumulate_into``
@@ -460,9 +481,9 @@ def grouped_gemm(
     has_lora = lora_mid_SR is not None
     if has_lora and (lora_b_ERN is None or lora_mid_SR.shape[1] != lora_b_ERN.shape[1]):
         raise ValueError("lora_mid_SR [S, R] and lora_b_ERN [E, R, N] must be given together with equal R")
-    for name, given in (("accumulate_into", accumulate_into), ("out", out)):
-        if given is not None and (given.shape != (num_rows, n_dim) or given.dtype != src.dtype):
-            raise ValueError(f"{name} {tuple(given.shape)} {given.dtype} is not [{num_rows}, {n_dim}] {src.dtype}")
+    for name, given, cols in (("accumulate_into", accumulate_into, n_dim), ("out", out, n_dim), ("gathered_out", gathered_out, c_dim)):
+        if given is not None and (given.shape != (num_rows, cols) or given.dtype != src.dtype):
+            raise ValueError(f"{name} {tuple(given.shape)} {given.dtype} is not [{num_rows}, {cols}] {src.dtype}")
     if out is not None and accumulate_into is None:
         raise ValueError("grouped_gemm: out= is for accumulate_into's sum only")
     if out is None and accumulate_into is None:
@@ -473,6 +494,7 @@ def grouped_gemm(
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
     lora_b = lora_b_ERN if has_lora else w_ECN
+    gathered = gathered_out if gathered_out is not None else src
 
     def grid(meta):
         # Σ_e ceil(n_e / BLOCK_M) <= ceil(S / BLOCK_M) + min(E, S) - 1: a host-side bound, no sync.
@@ -483,16 +505,18 @@ def grouped_gemm(
     kernel[grid](
         src, src_idx_S if src_idx_S is not None else offsets_E, w_ECN, out,
         out_idx_S if out_idx_S is not None else offsets_E,
-        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc,
-        n_dim, c_dim, rank, num_experts, float(scaling),
+        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered,
+        n_dim, c_dim, rank, num_experts, float(scaling), float(alpha),
         src.stride(0), src.stride(1),
+        gathered.stride(0), gathered.stride(1),
         w_ECN.stride(0), w_ECN.stride(1), w_ECN.stride(2),
         out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1),
         mid.stride(0), mid.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
-        HAS_LORA=has_lora, ACCUMULATE=accumulate_into is not None, **_dot_options(src.dtype),
+        HAS_LORA=has_lora, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
+        **_dot_options(src.dtype),
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
     return out
@@ -908,6 +932,85 @@ def _thin_product(
     return results[choice]
 
 
+class _PermuteThin(torch.autograd.Function):
+    """`permute_tokens` with the projection's thin LoRA middle: x_SD = x_TD[token_idx_S] and
+    xa_SR = s x_SD A_e^T [S, R] from one Triton pass (`grouped_gemm(gathered_out=...)`).
+
+    Apart, the gather writes the [S, D] copy and the thin GEMM reads it back (H200, 65 536 rows of
+    2048 bf16, Qwen3-30B-A3B at 8K tokens: 134 + 86 µs per layer in the forward graph, session 19's
+    profile). xa_SR is not differentiable here: `_GroupedMMLinear`, given it, differentiates A
+    itself. The backward is `permute_tokens`'s (each token's K pair gradients summed).
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD, a_ERC, scaling, token_idx_S, inv_pair_S, offsets_E, top_k, pad):
+        ctx.save_for_backward(inv_pair_S)
+        ctx.top_k = top_k
+        num_rows = token_idx_S.numel()
+        x_SD = row_padded(num_rows, x_TD.shape[1], pad, x_TD)
+        xa_SR = grouped_gemm(
+            x_TD, a_ERC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S, gathered_out=x_SD, alpha=scaling
+        )
+        ctx.mark_non_differentiable(xa_SR)
+        return x_SD, xa_SR
+
+    @staticmethod
+    def backward(ctx, grad_SD, _grad_xa):
+        (inv_pair_S,) = ctx.saved_tensors
+        return sum_pairs(grad_SD, inv_pair_S, ctx.top_k), None, None, None, None, None, None, None
+
+
+class _ThinHandoff:
+    """s dy B_e [S, R] that `_UnpermuteThin`'s backward computed for one dy [S, D], until the down
+    projection's backward (`_GroupedMMLinear`) takes it. ``take`` hands it over only for that dy (the
+    same address, shape, strides and version: anything else, e.g. a sum of gradients, also one
+    autograd accumulated in place, gets None and computes its own), once."""
+
+    __slots__ = ("key", "dyb_SR")
+
+    def __init__(self):
+        self.key = self.dyb_SR = None
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), t.stride(), t._version
+
+    def put(self, dy_SD: torch.Tensor, dyb_SR: torch.Tensor) -> None:
+        self.key, self.dyb_SR = self._key(dy_SD), dyb_SR
+
+    def take(self, dy_SD: torch.Tensor) -> torch.Tensor | None:
+        dyb_SR = self.dyb_SR if self.key == self._key(dy_SD) else None
+        self.key = self.dyb_SR = None
+        return dyb_SR
+
+
+class _UnpermuteThin(torch.autograd.Function):
+    """`unpermute_tokens` whose backward (the gather of the output gradient into expert-sorted rows)
+    also computes the down projection's thin s dy B_e [S, R] from the rows it loads, one Triton pass
+    (`grouped_gemm(gathered_out=...)`), and leaves it in ``handoff`` for that projection's backward:
+    at 8K tokens of Qwen3-30B-A3B the gather and the thin GEMM apart cost 137 + 87 µs per layer
+    (session 19's profile), each reading or writing the [S, D] rows."""
+
+    @staticmethod
+    def forward(ctx, y_SD, b_ENR, scaling, token_idx_S, inv_pair_S, offsets_E, top_k, output_needed, grad_pad, handoff):
+        ctx.save_for_backward(b_ENR, token_idx_S, offsets_E)
+        ctx.scaling, ctx.grad_pad, ctx.handoff = scaling, grad_pad, handoff
+        if not output_needed:
+            return y_SD.new_zeros(inv_pair_S.numel() // top_k, y_SD.shape[-1])
+        return sum_pairs(y_SD, inv_pair_S, top_k)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        b_ENR, token_idx_S, offsets_E = ctx.saved_tensors
+        num_rows = token_idx_S.numel()
+        grad_SD = row_padded(num_rows, grad_TD.shape[1], ctx.grad_pad, grad_TD)
+        dyb_SR = grouped_gemm(
+            grad_TD, b_ENR, offsets_E, num_rows, src_idx_S=token_idx_S, gathered_out=grad_SD, alpha=ctx.scaling
+        )
+        ctx.handoff.put(grad_SD, dyb_SR)
+        return grad_SD, None, None, None, None, None, None, None, None, None
+
+
 class _GroupedMMLinear(torch.autograd.Function):
     """y_SN = x W_e^T (+ s (x A_e^T) B_e^T) on expert-sorted rows: grouped_mm, the LoRA added in place.
 
@@ -935,12 +1038,13 @@ class _GroupedMMLinear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x_SC, w_ENC, a_ERC, b_ENR, scaling, offsets_E, copy_weights, compute_output, store, dest_y_SN, w_aug,
+        xa_SR=None, handoff=None,
     ):  # fmt: skip
         ctx.scaling = scaling
         ctx.copy_weights = copy_weights
         ctx.w_aug = w_aug
-        xa_SR = None
-        if a_ERC is not None:
+        ctx.handoff = handoff
+        if a_ERC is not None and xa_SR is None:
             xa_SR = _thin_product(
                 "xa", x_SC, a_ERC,
                 lambda: _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E),
@@ -967,11 +1071,12 @@ class _GroupedMMLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_SN):
         x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E = ctx.saved_tensors
+        dyb_SR = ctx.handoff.take(dy_SN) if ctx.handoff is not None else None
         grads = _grouped_mm_linear_backward(
             dy_SN, x_SC, None, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
-            ctx.needs_input_grad[:4], ctx.w_aug,
+            ctx.needs_input_grad[:4], ctx.w_aug, dyb_SR,
         )  # fmt: skip
-        return *grads, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None, None
 
 
 class _KeptGroupedMMLinear(torch.autograd.Function):
@@ -1009,11 +1114,13 @@ class _KeptGroupedMMLinear(torch.autograd.Function):
 
 
 def _grouped_mm_linear_backward(
-    dy_SN, x, token_idx_S, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, scaling, copy_weights, needs, w_aug=None
+    dy_SN, x, token_idx_S, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, scaling, copy_weights, needs, w_aug=None,
+    dyb_SR=None,
 ):  # fmt: skip
     """(dx_SC, dW_ENC, dA_ERC, dB_ENR) of `_GroupedMMLinear` (None where ``needs`` says no); x is the
     [S, C] sorted rows, or [T, C] read at rows ``token_idx_S`` (dx is [S, C] either way). With the
-    weight's LoRA slots ``w_aug`` and dy in padded rows, dx is one GEMM: [dy | s dy B] [W ; A]."""
+    weight's LoRA slots ``w_aug`` and dy in padded rows, dx is one GEMM: [dy | s dy B] [W ; A].
+    ``dyb_SR``: s dy B_e already computed (`_UnpermuteThin`'s backward), else computed here."""
     needs_x, needs_w, needs_a, needs_b = needs
     dy_aug = _padded_rows(dy_SN, a_ERC.shape[1]) if w_aug is not None and needs_x else None
     dy_SN = dy_SN if dy_aug is not None else dy_SN.contiguous()
@@ -1027,11 +1134,12 @@ def _grouped_mm_linear_backward(
         w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
         dx_SC = _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
     if a_ERC is not None and (needs_x or needs_a):
-        dyb_SR = _thin_product(  # s dy B_e: [S, R]
-            "dyb", dy_SN, a_ERC,
-            lambda: _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E),
-            lambda: grouped_gemm(dy_SN, b_ENR, offsets_E, dy_SN.shape[0]),
-        ).mul_(scaling)
+        if dyb_SR is None:
+            dyb_SR = _thin_product(  # s dy B_e: [S, R]
+                "dyb", dy_SN, a_ERC,
+                lambda: _GROUPED_MM(dy_SN, b_ENR, offs=offsets_E),
+                lambda: grouped_gemm(dy_SN, b_ENR, offsets_E, dy_SN.shape[0]),
+            ).mul_(scaling)
         if dy_aug is not None:  # one GEMM over [dy | s dy B] against [W ; A]
             n_dim, c_dim = w_ENC.shape[1:]
             dy_aug[:, n_dim:].copy_(dyb_SR)
@@ -1150,10 +1258,13 @@ def _padded_rows(t_SC: torch.Tensor, pad: int) -> torch.Tensor | None:
     return t_SC.data.as_strided((rows, cols + pad), (cols + pad, 1))  # spare-column writes: no version bump
 
 
-def _linear_grouped_mm(x_SC, w_ENC, offsets_E, padded_lora: tuple, copy_weights, compute_output, w_aug, keep=None):
+def _linear_grouped_mm(
+    x_SC, w_ENC, offsets_E, padded_lora: tuple, copy_weights, compute_output, w_aug, keep=None, xa_SR=None, handoff=None
+):  # fmt: skip
     """`_GroupedMMLinear` on sorted rows (``padded_lora`` from `_padded_lora`); ``keep`` (a forward's,
-    not a recompute's) is offered (y, xa). Returns y and the kept buffer the caller must copy y into
-    (`_swiglu`'s ``h_copy``), or None."""
+    not a recompute's) is offered (y, xa); ``xa_SR`` (`_PermuteThin`) and ``handoff``
+    (`_UnpermuteThin`) bring thin products computed elsewhere. Returns y and the kept buffer the
+    caller must copy y into (`_swiglu`'s ``h_copy``), or None."""
     store = keep.store if keep is not None else None
     buffers = keep.buffers() if keep is not None else None  # a later forward: y lands in the buffer
     dest_y_SN = buffers[0] if buffers is not None else None
@@ -1164,7 +1275,7 @@ def _linear_grouped_mm(x_SC, w_ENC, offsets_E, padded_lora: tuple, copy_weights,
         pending, dest_y_SN = dest_y_SN, None
         store = functools.partial(_store_pending, keep.store, pending)
     y_SN = _GroupedMMLinear.apply(
-        x_SC, w_ENC, *padded_lora, offsets_E, copy_weights, compute_output, store, dest_y_SN, w_aug,
+        x_SC, w_ENC, *padded_lora, offsets_E, copy_weights, compute_output, store, dest_y_SN, w_aug, xa_SR, handoff,
     )
     return y_SN, pending
 
@@ -1177,9 +1288,14 @@ def _experts_grouped_mm(
     x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights, output_needed,
     keep, use_slots=False,
 ):  # fmt: skip
-    """y_SD of the grouped_mm backend, and the spare columns its gradient's rows should have (the down
-    projection's LoRA slots, else 0: `unpermute_tokens(grad_pad=...)`)."""
+    """out_TD of the grouped_mm backend: the experts' outputs summed per token (`unpermute_tokens`),
+    its gradient gathered into rows with the down projection's LoRA slots as spare columns, if any.
+
+    Where Triton runs, the two gathers of [S, D] rows feed the thin LoRA product that reads them
+    in the same pass: x's with gate/up's x A^T (`_PermuteThin`), the output gradient's with down's
+    dy B (`_UnpermuteThin`)."""
     offsets_E = routing.offsets_E
+    fuse_thin = triton_can_run(x_TD) and x_TD.dtype != torch.float64  # our kernels add in fp32
     gate_up, down = _padded_lora(lora_gate_up, x_TD.dtype), _padded_lora(lora_down, x_TD.dtype)
     def slots(weight, a_ERC):
         return _lora_slots(weight, a_ERC.shape[1]) if use_slots and a_ERC is not None else None
@@ -1197,13 +1313,28 @@ def _experts_grouped_mm(
         )  # fmt: skip
     else:
         forward_keep = keep if keep is not None and not keep.recompute else None
-        x_SD = permute_tokens(x_TD, routing, pad=gate_up_pad)
+        xa_SR = None
+        if fuse_thin and gate_up[0] is not None:
+            x_SD, xa_SR = _PermuteThin.apply(
+                x_TD, gate_up[0], gate_up[2], routing.token_idx_S, routing.inv_pair_S, offsets_E, routing.top_k,
+                gate_up_pad,
+            )  # fmt: skip
+        else:
+            x_SD = permute_tokens(x_TD, routing, pad=gate_up_pad)
         h_SF, h_copy = _linear_grouped_mm(
-            x_SD, w_gate_up_EFD, offsets_E, gate_up, copy_weights, True, gate_up_aug, forward_keep
+            x_SD, w_gate_up_EFD, offsets_E, gate_up, copy_weights, True, gate_up_aug, forward_keep, xa_SR
         )
     a_SI = _swiglu(h_SF, act_fn, weight_S, pad_out=down_pad, pad_grad=gate_up_pad, h_copy=h_copy)
-    y_SD, _ = _linear_grouped_mm(a_SI, w_down_EDI, offsets_E, down, copy_weights, output_needed, down_aug)
-    return y_SD, down_pad
+    handoff = _ThinHandoff() if fuse_thin and down[0] is not None else None
+    y_SD, _ = _linear_grouped_mm(
+        a_SI, w_down_EDI, offsets_E, down, copy_weights, output_needed, down_aug, handoff=handoff
+    )
+    if handoff is None:
+        return unpermute_tokens(y_SD, routing, output_needed=output_needed, grad_pad=down_pad)
+    return _UnpermuteThin.apply(
+        y_SD, down[1], down[2], routing.token_idx_S, routing.inv_pair_S, offsets_E, routing.top_k, output_needed,
+        down_pad, handoff,
+    )  # fmt: skip
 
 
 def _lora_args(lora: _LoRAFactors | None) -> tuple:
@@ -1284,24 +1415,22 @@ def moe_experts(
         lora_gate_up = gate_up_lora.factors(dtype) if gate_up_lora is not None else None
         lora_down = down_lora.factors(dtype) if down_lora is not None else None
         weights = (w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down)
+        # grouped_mm and native_torch: the routing weight scales each pair's down-projection input
+        # (inside the SwiGLU kernel)
         if backend == "triton":
             out_TD = _experts_triton(x, weight_S, routing, *weights, output_needed)
+        elif backend == "grouped_mm":
+            out_TD = _run_grouped_mm(x, routing, weight_S, *weights, output_needed, keep)
         else:
-            # the routing weight scales each pair's down-projection input (inside the SwiGLU kernel)
-            grad_pad = 0
-            if backend == "grouped_mm":
-                y_SD, output_needed, grad_pad = _run_grouped_mm(x, routing, weight_S, *weights, output_needed, keep)
-            else:
-                y_SD, output_needed = _experts_native(permute_tokens(x, routing), routing, weight_S, *weights), True
-            out_TD = unpermute_tokens(y_SD, routing, output_needed=output_needed, grad_pad=grad_pad)
+            out_TD = unpermute_tokens(_experts_native(permute_tokens(x, routing), routing, weight_S, *weights), routing)
     return out_TD.to(x_TD.dtype)
 
 
 def _run_grouped_mm(
     x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None
-) -> tuple[torch.Tensor, bool, int]:
-    """y_SD, whether it holds values (False: skipped, see ``moe_experts(output_needed=...)``), and
-    the spare columns of its gradient's rows (`_experts_grouped_mm`)."""
+) -> torch.Tensor:
+    """out_TD of the grouped_mm backend (`_experts_grouped_mm`), or of native_torch where grouped_mm
+    cannot run (logged once)."""
     dtype = x_TD.dtype
     mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
@@ -1313,13 +1442,14 @@ def _run_grouped_mm(
             "sizes must be multiples of 16 bytes); running the native_torch loop (one host sync per layer). "
             "Use moe.backend=triton to stay sync-free.",
         )
-        x_SD = permute_tokens(x_TD, routing)
-        return _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down), True, 0
+        y_SD = _experts_native(
+            permute_tokens(x_TD, routing), routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down
+        )
+        return unpermute_tokens(y_SD, routing)
     if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
         _refuse_host_sync_in_capture(x_TD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
     use_slots = _augmented_views_ok(x_TD.device, dtype)
-    y_SD, grad_pad = _experts_grouped_mm(
+    return _experts_grouped_mm(
         x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
         keep, use_slots,
     )
-    return y_SD, output_needed, grad_pad
