@@ -3,7 +3,6 @@ torch.autograd.Function and a plain-torch reference of the same math. Nothing he
 transformers; the HF wiring lives in `lightning_ft.modules.patching`.
 
     rms_norm.rms_norm(x, weight, eps)                            RMSNorm (HF Llama/Qwen3 math)
-    rms_norm.residual_rms_norm(x, weight, eps, residual)         residual + x, then RMSNorm, in one pass
     rope.apply_rope(q, k, cos, sin)                               RoPE on q and k, in place
     swiglu.swiglu(gate, up)                                       silu(gate) * up
     linear_cross_entropy.fused_linear_cross_entropy(h, w, labels) chunked LM head + CE: (loss sum, count)

@@ -16,11 +16,6 @@ P programs (4 per SM) each walks its own contiguous range of rows and writes one
 then a [P, N] -> [N] sum gives dW, cast to weight.dtype. dW is skipped when weight does not require
 grad (LoRA). Saved for backward: x (input dtype) and rstd (fp32 [M]), nothing else.
 
-Residual stream (`residual_rms_norm`): with a residual the forward first forms s = x + residual,
-rounded to x's dtype (torch's add) and written out, then normalises s; the backward adds s's
-gradient from its other uses (ds, rounded the norm's dx first, as autograd sums two gradients):
-ds_total = dx(dy) + ds, one pass instead of the norm's backward and an add.
-
 Shapes: x [..., N] with any leading dims (flattened to M rows), weight [N]; N need not be a power of
 two (2880, 5120, 128 for the q/k norms all work). Tiles are [BLOCK_M, BLOCK_N] with BLOCK_N the
 next power of two of N and BLOCK_M > 1 rows per program when N is small.
@@ -43,10 +38,10 @@ _TILE_ELEMS = 4096  # values per tensor per program: BLOCK_M * BLOCK_N
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, R, S, W, Y, RSTD,
-    stride_x, stride_r, stride_s, stride_y,
+    X, W, Y, RSTD,
+    stride_x, stride_y,
     M, N, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -56,11 +51,6 @@ def _rms_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)
 
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:  # s = x + r rounded to the input dtype (torch's add), normalised from there
-        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(X.dtype.element_ty)
-        tl.store(S + rows64[:, None] * stride_s + cols[None, :], s, mask=mask)
-        x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -71,10 +61,10 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DRES, DX, DW_PARTIAL,
-    stride_dy, stride_x, stride_dres, stride_dx,
+    DY, X, W, RSTD, DX, DW_PARTIAL,
+    stride_dy, stride_x, stride_dx,
     M, N, rows_per_program,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, HAS_DRES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -97,9 +87,6 @@ def _rms_norm_bwd_kernel(
         n = x * rstd[:, None]
         dn = dy * w[None, :]
         dx = rstd[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / N)[:, None])
-        if HAS_DRES:  # x's other gradient, summed as autograd sums two gradients in x's dtype
-            dres = tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dx = dx.to(DX.dtype.element_ty).to(tl.float32) + dres
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
@@ -113,52 +100,37 @@ def _tile(n_cols: int) -> tuple[int, int]:
     return max(1, _TILE_ELEMS // block_n), block_n
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [M, N] rows with unit column stride (a copy only where the last dim is strided)."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. Returns (y, the normalised rows [M, N], rstd fp32 [M]).
-
-    With ``residual`` (x's shape and dtype) the rows normalised are ``s = x + residual``, rounded
-    to x's dtype, written to a new [M, N] tensor (the second value) in the same pass.
-    """
+    """Launch the forward kernel. Returns (y, x as [M, N] rows, rstd fp32 [M])."""
     n_cols = x.shape[-1]
-    x2d = _rows(x)
+    x2d = x.reshape(-1, n_cols)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
     n_rows = x2d.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    r2d = _rows(residual) if residual is not None else x2d
-    s2d = torch.empty_like(x2d, memory_format=torch.contiguous_format) if residual is not None else x2d
     if n_rows > 0:
         block_m, block_n = _tile(n_cols)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-            x2d, r2d, s2d, weight, y, rstd,
-            x2d.stride(0), r2d.stride(0), s2d.stride(0), y.stride(0),
+            x2d, weight, y, rstd,
+            x2d.stride(0), y.stride(0),
             n_rows, n_cols, eps,
-            BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=num_warps_for(block_m * block_n),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n),
         )
-    return y.view(*x.shape[:-1], n_cols), s2d, rstd
+    return y.view(*x.shape[:-1], n_cols), x2d, rstd
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool,
-    dres: torch.Tensor | None = None,
+    dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel. Returns (dx [M, N] in x's dtype, dW in weight's dtype or None).
-
-    With ``dres`` (x's other gradient, [..., N] in x's dtype) dx is the sum of the two, rounded as
-    autograd's sum of two gradients in x's dtype rounds: the norm's dx rounded first, then the sum.
-    """
+    """Launch the backward kernel. Returns (dx [M, N] in x's dtype, dW in weight's dtype or None)."""
     n_rows, n_cols = x2d.shape
-    dy2d = _rows(dy)
-    dres2d = _rows(dres) if dres is not None else dy2d
-    dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+    dy2d = dy.reshape(-1, n_cols)
+    if dy2d.stride(-1) != 1:
+        dy2d = dy2d.contiguous()
+    dx = torch.empty_like(x2d)
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else None
     block_m, block_n = _tile(n_cols)
@@ -168,11 +140,10 @@ def rms_norm_backward(
     # Without dW the kernel never touches DW_PARTIAL; rstd stands in for the pointer.
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else rstd
     _rms_norm_bwd_kernel[(programs,)](
-        dy2d, x2d, weight, rstd, dres2d, dx, dw_partial,
-        dy2d.stride(0), x2d.stride(0), dres2d.stride(0), dx.stride(0),
+        dy2d, x2d, weight, rstd, dx, dw_partial,
+        dy2d.stride(0), x2d.stride(0), dx.stride(0),
         n_rows, n_cols, rows_per_program,
-        BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE_DW=compute_dw, HAS_DRES=dres is not None,
-        num_warps=num_warps_for(block_m * block_n),
+        BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE_DW=compute_dw, num_warps=num_warps_for(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
@@ -196,71 +167,12 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw, None
 
 
-class ResidualRMSNormFunction(torch.autograd.Function):
-    """(y, s) with s = x (+ residual) and y = RMSNorm(s): a pre-norm decoder layer's residual stream.
-
-    Forward: one pass reads x (and residual), writes s (when summed) and y. Backward, given dy and
-    ds (s's gradient from its other uses, None when unused): one pass computes s's total gradient,
-    norm-backward(dy) + ds, which autograd would have summed in an add of its own; it goes to x
-    and to residual alike (an add's backward). Without a residual, s is x itself (returned as is:
-    autograd gives it out as a view of x).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-        ctx.set_materialize_grads(False)
-        y, s2d, rstd = rms_norm_forward(x, weight, eps, residual=residual)
-        ctx.save_for_backward(s2d, weight, rstd)
-        ctx.x_shape, ctx.summed = x.shape, residual is not None
-        return y, (s2d.view(x.shape) if ctx.summed else x)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy: torch.Tensor | None, ds: torch.Tensor | None):
-        s2d, weight, rstd = ctx.saved_tensors
-        if dy is None:
-            ds_total, dw = ds, None
-        else:
-            ds_total, dw = rms_norm_backward(dy, s2d, weight, rstd, compute_dw=ctx.needs_input_grad[2], dres=ds)
-            ds_total = ds_total.view(ctx.x_shape)
-        return ds_total, (ds_total if ctx.summed else None), dw, None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Fused RMSNorm over the last dim of `x` (see the module docstring for the math)."""
     if not triton_can_run(x):
         warn_fallback("rms_norm", x.device)
         return rms_norm_reference(x, weight, eps)
     return RMSNormFunction.apply(x, weight, eps)
-
-
-def residual_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of a residual stream: ``s = residual + x`` (or x alone), returns ``(rms_norm(s), s)``.
-
-    The same values as ``s = residual + x; y = rms_norm(s, weight, eps)`` (torch's add rounds s to
-    x's dtype first) and the same gradients, in one kernel each way: the sum is written as the norm
-    reads it, and the norm's backward adds s's gradient from its other uses (the residual path)
-    into its own, where autograd would launch an add per sum (Liger Kernel's and vLLM's fused
-    add + RMSNorm do the forward half). For pre-norm decoder layers (`lightning_ft.modules.patching`).
-
-    Args:
-        x: [..., N] (a layer's input, or its attention output when ``residual`` is given).
-        weight: [N]; eps: the norm's epsilon.
-        residual: [..., N] like x (shape and dtype), or None.
-
-    Returns:
-        (y [..., N] in promote(x.dtype, weight.dtype), s [..., N] in x's dtype: x itself without residual).
-    """
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        s = residual + x  # torch's promotion and broadcasting: the plain ops
-        return rms_norm(s, weight, eps), s
-    if not triton_can_run(x):
-        warn_fallback("rms_norm", x.device)
-        s = residual + x if residual is not None else x
-        return rms_norm_reference(s, weight, eps), s
-    return ResidualRMSNormFunction.apply(x, residual, weight, eps)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

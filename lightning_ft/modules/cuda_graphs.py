@@ -14,10 +14,6 @@ halves are CUDA graphs recorded from the layer itself:
     backward  graph B:  out = layer(x, **kwargs) with grad (the recompute), then
                         dx, dθ = autograd.grad(out, (x, θ), dout)     θ = the layer's trainable weights
 
-"The layer" is its class's forward, or the function a kernel patch left in the layer's
-``LAYER_FORWARD_ATTR`` (`lightning_ft.modules.patching`: the residual sums inside the norms' kernels),
-which only the graphs call: their eager calls too, not HF's own gradient checkpointing.
-
 Per call only copies reach the device besides the replay: x (and dout) into the static inputs, the
 output (and dx) out of them, the weight gradients out as fresh tensors (one multi-tensor kernel), which
 autograd accumulates into ``.grad`` as usual (DDP's hooks see them; a weight the output does not
@@ -101,8 +97,7 @@ from lightning_ft.modules.kept import KINDS, KeptActivations, keeping, stored_nb
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = [
-    "LAYER_FORWARD_ATTR", "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "layer_output_buffer",
-    "recomputing_for_backward", "revert_cuda_graphs",
+    "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,12 +105,8 @@ logger = logging.getLogger(__name__)
 _STATE_ATTR = "_lightning_ft_cuda_graphs"  # on each patched layer: the model's `_ModelGraphs`
 _CHECKPOINTING_ATTR = "_lightning_ft_cuda_graphs_checkpointing"  # the layer's own flag before patching
 _INDEX_ATTR = "_lightning_ft_cuda_graphs_index"  # on each patched layer: its position among the decoder layers
-# On a decoder layer: a function(layer, hidden_states, *args, **kwargs) that the graphs run instead
-# of the class's forward (`lightning_ft.modules.patching`: the residual sums in the norms' kernels)
-LAYER_FORWARD_ATTR = "_lightning_ft_layer_forward"
 _SCALARS = (type(None), bool, int, float, str)
 _RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
-_OUTPUT_BUFFER: list[torch.Tensor | None] = [None]  # the forward graph's output buffer while it records (layer_output_buffer)
 _FORWARD_IDS = itertools.count(1)
 
 
@@ -128,17 +119,6 @@ def recomputing_for_backward() -> bool:
     does not need it; the MoE experts skip their down projection and un-permute this way.
     """
     return _RECOMPUTING[0]
-
-
-def layer_output_buffer() -> torch.Tensor | None:
-    """The static output buffer of the decoder layer whose forward graph is being recorded, else None.
-
-    A layer forward that returns this very tensor, its output computed into it (no grad mode, the
-    output's shape and dtype), saves the graph the copy into it (one [T, D] pass per layer; at 8K
-    tokens of Qwen3-30B-A3B 16 µs on the H200). Only the layer's own forward may write it, as its
-    last step (`lightning_ft.modules.patching`'s decoder layers do).
-    """
-    return _OUTPUT_BUFFER[0]
 
 
 class _Ungraphable(Exception):
@@ -402,7 +382,7 @@ class _ModelGraphs:
                 self.param_grads[slot] = torch.empty_like(p, memory_format=torch.contiguous_format)
             param_grads.append(self.param_grads[slot])
         unused = [False] * len(params)
-        forward = _layer_forward(layer)
+        forward = functools.partial(type(layer).forward, layer)
         device_type = hidden.device.type
         amp = dict(
             device_type=device_type,
@@ -422,14 +402,8 @@ class _ModelGraphs:
         }
 
         def run_forward() -> None:
-            _OUTPUT_BUFFER[0] = static.out
-            try:
-                with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
-                    out = forward(static.hidden, **static.kwargs)
-            finally:
-                _OUTPUT_BUFFER[0] = None
-            if out is not static.out:  # not computed into it (`layer_output_buffer`)
-                static.out.copy_(out)
+            with torch.no_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=False):
+                static.out.copy_(forward(static.hidden, **static.kwargs))
 
         names = [name for name, p in layer.named_parameters() if p.requires_grad]
 
@@ -542,13 +516,8 @@ class _GraphedLayer(torch.autograd.Function):
         return (None, None, None, None, None, None, grad_in, *grads)
 
 
-def _layer_forward(layer: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """What the graphs run of ``layer``: its ``LAYER_FORWARD_ATTR`` function, else its class's forward."""
-    return functools.partial(layer.__dict__.get(LAYER_FORWARD_ATTR) or type(layer).forward, layer)
-
-
 def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    original = _layer_forward(self)
+    original = functools.partial(type(self).forward, self)
     state: _ModelGraphs = getattr(self, _STATE_ATTR)
     if state.recording or not (self.training and torch.is_grad_enabled()):
         return original(hidden_states, *args, **kwargs)

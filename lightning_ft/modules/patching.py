@@ -7,20 +7,7 @@ nothing is touched, so the model is stock HF + PEFT: the reference every speed-u
 What gets patched, per kernel switch:
 
     rms_norm  every instance of the table's RMSNorm classes (decoder norms, final norm, Qwen3's q/k
-              norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`. And the
-              table's decoder layers (pre-norm: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``)
-              whose two norms are such instances, when the CUDA graphs run them
-              (`lightning_ft.modules.cuda_graphs`, ``model.cuda_graphs=true``): each residual sum
-              joins the norm that reads it (`residual_rms_norm`: the forward's ``x + attn`` is
-              written as norm2 reads it, and each norm's backward adds the residual path's gradient
-              into its own: two adds fewer per layer and pass); in the graphs' recompute the
-              layer's last sum, whose value nobody reads, is not computed
-              (`recomputing_for_backward`), and in a forward graph it lands in the graph's output
-              buffer (`layer_output_buffer`). The same values and gradients as HF's forward; its
-              code is followed line for line, the attention and the MLP are called as modules. It
-              is an instance attribute the graphs call instead of the class's forward
-              (`cuda_graphs.LAYER_FORWARD_ATTR`): every other caller, HF's own gradient
-              checkpointing included, runs the stock forward.
+              norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`.
     swiglu    every instance of the table's dense MLP classes: `forward` becomes
               `down_proj(swiglu(gate_proj(x), up_proj(x)))`. The projections are called as they are,
               so PEFT's LoRA layers on gate/up/down still apply. Qwen3-MoE's experts
@@ -53,11 +40,10 @@ import torch
 from transformers import PreTrainedModel
 
 from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters
-from lightning_ft.kernels.rms_norm import residual_rms_norm, rms_norm
+from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu
 from lightning_ft.modules import kept
-from lightning_ft.modules.cuda_graphs import LAYER_FORWARD_ATTR, layer_output_buffer, recomputing_for_backward
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
 _SILU_ACTS = ("silu", "swish")
@@ -75,24 +61,20 @@ class PatchTable:
     # the CUDA graphs may keep it for the recompute (`lightning_ft.modules.kept`). Not Llama's q/k:
     # its RoPE (ours) rotates them in place; Qwen3's q/k pass through q_norm/k_norm first.
     kept_linears: tuple[str, ...] = ()
-    # pre-norm decoder layers (input_layernorm, self_attn, post_attention_layernorm, mlp) whose
-    # forward is HF's two residual sums: their sums join the norms (the rms_norm switch)
-    decoder_layers: tuple[str, ...] = ()
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 PATCH_TABLES: dict[str, PatchTable] = {
     "llama": PatchTable(
-        "transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",), ("v_proj", "o_proj", *_MLP_LINEARS),
-        ("LlamaDecoderLayer",),
+        "transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",), ("v_proj", "o_proj", *_MLP_LINEARS)
     ),
     "qwen3": PatchTable(
         "transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",),
-        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS), ("Qwen3DecoderLayer",),
+        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS),
     ),
     "qwen3_moe": PatchTable(
         "transformers.models.qwen3_moe.modeling_qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeMLP",),
-        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS), ("Qwen3MoeDecoderLayer",),
+        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS),
     ),
 }  # fmt: skip
 
@@ -145,68 +127,6 @@ def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_lin
             undo.append(functools.partial(delattr, module, "_lightning_ft_lora"))
             undo.append(functools.partial(delattr, module, "_lightning_ft_keep"))
             _patch_forward(module, _fused_lora_forward, undo)
-            count += 1
-    return count
-
-
-class _UnreadSum(torch.autograd.Function):
-    """``a + b`` for autograd only: the forward returns an uninitialised tensor of the sum's shape
-    and dtype (its value must not be read), the backward passes the gradient to both, as an add's."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a.new_empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.promote_types(a.dtype, b.dtype))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, grad
-
-
-_CACHE_KWARGS = ("cache", "past_key_values")
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` would run hooks (its own or global ones, forward or backward)."""
-    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    nn_module = torch.nn.modules.module
-    global_hooks = (
-        nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
-        nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks,
-    )  # fmt: skip
-    return any(own) or any(global_hooks)
-
-
-def _residual_norm_layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A pre-norm decoder layer's forward with each residual sum in its norm's kernel, for the CUDA
-    graphs (`cuda_graphs.LAYER_FORWARD_ATTR`): HF's forward line for line, the attention and the MLP
-    called as modules. HF's own forward (``type(self).forward``) runs instead for positional
-    arguments, a cache, or a norm with hooks (calling the norm's module would run them)."""
-    norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-    cached = kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_KWARGS)
-    if args or cached or _hooked(norm1) or _hooked(norm2):
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    # HF: residual = x; x = norm1(x); x = attn(x); x = residual + x; residual = x; x = norm2(x)
-    normed, residual = residual_rms_norm(hidden_states, norm1.weight, norm1.variance_epsilon)
-    attn_out, _ = self.self_attn(hidden_states=normed, **kwargs)
-    normed, residual = residual_rms_norm(attn_out, norm2.weight, norm2.variance_epsilon, residual=residual)
-    mlp_out = self.mlp(normed)
-    if recomputing_for_backward():  # the graphs' recompute differentiates through the sum, reads nothing
-        return _UnreadSum.apply(residual, mlp_out)
-    out = layer_output_buffer()  # a forward graph's recording: the sum straight into its output buffer
-    if (out is not None and not torch.is_grad_enabled() and out.shape == residual.shape
-            and out.dtype == torch.promote_types(residual.dtype, mlp_out.dtype)):  # fmt: skip
-        return torch.add(residual, mlp_out, out=out)
-    return residual + mlp_out
-
-
-def _patch_decoder_layers(model: torch.nn.Module, classes: tuple[type, ...], norms: tuple[type, ...], undo: list) -> int:
-    """Give the layers of ``classes`` whose two norms are of ``norms`` the residual-norm forward for the CUDA graphs."""
-    count = 0
-    for layer in model.modules():
-        if (type(layer) in classes and isinstance(getattr(layer, "input_layernorm", None), norms)
-                and isinstance(getattr(layer, "post_attention_layernorm", None), norms)):  # fmt: skip
-            setattr(layer, LAYER_FORWARD_ATTR, _residual_norm_layer_forward)
-            undo.append(functools.partial(delattr, layer, LAYER_FORWARD_ATTR))
             count += 1
     return count
 
@@ -314,13 +234,8 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
         ("swiglu", table.mlp, _fused_swiglu_mlp_forward),
     ):
         if name in wanted:
-            classes = tuple(getattr(modeling, c) for c in class_names)
-            line = f"{name}: {_patch_forwards(hf_model, classes, fused, undo)} x {', '.join(class_names)}"
-            if name == "rms_norm" and table.decoder_layers:
-                layers = tuple(getattr(modeling, c) for c in table.decoder_layers)
-                count = _patch_decoder_layers(hf_model, layers, classes, undo)
-                line += f", the residual sums of {count} x {', '.join(table.decoder_layers)} (in the CUDA graphs)"
-            applied.append(line)
+            count = _patch_forwards(hf_model, tuple(getattr(modeling, c) for c in class_names), fused, undo)
+            applied.append(f"{name}: {count} x {', '.join(class_names)}")
     if "rope" in wanted:
         _patch_rope(modeling, undo)
         applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")

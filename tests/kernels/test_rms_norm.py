@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_ft.kernels.rms_norm as rms_norm_module
-from lightning_ft.kernels.rms_norm import residual_rms_norm, rms_norm, rms_norm_reference
+from lightning_ft.kernels.rms_norm import rms_norm, rms_norm_reference
 
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}  # dtype -> (y/dx tol, dW tol)
 EPS = 1e-6
@@ -105,79 +105,10 @@ def test_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _residual_run(fn, x, residual, weight, dy, ds):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, weight)]
-    residual = residual.detach().clone().requires_grad_() if residual is not None else None
-    y, s = fn(leaves[0], leaves[1], residual)
-    torch.autograd.backward([y, s], [dy, ds])
-    return y, s, leaves[0].grad, residual.grad if residual is not None else None, leaves[1].grad
-
-
-def _unfused(norm):
-    def run(x, weight, residual):  # HF's decoder layer: s = residual + x, then the norm; s read again later
-        s = residual + x if residual is not None else x
-        return norm(s, weight, EPS), s
-
-    return run
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 5, 200), (67, 96), (3, 2880)])
-@pytest.mark.parametrize("summed", [True, False], ids=["x+residual", "x"])
-def test_residual_rms_norm_is_the_sum_then_the_norm(device, dtype, shape, summed):
-    """Forward and backward equal the unfused ops (torch's add, then `rms_norm`): in bf16 on the GPU bit
-    for bit (the same roundings: s rounded to x's dtype, the norm's dx rounded before the two
-    gradients are summed), in fp32 there to 1e-6 (the sum joins the norm's last product in one
-    fused multiply-add); under the CPU interpreter within the module's tolerances (it truncates to
-    bf16)."""
-    torch.manual_seed(0)
-    x = torch.randn(shape, dtype=dtype, device=device)
-    residual = torch.randn(shape, dtype=dtype, device=device) if summed else None
-    weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype)
-    dy, ds = torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
-    got = _residual_run(lambda x, w, r: residual_rms_norm(x, w, EPS, residual=r), x, residual, weight, dy, ds)
-    want = _residual_run(_unfused(rms_norm), x, residual, weight, dy, ds)
-    reference = _residual_run(_unfused(rms_norm_reference), x, residual, weight, dy, ds)
-    tol, tol_dw = TOL[dtype]
-    for name, g, w, r in zip(("y", "s", "dx", "dresidual", "dW"), got, want, reference):
-        if w is None:
-            assert g is None, name
-            continue
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        if device.type == "cuda" and dtype == torch.bfloat16:
-            assert torch.equal(g, w), name
-        elif device.type == "cuda":  # fp32: the compiler fuses the norm's last product and the sum (one rounding fewer)
-            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
-        else:
-            torch.testing.assert_close(g, w, atol=tol_dw * w.abs().max().item() if name == "dW" else tol, rtol=tol)
-        scale = r.abs().max().item() if name == "dW" else 1.0  # and HF's plain ops
-        torch.testing.assert_close(g, r, atol=(tol_dw if name == "dW" else tol) * scale, rtol=tol_dw if name == "dW" else tol)
-    if not summed:  # s is x itself
-        x_leaf = x.clone().requires_grad_()
-        assert residual_rms_norm(x_leaf, weight, EPS)[1].data_ptr() == x_leaf.data_ptr()
-
-
-def test_residual_rms_norm_unused_outputs_and_mixed_dtypes(device):
-    x = torch.randn(4, 96, device=device, requires_grad=True)
-    residual = torch.randn(4, 96, device=device, requires_grad=True)
-    weight = torch.rand(96, device=device) + 0.5
-    y, s = residual_rms_norm(x, weight, EPS, residual=residual)
-    y.sum().backward()  # s unused: its gradient is the norm's alone
-    s_ref = (residual + x).detach().requires_grad_()
-    rms_norm_reference(s_ref, weight, EPS).sum().backward()
-    torch.testing.assert_close(x.grad, s_ref.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(residual.grad, s_ref.grad, atol=1e-5, rtol=1e-5)
-    # another dtype for the residual: torch's add (promotion) and the plain norm
-    y, s = residual_rms_norm(x.detach().bfloat16(), weight, EPS, residual=residual.detach())
-    assert s.dtype == torch.float32
-    torch.testing.assert_close(s, residual.detach() + x.detach().bfloat16(), atol=0, rtol=0)
-
-
 def test_double_backward_raises(device):
-    """The kernels' backward is not differentiable: a second-order gradient raises, not a silent wrong value."""
+    """The kernel's backward is not differentiable: a second-order gradient raises, not a silent wrong value."""
     x = torch.randn(4, 32, device=device, requires_grad=True)
     weight = torch.randn(32, device=device, requires_grad=True)
-    for out in (rms_norm(x, weight, EPS), residual_rms_norm(x, weight, EPS, residual=x.detach().clone())[0]):
-        (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-        with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
-            dx.sum().backward()
+    (dx,) = torch.autograd.grad(rms_norm(x, weight, EPS).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        dx.sum().backward()

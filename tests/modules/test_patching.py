@@ -21,10 +21,7 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 
-import lightning_ft.modules.patching as patching
 from lightning_ft.kernels._utils import INTERPRETER
-from lightning_ft.kernels.rms_norm import residual_rms_norm
-from lightning_ft.modules.cuda_graphs import LAYER_FORWARD_ATTR
 from lightning_ft.modules.patching import (
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
@@ -90,8 +87,6 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     table = PATCH_TABLES[model_type]
     modeling = importlib.import_module(table.modeling_module)
     stock_rope = modeling.apply_rotary_pos_emb
-    (layer_class,) = (getattr(modeling, name) for name in table.decoder_layers)
-    layer_forward = layer_class.forward
 
     assert apply_kernels(model, ALL_OFF) == []
     logits_off, loss_off, grads_off = _step(model, device)
@@ -108,10 +103,6 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     assert all(m.forward.__func__ is _fused_swiglu_mlp_forward for m in mlps)
     assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
     assert modeling.apply_rotary_pos_emb is _fused_apply_rotary_pos_emb
-    layers = [m for m in model.modules() if type(m) is layer_class]
-    # the residual-norm forward is for the CUDA graphs alone: HF's forward (and its checkpointing) stays
-    assert layer_class.forward is layer_forward and not any("forward" in m.__dict__ for m in layers)
-    assert all(m.__dict__[LAYER_FORWARD_ATTR] is patching._residual_norm_layer_forward for m in layers)
     logits_on, loss_on, grads_on = _step(model, device)
 
     torch.testing.assert_close(logits_on, logits_off, atol=1e-5, rtol=1e-5)
@@ -123,7 +114,6 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     revert_kernels(model)
     assert all("forward" not in m.__dict__ for m in norms + mlps + loras)
     assert modeling.apply_rotary_pos_emb is stock_rope
-    assert not any(LAYER_FORWARD_ATTR in m.__dict__ for m in layers)
     logits_back, loss_back, grads_back = _step(model, device)
     assert torch.equal(logits_back, logits_off) and torch.equal(loss_back, loss_off)
     assert all(torch.equal(grads_back[name], grad) for name, grad in grads_off.items())
@@ -174,87 +164,14 @@ def test_rope_patch_is_reference_counted_across_models():
     assert modeling.apply_rotary_pos_emb is stock_rope
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
-def test_residual_norm_layer_forward_equals_hf_s(model_type, dtype, monkeypatch):
-    """The decoder layers' residual-norm forward (what the CUDA graphs run) against HF's forward of the
-    same layer on the inputs the model gives it: output and every gradient (input, LoRA, norm
-    weights) bit for bit in fp32 (bf16: see the tolerance); both residual sums run in the norms'
-    kernel. A norm with a hook or a cache runs HF's forward (the hook fires)."""
-    if not INTERPRETER:
-        pytest.skip(CPU_NEEDS_INTERPRETER)
-    model = _tiny_lora_model(model_type, "cpu").to(dtype)
-    for p in model.parameters():
-        p.requires_grad_(p.requires_grad or p.dim() == 1)  # the norms' weights too
-    apply_kernels(model, {"rms_norm": True})
-    layer = model.get_base_model().model.layers[1]
-    captured = {}
-    handle = layer.register_forward_pre_hook(lambda m, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True)
-    _step(model, "cpu")
-    handle.remove()
-    x = captured["args"][0].detach()
-    kwargs = {k: tuple(t.detach() for t in v) if isinstance(v, tuple) else v for k, v in captured["kwargs"].items()}
-    kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    cache = {name: kwargs.pop(name) for name in ("cache", "past_key_values", "use_cache") if name in kwargs}
-    assert cache  # the model passed its cache: training passes none (it would hold the first run's keys)
-    fused_calls = []
-    monkeypatch.setattr(patching, "residual_rms_norm", lambda *a, **k: fused_calls.append(1) or residual_rms_norm(*a, **k))
-    params = [p for p in layer.parameters() if p.requires_grad]
-
-    def run(forward, *args, **extra):
-        x_in = x.clone().requires_grad_()
-        out = forward(layer, x_in, *args, **kwargs, **extra)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-        grads = torch.autograd.grad(out, [x_in, *params], grad_out)
-        return out.detach(), grads
-
-    want, want_grads = run(type(layer).forward)
-    assert not fused_calls
-    got, got_grads = run(layer.__dict__[LAYER_FORWARD_ATTR])
-    assert len(fused_calls) == 2
-    for got_t, want_t in zip((got, *got_grads), (want, *want_grads)):
-        if dtype == torch.float32:
-            assert torch.equal(got_t, want_t)
-        else:  # measured <= 1.7e-2: the interpreter truncates fp32 -> bf16 in the kernel's sum, torch's add rounds
-            assert _relative_l2(got_t, want_t) < 3e-2
-    fused_calls.clear()
-    hooked = []
-    handle = layer.post_attention_layernorm.register_full_backward_hook(lambda *args: hooked.append(1))
-    run(layer.__dict__[LAYER_FORWARD_ATTR])
-    assert hooked == [1] and not fused_calls
-    handle.remove()
-    run(layer.__dict__[LAYER_FORWARD_ATTR], use_cache=True)
-    assert not fused_calls
-
-
-def test_hf_gradient_checkpointing_still_runs_with_the_norm_kernels():
-    """Without the CUDA graphs a patched model's decoder layers are HF's: its gradient checkpointing
-    recomputes each layer in backward (the reverted class patch of session 19 bypassed it)."""
-    if not INTERPRETER:
-        pytest.skip(CPU_NEEDS_INTERPRETER)
-    model = _tiny_lora_model("llama", "cpu")
-    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    apply_kernels(model, {"rms_norm": True})
-    calls = []
-    model.get_base_model().model.layers[0].self_attn.register_forward_pre_hook(lambda *args: calls.append(1))
-    _step(model, "cpu")
-    assert len(calls) == 2  # forward, then the recompute in backward
-
-
 def test_applying_twice_replaces_the_first_patch():
     model = _tiny_lora_model("qwen3", "cpu")
-    layer_class = importlib.import_module(PATCH_TABLES["qwen3"].modeling_module).Qwen3DecoderLayer
-    layer_forward = layer_class.forward
     apply_kernels(model, {"rms_norm": True, "swiglu": True})
     # 2 layers x (input, post-attention, q, k norms) + the final norm
-    assert apply_kernels(model, {"rms_norm": True}) == [
-        "rms_norm: 9 x Qwen3RMSNorm, the residual sums of 2 x Qwen3DecoderLayer (in the CUDA graphs)"
-    ]
+    assert apply_kernels(model, {"rms_norm": True}) == ["rms_norm: 9 x Qwen3RMSNorm"]
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "Qwen3MLP")
     revert_kernels(model)
-    assert not any("forward" in m.__dict__ or LAYER_FORWARD_ATTR in m.__dict__ for m in model.modules())
-    assert layer_class.forward is layer_forward
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_rejects_unknown_switches_and_architectures():
