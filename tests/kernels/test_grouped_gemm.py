@@ -421,6 +421,24 @@ def test_grouped_mm_backend_gathers_into_the_thin_products(case_name, monkeypatc
         _assert_close(grads[name], ref_grad, torch.float32, f"grad of {name}")
 
 
+def test_fused_gather_computes_no_input_gradient_that_x_does_not_need(monkeypatch):
+    """With x frozen (a first layer, LoRA on the experts only), the gate/up projection's backward
+    computes no input gradient: the fused gather's output does not require grad through A."""
+    _skip_unless_runnable("triton", "cpu")
+    needs = []
+    backward = gg._grouped_mm_linear_backward
+    monkeypatch.setattr(gg, "_grouped_mm_linear_backward", lambda *args: needs.append(args[10][0]) or backward(*args))
+    case = CASES["base"]
+    topk_idx, tensors = _make(case, "cpu")
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1))
+    trainable = ["gate_up_A", "gate_up_B", "down_A", "down_B"]
+    _, grads = _run("grouped_mm", case, topk_idx, tensors, torch.float32, grad_out, trainable=trainable)
+    assert needs == [True, False]  # down (its input a depends on gate/up's LoRA), then gate/up
+    _, ref_grads = _reference_run(case, topk_idx, tensors, grad_out)
+    for name in trainable:
+        _assert_close(grads[name], ref_grads[name], torch.float32, f"grad of {name}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_grouped_wgrad_ragged_with_empty_expert(device):
     _skip_unless_runnable("triton", device)

@@ -951,7 +951,9 @@ class _PermuteThin(torch.autograd.Function):
         xa_SR = grouped_gemm(
             x_TD, a_ERC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S, gathered_out=x_SD, alpha=scaling
         )
-        ctx.mark_non_differentiable(xa_SR)
+        # one call (a second replaces the first); x_SD too where x needs no gradient: else A's
+        # requires_grad would make the projection compute an input gradient nobody reads
+        ctx.mark_non_differentiable(xa_SR, *(() if ctx.needs_input_grad[0] else (x_SD,)))
         return x_SD, xa_SR
 
     @staticmethod
