@@ -18,13 +18,19 @@ Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y
 (a later forward, the CUDA graphs' recording and replays, computes them straight into the kept
 buffers: at 8K tokens of Qwen3-30B-A3B, 112 MiB of q/k/v/o outputs per layer not copied); the
 recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which runs no
-product forward and differentiates as autograd does through the three ops above: each gradient
-it returns is the same products with the same roundings, in the same dtypes (tested bit for bit).
-One difference downstream: x's two gradient terms (base and LoRA) leave already summed, where
-autograd adds each into x's other contributions (q/k/v share their input), so that sum rounds in
-another order (fp32: ~1e-7 relative; bf16, after a few layers: ~1e-2 relative norm in the tests'
-tiny models, as between any two bf16 reductions). Frozen base weights only: the caller
-(`lightning_ft.modules.patching`) keeps nothing otherwise.
+product forward and differentiates as autograd does through the three ops above: the gradients of
+A and B are the same products with the same roundings, in the same dtypes (tested bit for bit).
+x's gradient is summed otherwise: the kept layers that read one x (q/k/v read the same normed
+hidden states) hand their terms to one `_InputGradient`, which adds them in one [T, K] buffer once
+all have run backward: ``dx = Σ dhᵢ Aᵢ`` (one GEMM over the concatenated ranks), then ``dx += dyᵢ Wᵢ``
+for each layer inside the base GEMM (its epilogue reads dx: ``addmm_``). Autograd instead writes
+each product, adds base and LoRA per layer, then adds the layers' sums: per layer one [T, K] pass
+to write the LoRA product and one add, and an add per extra reader. The products are the same; the
+sum rounds once per GEMM instead of once per add (fp32: ~1e-7 relative; bf16: as close to the
+float64 sum as autograd's, tested). Measured (H200, bf16, 8K tokens of Qwen3-30B-A3B, CUDA-graph
+replay; session 21's micro): q/k/v's input gradient 452.7 → 340.5 µs, o's 283.5 → 238.2 µs. An x
+in another dtype than the products (an fp32 input under bf16 autocast) keeps autograd's sum, in x's
+dtype. Frozen base weights only: the caller (`lightning_ft.modules.patching`) keeps nothing otherwise.
 
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
 ``peft.tuners.lora.layer.Linear``.
@@ -76,7 +82,11 @@ def lora_linear(
     """
     if keep is not None and keep.recompute and (kept := keep.take()) is not None:
         y, h = kept
-        return _KeptLoRALinear.apply(y, h, x, weight, lora_A, lora_B, scaling)
+        shared = _shared_input(x, y.dtype)
+        if shared is None:
+            return _KeptLoRALinear.apply(y, h, None, None, x, weight, lora_A, lora_B, scaling)
+        token, input_grad = shared
+        return _KeptLoRALinear.apply(y, h, token, input_grad, x.detach(), weight, lora_A, lora_B, scaling)
     buffers = keep.buffers() if keep is not None and not keep.recompute else None
     if buffers is not None and _computable_into(buffers, x, weight, bias, lora_A):
         # a later forward (a CUDA graph's): the products land in the kept buffers, no copy after
@@ -117,6 +127,70 @@ def _computable_into(buffers: tuple, x: torch.Tensor, weight: torch.Tensor, bias
     )
 
 
+_SHARED_ATTR = "_lightning_ft_input_gradient"  # on x: (x's version, product dtype, token, `_InputGradient`)
+
+
+def _shared_input(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, "_InputGradient"] | None:
+    """The (token, `_InputGradient`) through which the kept LoRA layers reading ``x`` return its gradient.
+
+    The first kept layer to read ``x`` makes them (`_SharedInput`); the next ones reading the same
+    tensor, unchanged since and with products in the same dtype, get the same pair (stored on ``x``,
+    so it lives as long as ``x``). None where ``x`` needs no gradient (then no layer computes one) or
+    is in another dtype than the products (autograd's sum, in x's dtype).
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad) or x.dtype != dtype:
+        return None
+    shared = getattr(x, _SHARED_ATTR, None)
+    if shared is None or shared[0] != x._version or shared[1] != dtype:
+        input_grad = _InputGradient(x.shape)
+        shared = (x._version, dtype, _SharedInput.apply(x, input_grad), input_grad)
+        setattr(x, _SHARED_ATTR, shared)
+    return shared[2], shared[3]
+
+
+class _InputGradient:
+    """The gradient of one input x read by several kept LoRA layers, collected from their backward
+    and summed once in one buffer (see the module docstring): each layer's `add` leaves its terms
+    (dy [M, N], dh = s·dy·B [M, r], A [r, K], W [N, K], in the products' dtype); `total` runs once all
+    the readers have run their backward (`_SharedInput`'s backward, which autograd runs after them)."""
+
+    def __init__(self, shape: torch.Size):
+        self.shape = shape
+        self.terms: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, dy: torch.Tensor, dh: torch.Tensor, lora_A: torch.Tensor, weight: torch.Tensor) -> None:
+        self.terms.append((dy, dh, lora_A, weight))
+
+    def total(self) -> torch.Tensor | None:
+        """``Σ dhᵢ Aᵢ + Σ dyᵢ Wᵢ`` as [*x.shape] in the products' dtype, or None without terms; forgets
+        the terms (a second backward through a retained graph collects its own)."""
+        terms, self.terms = self.terms, []
+        if not terms:
+            return None
+        dh = torch.cat([t[1] for t in terms], dim=1) if len(terms) > 1 else terms[0][1]
+        lora_A = torch.cat([t[2] for t in terms], dim=0) if len(terms) > 1 else terms[0][2]
+        dx = dh @ lora_A  # the thin products first: the base GEMMs' epilogues add into their sum
+        for dy, _, _, weight in terms:
+            dx.addmm_(dy, weight)
+        return dx.view(self.shape)
+
+
+class _SharedInput(torch.autograd.Function):
+    """x → an empty token that the kept LoRA layers reading x take instead of x (they read a detached
+    x); autograd runs this backward after all of theirs (each hands the token an empty gradient), and
+    it returns x's summed gradient (`_InputGradient.total`)."""
+
+    @staticmethod
+    def forward(ctx, x, input_grad):
+        ctx.input_grad = input_grad
+        return x.new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _token_grad):
+        return ctx.input_grad.total(), None
+
+
 class _KeptLoRALinear(torch.autograd.Function):
     """`lora_linear`'s output y, kept from the forward: returned as it is, differentiated as autograd
     differentiates the three ops (``F.linear`` twice, ``addmm_``), in y's dtype (the autocast dtype):
@@ -124,34 +198,40 @@ class _KeptLoRALinear(torch.autograd.Function):
         dh = (dy B) * s        dx = dy W + dh A        dA = dhᵀ x        dB = (dyᵀ h) * s
 
     each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
-    PEFT keeps A and B in fp32; x's two paths are summed in x's dtype). Saves x (cast to y's dtype),
-    h and the weights. No gradient for the base weight (frozen: `lightning_ft.modules.patching`).
+    PEFT keeps A and B in fp32). Saves x (cast to y's dtype), h and the weights. No gradient for the
+    base weight (frozen: `lightning_ft.modules.patching`). With a ``token`` (`_shared_input`), x's
+    terms go to ``input_grad`` (summed there with the other readers' of x) and the token gets an empty
+    gradient; without one, dx's two paths are cast to x's dtype and summed there (as autograd sums them).
     """
 
     @staticmethod
-    def forward(ctx, y, h, x, weight, lora_A, lora_B, scaling):
+    def forward(ctx, y, h, token, input_grad, x, weight, lora_A, lora_B, scaling):
         ctx.scaling = scaling
         ctx.x_dtype = x.dtype
-        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B)
+        ctx.input_grad = input_grad
+        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B, token)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy):
-        h, x, weight, lora_A, lora_B = ctx.saved_tensors
-        needs_x, _, needs_a, needs_b = ctx.needs_input_grad[2:6]
+        h, x, weight, lora_A, lora_B, token = ctx.saved_tensors
+        needs_token, _, needs_x, _, needs_a, needs_b = ctx.needs_input_grad[2:8]
         dtype = dy.dtype
         dy2, h2, x2 = dy.reshape(-1, dy.shape[-1]), h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])
-        dx = da = db = None
-        if needs_x or needs_a:
+        dtoken = dx = da = db = None
+        if needs_x or needs_a or needs_token:
             dh = (dy2 @ lora_B.to(dtype)) * ctx.scaling
             if needs_a:
                 da = (dh.t() @ x2).to(lora_A.dtype)
+            if needs_token:
+                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), weight.to(dtype))
+                dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
                 dx = (dy2 @ weight.to(dtype)).to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
                 dx = dx.view(*dy.shape[:-1], -1)
         if needs_b:
             db = ((dy2.t() @ h2) * ctx.scaling).to(lora_B.dtype)  # as addmm's backward for a transposed mat2
-        return None, None, dx, None, da, db, None
+        return None, None, dtoken, None, dx, None, da, db, None
 
 
 def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:

@@ -70,7 +70,10 @@ def test_bf16_autocast_matches_the_reference_with_fp32_adapters(device):
 def test_kept_output_gives_the_plain_gradients_exactly(device, case):
     """Kept projections (CUDA graphs' recompute): a forward (no grad) offers (y, x Aᵀ); the recompute
     returns that y (no product runs) and differentiates as autograd does through the three ops:
-    output and every gradient equal bit for bit (odd sizes, fp32 adapters as PEFT keeps them)."""
+    output and the adapters' gradients equal bit for bit (odd sizes, fp32 adapters as PEFT keeps
+    them). x's gradient is summed in the base GEMM's epilogue (`_InputGradient`), so it rounds
+    otherwise: as close to the float64 sum as autograd's (bit for bit where x's dtype is not the
+    products', which keeps autograd's sum)."""
     x, w, b, a, bb = _inputs(device, (3, 19), 40, 72, 8, True)
     if case != "fp32":
         w, b = w.to(torch.bfloat16), b.to(torch.bfloat16)
@@ -88,7 +91,88 @@ def test_kept_output_gives_the_plain_gradients_exactly(device, case):
     assert got[0].data_ptr() == keep.kept[0][0].data_ptr() == forward_y.data_ptr()  # the kept output
     for name, g, e in zip(("y", "dx", "dA", "dB"), got, want, strict=True):
         assert g.dtype == e.dtype, name
-        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        if name != "dx" or case == "fp32-input-bf16-autocast":
+            torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    exact = _input_grad_float64(x, w, a, bb, 0.5, grad_seed=1)
+    assert _rel(got[1], exact) <= max(1.25 * _rel(want[1], exact), 1e-6)
+
+
+def _input_grad_float64(x, w, a, bb, scaling, grad_seed):
+    """dx = dy W + s (dy B) A in float64 for the dy `_run` draws, from the operands as the products read them."""
+    dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else x.dtype
+    dy = torch.randn(*x.shape[:-1], w.shape[0], generator=torch.Generator().manual_seed(grad_seed)).to(x.device, dtype)
+    w64, a64, b64 = (t.detach().to(dtype).double() for t in (w, a, bb))
+    return dy.double() @ w64 + scaling * (dy.double() @ b64) @ a64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["fp32", "bf16-autocast"])
+def test_kept_layers_reading_one_input_sum_its_gradient_once(device, case, monkeypatch):
+    """q/k/v-like: three kept LoRA layers read one x, a fourth reads another. x's gradient is summed
+    by one `_InputGradient.total` per input and backward pass (three terms for the shared x), close to
+    the plain path's (fp32 1e-5; bf16 as close to float64 as autograd's sum); the adapters' gradients
+    bit for bit; a second backward through the retained graph gives the same; a reader left out of
+    the loss adds nothing."""
+    import lightning_ft.kernels.lora as lora
+
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if case != "fp32" else torch.float32
+    x = torch.randn(2, 9, 40, generator=g).to(device, dtype).requires_grad_()
+    shapes = [72, 24, 24, 40]  # q, k, v; o reads q's output
+    ws = [(torch.randn(n, 40, generator=g) / 40**0.5).to(device, dtype) for n in shapes]
+    adapters = [((torch.randn(8, 40, generator=g) / 40**0.5).to(device).requires_grad_(),
+                 torch.randn(n, 8, generator=g).to(device).requires_grad_()) for n in shapes]
+    totals = []
+    monkeypatch.setattr(lora._InputGradient, "total", lambda self, f=lora._InputGradient.total: totals.append(len(self.terms)) or f(self))
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=case != "fp32", cache_enabled=False)
+
+    def forward(keep, readers=3):
+        ys = [lora_linear(x, ws[i], None, *adapters[i], 0.5, keep=keep) for i in range(readers)]
+        o_in = ys[0][..., :40].contiguous()
+        return ys, lora_linear(o_in, ws[3], None, *adapters[3], 0.5, keep=keep)
+
+    o_weight = torch.randn(2, 9, 40, generator=g).to(device)  # (a sum's gradient, expanded ones, takes other GEMM paths on CUDA)
+
+    def loss(ys, o):
+        return sum((y.float() * (i + 1)).square().mean() for i, y in enumerate(ys)) + (o.float() * o_weight).sum()
+
+    params = [t for pair in adapters for t in pair]
+    with autocast:
+        ys, o = forward(None)
+        want = torch.autograd.grad(loss(ys, o), [x, *params])
+        keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+        with torch.no_grad(), kept.keeping(keep, recompute=False):
+            forward(keep)
+        with kept.keeping(keep, recompute=True):
+            ys, o = forward(keep)
+        total = loss(ys, o)
+        got = torch.autograd.grad(total, [x, *params], retain_graph=True)
+        again = torch.autograd.grad(total, [x, *params])
+    assert totals == [1, 3, 1, 3]  # o's input, then the shared x; each backward pass
+    for g1, g2 in zip(got, again, strict=True):
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+    # k's, v's and o's adapters bit for bit; x's gradient and q's adapters (q's output gradient
+    # includes o's input gradient, summed otherwise) to rounding
+    for name, g1, e in zip(["x", "q.A", "q.B", "k.A", "k.B", "v.A", "v.B", "o.A", "o.B"], got, want, strict=True):
+        assert g1.dtype == e.dtype, name
+        if name[0] in "kvo":
+            torch.testing.assert_close(g1, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        elif case == "fp32":
+            torch.testing.assert_close(g1, e, rtol=1e-5, atol=1e-5)
+        else:
+            assert _rel(g1, e) <= 1e-2, name
+    # a reader left out of the loss: q and k only, no o
+    with autocast:
+        keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+        with torch.no_grad(), kept.keeping(keep, recompute=False):
+            [lora_linear(x, ws[i], None, *adapters[i], 0.5, keep=keep) for i in range(3)]
+        with kept.keeping(keep, recompute=True):
+            ys = [lora_linear(x, ws[i], None, *adapters[i], 0.5, keep=keep) for i in range(3)]
+        (dx_two,) = torch.autograd.grad(ys[0].float().sum() + ys[1].float().sum(), [x])
+        plain = [lora_linear(x, ws[i], None, *adapters[i], 0.5) for i in range(2)]
+        (dx_plain,) = torch.autograd.grad(plain[0].float().sum() + plain[1].float().sum(), [x])
+    assert totals[-1] == 2
+    assert _rel(dx_two, dx_plain) <= (1e-6 if case == "fp32" else 1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
