@@ -86,7 +86,7 @@ import triton.testing
 
 from lightning_ft.kernels._utils import row_padded, triton_can_run
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
-from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, sum_pairs, unpermute_tokens
+from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, sum_pairs, unpermute_tokens, unread_output
 from lightning_ft.kernels.swiglu import swiglu_concat
 
 __all__ = [
@@ -641,7 +641,7 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E)
         ctx.scaling = scaling
         if not output_needed:  # a recompute whose output value is discarded: the backward never reads it
-            return a_SC.new_zeros(num_rows // top_k, w_ENC.shape[1])
+            return unread_output(a_SC, num_rows // top_k, w_ENC.shape[1])
         y_pairs = grouped_gemm(
             a_SC, w_ENC.transpose(1, 2), offsets_E, num_rows, out_idx_S=pair_idx_S, row_scale_S=weight_S,
             lora_mid_SR=aa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling,
@@ -998,7 +998,7 @@ class _UnpermuteThin(torch.autograd.Function):
         ctx.save_for_backward(b_ENR, token_idx_S, offsets_E)
         ctx.scaling, ctx.grad_pad, ctx.handoff = scaling, grad_pad, handoff
         if not output_needed:
-            return y_SD.new_zeros(inv_pair_S.numel() // top_k, y_SD.shape[-1])
+            return unread_output(y_SD, inv_pair_S.numel() // top_k, y_SD.shape[-1])
         return sum_pairs(y_SD, inv_pair_S, top_k)
 
     @staticmethod

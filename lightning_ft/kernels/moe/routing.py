@@ -36,7 +36,7 @@ import triton.language as tl
 from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run
 
 __all__ = [
-    "ExpertRouting", "permute_tokens", "sort_by_expert", "sum_pairs", "topk", "topk_routing", "unpermute_tokens",
+    "ExpertRouting", "permute_tokens", "sort_by_expert", "sum_pairs", "topk", "topk_routing", "unpermute_tokens", "unread_output",
 ]  # fmt: skip
 
 TOPK_MAX_K = 32  # `topk`'s kernel unrolls its K selections
@@ -258,6 +258,14 @@ def sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torch
     return out_TD
 
 
+def unread_output(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The [rows, cols] output of an expert block whose value nobody reads (``output_needed=False``):
+    zeros in ``like``'s dtype and device, one element expanded (no [rows, cols] fill: 10.7 µs per
+    layer at 8K tokens of Qwen3-30B-A3B on the H200, session 21's trace). Read-only: in-place ops on
+    it raise."""
+    return like.new_zeros(()).expand(rows, cols)
+
+
 class _PermuteTokens(torch.autograd.Function):
     """x_SD = x_TD[token_idx_S]; the backward sums each token's K rows without atomics."""
 
@@ -282,7 +290,7 @@ class _UnpermuteTokens(torch.autograd.Function):
         ctx.save_for_backward(token_idx_S)
         ctx.grad_pad = grad_pad
         if not output_needed:
-            return y_SD.new_zeros(inv_pair_S.numel() // top_k, y_SD.shape[-1])
+            return unread_output(y_SD, inv_pair_S.numel() // top_k, y_SD.shape[-1])
         return sum_pairs(y_SD, inv_pair_S, top_k)
 
     @staticmethod
