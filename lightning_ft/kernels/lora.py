@@ -38,6 +38,8 @@ Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -127,25 +129,29 @@ def _computable_into(buffers: tuple, x: torch.Tensor, weight: torch.Tensor, bias
     )
 
 
-_SHARED_ATTR = "_lightning_ft_input_gradient"  # on x: (x's version, product dtype, token, `_InputGradient`)
+_SHARED_ATTR = "_lightning_ft_input_gradient"  # on x: (x's version, product dtype, weakref to the token, `_InputGradient`)
 
 
 def _shared_input(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, "_InputGradient"] | None:
     """The (token, `_InputGradient`) through which the kept LoRA layers reading ``x`` return its gradient.
 
     The first kept layer to read ``x`` makes them (`_SharedInput`); the next ones reading the same
-    tensor, unchanged since and with products in the same dtype, get the same pair (stored on ``x``,
-    so it lives as long as ``x``). None where ``x`` needs no gradient (then no layer computes one) or
-    is in another dtype than the products (autograd's sum, in x's dtype).
+    tensor, unchanged since and with products in the same dtype, get the same pair while the token
+    lives (its readers' saved tensors hold it; ``x`` holds only a weak reference: the token's node
+    leads back to ``x``, and a strong one would keep a leaf ``x`` alive). None where ``x`` needs no
+    gradient (then no layer computes one) or is in another dtype than the products (autograd's sum,
+    in x's dtype).
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or x.dtype != dtype:
         return None
     shared = getattr(x, _SHARED_ATTR, None)
-    if shared is None or shared[0] != x._version or shared[1] != dtype:
+    token = shared[2]() if shared is not None and shared[0] == x._version and shared[1] == dtype else None
+    if token is None:
         input_grad = _InputGradient(x.shape)
-        shared = (x._version, dtype, _SharedInput.apply(x, input_grad), input_grad)
+        token = _SharedInput.apply(x, input_grad)
+        shared = (x._version, dtype, weakref.ref(token), input_grad)
         setattr(x, _SHARED_ATTR, shared)
-    return shared[2], shared[3]
+    return token, shared[3]
 
 
 class _InputGradient:
@@ -178,7 +184,8 @@ class _InputGradient:
 class _SharedInput(torch.autograd.Function):
     """x → an empty token that the kept LoRA layers reading x take instead of x (they read a detached
     x); autograd runs this backward after all of theirs (each hands the token an empty gradient), and
-    it returns x's summed gradient (`_InputGradient.total`)."""
+    it returns x's summed gradient (`_InputGradient.total`). Differentiable (``create_graph``): the
+    sum's products read the readers' dy and dh, recorded by their backward."""
 
     @staticmethod
     def forward(ctx, x, input_grad):
@@ -186,7 +193,6 @@ class _SharedInput(torch.autograd.Function):
         return x.new_empty(0)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, _token_grad):
         return ctx.input_grad.total(), None
 
@@ -218,12 +224,15 @@ class _KeptLoRALinear(torch.autograd.Function):
         needs_token, _, needs_x, _, needs_a, needs_b = ctx.needs_input_grad[2:8]
         dtype = dy.dtype
         dy2, h2, x2 = dy.reshape(-1, dy.shape[-1]), h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])
+        # x's terms only where this backward pass runs the token's node (one asking for x's gradient):
+        # terms left by a pass that does not (e.g. autograd.grad for A alone) would be summed by the next
+        to_sum = needs_token and torch._C._will_engine_execute_node(token.grad_fn)
         dtoken = dx = da = db = None
-        if needs_x or needs_a or needs_token:
+        if needs_x or needs_a or to_sum:
             dh = (dy2 @ lora_B.to(dtype)) * ctx.scaling
             if needs_a:
                 da = (dh.t() @ x2).to(lora_A.dtype)
-            if needs_token:
+            if to_sum:
                 ctx.input_grad.add(dy2, dh, lora_A.to(dtype), weight.to(dtype))
                 dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)

@@ -210,6 +210,70 @@ def test_later_forward_computes_into_the_kept_buffers(device, case, variant):
     torch.testing.assert_close(keep.kept[0][1], want_h, rtol=0, atol=0)
 
 
+def _three_readers(device, seed=0):
+    """q/k/v-like weights (fp32) and adapters reading one [2, 9, 40] input."""
+    g = torch.Generator().manual_seed(seed)
+    ws = [(torch.randn(n, 40, generator=g) / 40**0.5).to(device) for n in (72, 24, 24)]
+    adapters = [((torch.randn(8, 40, generator=g) / 40**0.5).to(device).requires_grad_(),
+                 torch.randn(n, 8, generator=g).to(device).requires_grad_()) for n in (72, 24, 24)]
+    dys = [torch.randn(2, 9, n, generator=g).to(device) for n in (72, 24, 24)]
+    return ws, adapters, dys
+
+
+def _read_three(x, ws, adapters, kept_path):
+    """The three layers' outputs on x: through a kept forward and its recompute, or the plain path."""
+    if not kept_path:
+        return [lora_linear(x, w, None, a, b, 0.5) for w, (a, b) in zip(ws, adapters)]
+    keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+    with torch.no_grad(), kept.keeping(keep, recompute=False):
+        [lora_linear(x, w, None, a, b, 0.5, keep=keep) for w, (a, b) in zip(ws, adapters)]
+    with kept.keeping(keep, recompute=True):
+        return [lora_linear(x, w, None, a, b, 0.5, keep=keep) for w, (a, b) in zip(ws, adapters)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_input_gradient_after_a_pass_that_did_not_ask_for_it(device):
+    """A backward pass for one adapter alone (retain_graph), then one for x: x's gradient holds each
+    reader's terms once (a reader's backward in the first pass must not leave its terms behind)."""
+    ws, adapters, dys = _three_readers(device)
+    x0 = torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(5)).to(device)
+    got = []
+    for kept_path in (False, True):
+        x = x0.clone().requires_grad_()
+        ys = _read_three(x * 1.0, ws, adapters, kept_path)  # a non-leaf x, as the normed hidden states
+        loss = sum((y * dy).sum() for y, dy in zip(ys, dys))
+        torch.autograd.grad(loss, [adapters[1][0]], retain_graph=True)
+        got.append(torch.autograd.grad(loss, [x])[0])
+    torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_input_gradient_frees_a_leaf_input_and_differentiates_again(device):
+    """The readers' token does not keep a leaf x alive (x's attribute holds it weakly), and x's summed
+    gradient is differentiable (create_graph): a gradient penalty's gradients match the plain path's."""
+    import gc
+    import weakref
+
+    ws, adapters, dys = _three_readers(device)
+    x = torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(5)).to(device).requires_grad_()
+    ys = _read_three(x, ws, adapters, kept_path=True)
+    sum((y * dy).sum() for y, dy in zip(ys, dys)).backward()
+    ref = weakref.ref(x)
+    del x, ys
+    gc.collect()
+    assert ref() is None
+    params = [t for pair in adapters for t in pair]
+    penalties = []
+    for kept_path in (False, True):
+        x = torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(5)).to(device).requires_grad_()
+        ys = _read_three(x * 1.0, ws, adapters, kept_path)
+        (dx,) = torch.autograd.grad(sum((y * dy).sum() for y, dy in zip(ys, dys)), [x], create_graph=True)
+        assert dx.requires_grad
+        penalties.append(torch.autograd.grad(dx.square().sum(), params))
+    for name, g, e in zip(["q.A", "q.B", "k.A", "k.B", "v.A", "v.B"], penalties[1], penalties[0], strict=True):
+        assert _rel(g, e) <= 1e-5, name  # fp32, products summed in another order
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_frozen_input_and_zero_lora_B(device):
     """No input gradient asked (the first layer reads frozen embeddings); B = 0 (PEFT's init): dA = 0, dB ≠ 0."""
