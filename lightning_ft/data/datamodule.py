@@ -95,7 +95,10 @@ class StepSampler(Sampler[int]):
     Rows ``[s·W·k, (s+1)·W·k)`` form step ``s`` (W ranks, k micro-batches per step); rank ``r`` gets
     rows ``s·W·k + r·k … + k − 1`` of every step. Full steps are shuffled with ``seed + epoch`` when
     ``shuffle`` (a partial last step stays last); Lightning calls `set_epoch` at every epoch start.
-    ``start`` skips that many of this rank's indices at the next iteration only (resuming mid-epoch).
+    ``start`` skips that many of this rank's indices at the next iteration only (resuming mid-epoch),
+    and only in the epoch it was set for: a resumed run that Lightning moves on to the next epoch
+    (a run that reached ``trainer.max_steps`` mid-epoch, extended with a larger one) starts that epoch
+    at its first step.
     """
 
     def __init__(self, num_rows: int, micro_batches: int, world_size: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
@@ -106,6 +109,8 @@ class StepSampler(Sampler[int]):
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:

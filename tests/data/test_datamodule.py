@@ -47,6 +47,15 @@ def test_loader_resumes_mid_epoch_and_at_the_epoch_end(tokenizer):
     loader.consumed = len(loader)  # a checkpoint at the last micro-batch: the next epoch starts
     assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["consumed"] == 0
 
+    # a run stopped by trainer.max_steps mid-epoch and extended: Lightning restores the loader, then
+    # moves on to the next epoch, which starts at its first step (it skipped the restored count)
+    extended = _datamodule(tokenizer, accumulate_grad_batches=2).train_dataloader()
+    extended.load_state_dict(state)
+    extended.sampler.set_epoch(2)
+    next_epoch = _datamodule(tokenizer, accumulate_grad_batches=2).train_dataloader()
+    next_epoch.sampler.set_epoch(2)
+    assert _indices(extended) == _indices(next_epoch)
+
 
 def test_loader_refuses_a_state_of_another_data_layout(tokenizer):
     state = _datamodule(tokenizer, accumulate_grad_batches=2).train_dataloader().state_dict()
