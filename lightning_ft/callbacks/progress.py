@@ -29,15 +29,26 @@ class ProgressBar(RichProgressBar):
 
     #: micro-batches of the current epoch run when Lightning reads `total_train_batches`
     _epoch_position = 0
+    #: on_train_epoch_start ran and the epoch's first batch has not ended yet
+    _fresh_epoch = False
+    #: Lightning's batch_idx at the first batch of an epoch that started afresh (see `on_train_batch_end`)
+    _epoch_offset = 0
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_position = 0  # the loop's own batch counter holds the previous epoch's until the first batch
+        self._fresh_epoch = True
         super().on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # after a mid-epoch resume on_train_epoch_start is skipped and the bar is made here, at the first batch's end
+        # after a mid-epoch resume on_train_epoch_start is skipped and the bar is made here, at the first batch's end.
+        # An epoch that started afresh counts from its first batch: resumed from a checkpoint written when a run
+        # reached max_steps mid-epoch, Lightning starts the next epoch (at its first step of data) but its
+        # batch_idx goes on from the restored count (a run extended from 3 steps to 6 read "Epoch 1 6/3")
+        if self._fresh_epoch:
+            self._fresh_epoch, self._epoch_offset = False, batch_idx
+        batch_idx -= self._epoch_offset
         self._epoch_position = batch_idx + 1
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 

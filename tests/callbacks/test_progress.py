@@ -57,3 +57,28 @@ def test_the_bar_counts_and_totals_micro_batches_of_the_epoch_after_a_resume(tmp
     bar = _RecordingBar()
     trainer(max_steps, bar).fit(Model(), ckpt_path=tmp_path / "last.ckpt")
     assert bar.seen == expected
+
+
+def test_an_extended_finished_run_counts_its_new_epoch_from_one(tmp_path):
+    """A run that reached max_steps=3 mid-epoch (checkpoints every 50 steps: last.ckpt is written at its end),
+    extended to 6: Lightning starts the next epoch, whose batch_idx goes on from 3; the bar counts 1..3 of 3
+    (it read 4/3 .. 6/3)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    class Model(BoringModel):
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 40), batch_size=2)
+
+    def trainer(steps, *callbacks):
+        return L.Trainer(
+            max_epochs=-1, max_steps=steps, limit_val_batches=0, logger=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(tmp_path, save_last=True, every_n_train_steps=50), *callbacks],
+        )
+
+    trainer(3).fit(Model())
+    bar = _RecordingBar()
+    trainer(6, bar).fit(Model(), ckpt_path=tmp_path / "last.ckpt")
+    assert bar.seen == [(1, 3), (2, 3), (3, 3)]
