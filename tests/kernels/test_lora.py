@@ -286,6 +286,35 @@ def test_frozen_input_and_zero_lora_B(device):
     assert da.abs().max() == 0 and db.abs().max() > 0
 
 
+def test_a_tensor_hook_on_a_biased_output_runs_and_sees_the_gradient():
+    """A tensor hook on the output of a layer with a bias (a user's hook on gpt-oss's q_proj): torch 2.13's
+    autograd crashed (segfault within 20 calls) when the in-place LoRA add went through a view of F.linear's
+    3-D output; the add now runs on the 2-D product, viewed back after. In a subprocess, so a crash fails
+    this test only. The hook doubles the gradient: x's gradient is twice the hook-free one."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from lightning_ft.kernels.lora import lora_linear
+g = torch.Generator().manual_seed(0)
+w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+a, bb = torch.randn(4, 40, generator=g).requires_grad_(), torch.randn(24, 4, generator=g).requires_grad_()
+for _ in range(50):
+    x = torch.randn(3, 5, 40, generator=g).requires_grad_()
+    grads = []
+    for hook in (False, True):
+        y = lora_linear(x * 1.0, w, b, a, bb, 2.0)
+        if hook:
+            y.register_hook(lambda grad: grad * 2)
+        grads.append(torch.autograd.grad(y.sum(), x)[0])
+    torch.testing.assert_close(grads[1], 2 * grads[0])
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+
+
 def _peft_model(**lora_kwargs):
     """A one-layer random Llama with LoRA on q_proj and v_proj."""
     import transformers
