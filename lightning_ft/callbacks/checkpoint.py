@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
@@ -46,3 +47,31 @@ class StepCheckpoint(ModelCheckpoint):
             super().on_exception(trainer, pl_module, exception)
         finally:
             self.save_on_exception = False
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's, also for a run resumed in a copy of its folder (``hydra.run.dir`` another path).
+
+        Lightning reloads the paths it manages (``last.ckpt``, the kept step checkpoints) only when the
+        checkpoint's ``dirpath`` is this one; otherwise the copy's ``last.ckpt`` stayed beside a new
+        ``last-v1.ckpt`` and the copied step checkpoints were never rotated out. When every such path
+        lies under the old dirpath and its file exists under this one (a whole copy), they are read as
+        those files, so the resumed run carries on as it would have in its own folder; otherwise (a run
+        resumed from a checkpoint in another run's folder) Lightning's behaviour is kept.
+        """
+        old = os.path.abspath(state_dict.get("dirpath") or "")
+        if state_dict.get("dirpath") and self.dirpath and old != os.path.abspath(self.dirpath):
+            paths = [*state_dict.get("best_k_models", {}), state_dict.get("kth_best_model_path"),
+                     state_dict.get("last_model_path"), state_dict.get("best_model_path")]
+            paths = [p for p in paths if p]
+            moved = {p: os.path.join(self.dirpath, os.path.relpath(os.path.abspath(p), old)) for p in paths}
+            under_old = all(os.path.commonpath([old, os.path.abspath(p)]) == old for p in paths)
+            if paths and under_old and all(os.path.exists(q) for q in moved.values()):
+                state_dict = {
+                    **state_dict,
+                    "dirpath": self.dirpath,
+                    "best_k_models": {moved[p]: v for p, v in state_dict.get("best_k_models", {}).items()},
+                    **{key: moved.get(state_dict.get(key), state_dict.get(key))
+                       for key in ("kth_best_model_path", "last_model_path", "best_model_path") if key in state_dict},
+                }
+        super().load_state_dict(state_dict)
