@@ -59,8 +59,8 @@ class StepCheckpoint(ModelCheckpoint):
         those files, so the resumed run carries on as it would have in its own folder; otherwise (a run
         resumed from a checkpoint in another run's folder) Lightning's behaviour is kept.
         """
-        old = os.path.abspath(state_dict.get("dirpath") or "")
-        if state_dict.get("dirpath") and self.dirpath and old != os.path.abspath(self.dirpath):
+        old = os.path.abspath(state_dict["dirpath"]) if state_dict.get("dirpath") else None
+        if old and self.dirpath and old != os.path.abspath(self.dirpath):
             paths = [*state_dict.get("best_k_models", {}), state_dict.get("kth_best_model_path"),
                      state_dict.get("last_model_path"), state_dict.get("best_model_path")]
             paths = [p for p in paths if p]

@@ -90,27 +90,26 @@ def lora_linear(
         token, input_grad = shared
         return _KeptLoRALinear.apply(y, h, token, input_grad, x.detach(), weight, lora_A, lora_B, scaling)
     buffers = keep.buffers() if keep is not None and not keep.recompute else None
-    if buffers is not None and _computable_into(buffers, x, weight, bias, lora_A):
+    into_buffers = buffers is not None and _computable_into(buffers, x, weight, bias, lora_A)
+    x2 = x.reshape(-1, x.shape[-1])
+    if into_buffers:
         # a later forward (a CUDA graph's): the products land in the kept buffers, no copy after
         # (F.linear's own GEMMs, on the operands autocast would give them)
-        y, h = buffers
-        x2, y2, h2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), h.view(-1, h.shape[-1])
+        y2, h2 = (t.view(-1, t.shape[-1]) for t in buffers)
         torch.mm(x2, weight.t(), out=y2)
-        torch.mm(x2, lora_A.t().to(h.dtype), out=h2)
+        torch.mm(x2, lora_A.t().to(h2.dtype), out=h2)
     else:
         # on [T, K] rows, viewed back after the in-place add: F.linear of a 3-D x returns a view of its
         # 2-D product, and an in-place op through a view of that view, with a tensor hook on the output,
         # crashes torch 2.13's autograd (a segfault; with a bias, e.g. a user's hook on gpt-oss's q_proj)
-        x2 = x.reshape(-1, x.shape[-1])
         y2, h2 = F.linear(x2, weight, bias), F.linear(x2, lora_A)
-        y = h = None
     # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
     # copies y into a new [T, N] tensor (0.03 ms for q_proj at 8K tokens on Qwen3-30B-A3B, H200).
     # In-place ops are not autocast: B is cast as autocast would have cast it.
     lora_B_t = lora_B.t().to(h2.dtype) if torch.is_autocast_enabled(x.device.type) else lora_B.t()
     y2.addmm_(h2, lora_B_t, alpha=scaling)
-    if y is None:
-        y, h = y2.view(*x.shape[:-1], y2.shape[-1]), h2.view(*x.shape[:-1], h2.shape[-1])
+    # the buffers themselves (a later store copies nothing into them), else views of the 2-D products
+    y, h = buffers if into_buffers else (t.view(*x.shape[:-1], t.shape[-1]) for t in (y2, h2))
     if keep is not None and not keep.recompute:
         keep.store((y, h))
     return y
