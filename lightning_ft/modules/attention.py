@@ -199,11 +199,31 @@ def build_block_mask(
     return BlockMask(seq_lengths=(T, T), BLOCK_SIZE=host.BLOCK_SIZE, mask_mod=document_causal, **moved)
 
 
-@functools.cache
-def _compiled_flex_attention() -> Callable:
+def compile_flex_attention(backend: str = "inductor") -> Callable:
+    """`flex_attention` under ``torch.compile`` with dynamic shapes, traced without duck sizing.
+
+    Duck sizing (dynamo's default) gives input dims of equal size one symbol: a first batch whose
+    BlockMask had as many blocks as the keys have heads shared the heads' symbol, which GQA
+    specializes, so the next batch of another block count compiled again (a guard on
+    ``block_mask.q_indices``; a 4096-token budget has 32 blocks, Qwen3-30B-A3B's query heads).
+    Traced without it, each dim gets its own symbol and one compile serves every packed length.
+
+    Args:
+        backend: ``torch.compile``'s backend (inductor; tests on the CPU trace with ``aot_eager``).
+    """
+    from torch.fx.experimental import _config as fx_config
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    compiled = torch.compile(flex_attention, dynamic=True, backend=backend)
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):  # read when the trace makes its symbols
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+_compiled_flex_attention = functools.cache(compile_flex_attention)
 
 
 def _flex_attention_for(device: torch.device) -> Callable:

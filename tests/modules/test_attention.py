@@ -222,6 +222,32 @@ def test_metadata_is_built_once_per_batch_whatever_the_layer_count(monkeypatch, 
             assert builds == [torch.device("cpu")] * n_batches
 
 
+def test_flex_compiles_once_for_any_packed_length_on_the_cpu():
+    """One trace serves every packed length (the GPU test checks the compiled kernels; here dynamo
+    traces to a backend that counts). The first row has 2 blocks of 128 tokens and the keys 2 heads:
+    with duck sizing the blocks took the heads' symbol, which GQA specializes, and the next block
+    count traced again."""
+    traces = []
+
+    def counting(gm, example_inputs):
+        traces.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        flex = attention.compile_flex_attention(backend=counting)
+        g = torch.Generator().manual_seed(0)
+        for lengths in ([100, 1, 29], [300, 7], [1, 1, 511], [1000, 24]):
+            batch = collate_packed(_docs(lengths))
+            mask = attention.build_block_mask(batch.cu_seqlens, torch.device("cpu"))
+            q, k, v = (torch.randn(1, h, batch.num_tokens, 64, generator=g) for h in (8, 2, 2))
+            out = flex(q, k, v, block_mask=mask, enable_gqa=True)
+            assert out.shape == q.shape
+    finally:
+        torch._dynamo.reset()
+    assert len(traces) == 1, f"flex_attention traced {len(traces)} times for four packed lengths"
+
+
 def test_block_causal_mask_matches_the_picture():
     mask = attention.block_causal_mask(_cu_seqlens([3, 2, 4]), torch.device("cpu"))[0, 0]
     doc = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
