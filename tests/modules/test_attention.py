@@ -246,6 +246,9 @@ def test_flex_compiles_once_for_any_packed_length_on_the_cpu():
     finally:
         torch._dynamo.reset()
     assert len(traces) == 1, f"flex_attention traced {len(traces)} times for four packed lengths"
+    from torch.fx.experimental import _config as fx_config
+
+    assert fx_config.use_duck_shape, "the patch stays inside the flex calls"
 
 
 def test_block_causal_mask_matches_the_picture():
