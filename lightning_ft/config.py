@@ -116,7 +116,7 @@ class FitConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     optimizer: Any = None  # a `_partial_` optimizer
-    scheduler: Any = None  # a `_partial_` LR scheduler taking (optimizer, num_training_steps), or null
+    scheduler: Any = None  # a `_partial_` LR scheduler taking the optimizer (and num_training_steps where its signature has it), or null
     trainer: dict[str, Any] = field(default_factory=dict)  # lightning.Trainer arguments
     callbacks: dict[str, Any] = field(default_factory=dict)  # name → `_target_` callback (null removes one)
     logger: Any = None  # a `_target_` Lightning logger, or null

@@ -34,6 +34,7 @@ losses and the skip counters, so a resumed run replays an uninterrupted one exac
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 import re
@@ -44,6 +45,7 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -95,7 +97,8 @@ def load_causal_lm(
 
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
-            not a causal LM, or an embedding table smaller than the tokenizer.
+            not a causal LM, a ``config`` value of the wrong type for transformers (naming
+            ``model.config.<key>`` and the type expected), or an embedding table smaller than the tokenizer.
         FileNotFoundError: ``name_or_path`` is neither a local checkpoint (a folder with a
             ``config.json``) nor a reachable hub name.
     """
@@ -118,8 +121,13 @@ def load_causal_lm(
             raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: not a model checkpoint ({err})") from err
         except ValueError as err:  # e.g. a config.json without a model_type transformers knows
             raise ValueError(f"model.name_or_path={name_or_path!r}: transformers cannot read its config ({err})") from err
+        except StrictDataclassError as err:
+            raise _config_value_error(err, overrides, name_or_path) from err
     elif init == "random" and "model_type" in overrides:
-        hf_config = AutoConfig.for_model(overrides.pop("model_type"), **overrides)
+        try:
+            hf_config = AutoConfig.for_model(overrides.pop("model_type"), **overrides)
+        except StrictDataclassError as err:
+            raise _config_value_error(err, overrides, None) from err
     else:
         raise ValueError("set model.name_or_path, or model.init=random with model.config.model_type")
     if hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
@@ -145,11 +153,28 @@ def load_causal_lm(
     )
 
 
+def _config_value_error(err: Exception, overrides: dict[str, Any], name_or_path: str | None) -> ValueError:
+    """A transformers config's field validation error (huggingface_hub's strict dataclasses, e.g.
+    ``num_hidden_layers='abc'``: expected int) as one line naming the config key: ``model.config.<field>``
+    when the run's config sets that field, else the checkpoint's config.json."""
+    match = re.match(r"Validation error for field '([^']+)'", str(err))
+    field = match.group(1) if match else None
+    why = " ".join(str(err.__cause__ or err).split())
+    why = re.sub(r"^Field '[^']*' ", "", why)  # "expected int, got str (value: 'abc')"
+    if field in overrides:
+        return ValueError(f"model.config.{field}={overrides[field]!r}: {why}")
+    source = f"model.name_or_path={name_or_path!r}: its config.json"
+    if field is None:  # a check across fields (a class validator); its message names them
+        return ValueError(f"{'model.config' if overrides else source}: transformers refuses the model config: {why}")
+    return ValueError(f"{source} field {field!r}: {why}")
+
+
 def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     """Wrap ``model`` with PEFT LoRA adapters (or load an existing adapter to train further).
 
-    ``lora`` keys: ``rank``, ``alpha``, ``dropout``, ``target_modules`` (module names or
-    ``all-linear``), ``target_parameters`` (names of 3-D expert parameters, e.g.
+    ``lora`` keys: ``rank``, ``alpha``, ``dropout``, ``target_modules`` (a list of module names,
+    ``all-linear``, or, as PEFT reads any other string, a regular expression that must match a
+    module's whole name), ``target_parameters`` (a list of names of 3-D expert parameters, e.g.
     ``mlp.experts.gate_up_proj``; optional), ``init_from`` (a PEFT adapter folder; optional).
     With ``init_from`` the adapter's own configuration (rank, alpha, targets) is used and the other
     keys are ignored.
@@ -157,7 +182,9 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     Raises:
         FileNotFoundError: ``init_from`` is not a folder holding a PEFT ``adapter_config.json``.
         ValueError: a name in ``target_modules`` or ``target_parameters`` matches nothing in
-            ``model`` (PEFT would drop it silently, or only warn, and train without that adapter).
+            ``model`` (PEFT would drop it silently, or only warn, and train without that adapter), a
+            ``target_modules`` string that is no regular expression or matches no module name (PEFT
+            would raise only after loading), or a ``target_parameters`` string.
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -178,9 +205,14 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         )
         return model
     target_modules = lora["target_modules"]
-    if not isinstance(target_modules, str):  # a string: "all-linear" or a regular expression
-        leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+    leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+    if not isinstance(target_modules, str):
         _check_lora_targets("lora.target_modules", target_modules, leaves)
+    elif target_modules.lower() != "all-linear":  # PEFT's shorthand, any case
+        _check_lora_regex("lora.target_modules", target_modules, [name for name, _ in model.named_modules() if name], leaves)
+    if isinstance(lora.get("target_parameters"), str):  # PEFT takes a list only (TypeError for a str)
+        name = lora["target_parameters"]
+        raise ValueError(f"lora.target_parameters={name!r}: expected a list of parameter names, such as lora.target_parameters=[{name}]")
     _check_lora_targets("lora.target_parameters", lora.get("target_parameters") or [], [
         name for name, p in model.named_parameters() if p.dim() == 3
     ])
@@ -205,9 +237,43 @@ def _check_lora_targets(key: str, targets: list[str], names: list[str]) -> None:
     """
     unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
-        # the names without their layer prefix ("model.layers.3."): what a target list holds
-        choices = sorted({re.sub(r"^.*\.\d+\.", "", n) for n in names if re.search(r"\.\d+\.", n)}) or sorted(names)
-        raise ValueError(f"{key}: {unmatched} match nothing in the model; its layers have: {', '.join(choices) or 'none'}")
+        raise ValueError(f"{key}: {unmatched} match nothing in the model; its layers have: {_layer_suffixes(names)}")
+
+
+def _check_lora_regex(key: str, pattern: str, names: list[str], leaves: list[str]) -> None:
+    """Refuse a LoRA target string that matches none of ``names`` as PEFT matches a string: a regular
+    expression that must match a module's whole name (``re.fullmatch``, PEFT 0.21
+    ``check_target_module_exists``), so ``q_proj`` matches nothing where the list ``[q_proj]`` matches
+    every ``...self_attn.q_proj``. PEFT would raise its ``NoMatchingPeftModuleError`` after loading.
+
+    Args:
+        key: the config key, for the message.
+        pattern: the string, not ``all-linear``.
+        names: the module names PEFT tries (every named module but the root).
+        leaves: the leaf module names, for the suggested list form.
+
+    Raises:
+        ValueError: naming ``key``: ``pattern`` is not a regular expression, or it matches no name;
+            then the list form to use and the layers' own suffixes.
+    """
+    try:
+        if any(re.fullmatch(pattern, n) for n in names):
+            return
+    except re.error as err:
+        raise ValueError(f"{key}={pattern!r}: a string is a regular expression over full module names, and this one is not valid ({err})") from err
+    as_name = [n for n in leaves if n == pattern or n.endswith("." + pattern)]
+    example = (as_name or [n for n in leaves if re.search(r"\.\d+\.", n)] or leaves or ["none"])[0]
+    listed = pattern if as_name else re.sub(r"^.*\.\d+\.", "", example)
+    raise ValueError(
+        f"{key}={pattern!r} matches no module: a string is a regular expression over full module names "
+        f"(such as {example}); for module names use a list, such as {key}=[{listed}]; its layers have: {_layer_suffixes(leaves)}"
+    )
+
+
+def _layer_suffixes(names: list[str]) -> str:
+    """The names without their layer prefix (``model.layers.3.``), what a target list holds, comma-separated."""
+    choices = sorted({re.sub(r"^.*\.\d+\.", "", n) for n in names if re.search(r"\.\d+\.", n)}) or sorted(names)
+    return ", ".join(choices) or "none"
 
 
 def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
@@ -298,12 +364,15 @@ class FinetuneModule(L.LightningModule):
             ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.modules.moe`)
             ``train_router`` and ``lora_slots`` (grouped_mm: `augment_expert_weights`).
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
-        scheduler: a partial LR scheduler taking the optimizer and ``num_training_steps``, or None.
+        scheduler: a partial LR scheduler taking the optimizer, or None; it gets ``num_training_steps``
+            (Lightning's ``estimated_stepping_batches``) only where its signature has that argument
+            (`scheduler_kwargs`): ``transformers.get_constant_schedule_with_warmup`` needs none.
         vocab_size: the tokenizer's size (for random-init models).
         on_nonfinite: ``stop`` or ``skip`` (``train.on_nonfinite``): what a NaN/Inf loss or gradient does.
 
     Raises:
-        ValueError: an unknown ``on_nonfinite``.
+        ValueError: an unknown ``on_nonfinite``, or a ``scheduler`` that needs arguments it is not
+            given (`scheduler_kwargs`), before the model is built.
     """
 
     def __init__(
@@ -324,6 +393,8 @@ class FinetuneModule(L.LightningModule):
         self.lora_cfg = dict(lora)
         self.kernels_cfg = dict(kernels or {})
         self.moe_cfg = dict(moe or {})
+        if scheduler is not None:
+            scheduler_kwargs(scheduler, 1)  # refuse missing arguments now, not after the model loads
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.vocab_size = vocab_size
@@ -594,7 +665,8 @@ class FinetuneModule(L.LightningModule):
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer, num_training_steps=self.trainer.estimated_stepping_batches)
+        kwargs = scheduler_kwargs(self.scheduler_factory, self.trainer.estimated_stepping_batches)
+        scheduler = self.scheduler_factory(optimizer, **kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
@@ -626,6 +698,37 @@ class FinetuneModule(L.LightningModule):
             )
             return
         self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+def scheduler_kwargs(scheduler: Callable[..., Any], num_training_steps: int) -> dict[str, Any]:
+    """The keyword arguments `FinetuneModule.configure_optimizers` passes ``scheduler`` besides the
+    optimizer: ``num_training_steps`` where its signature takes it (by name or ``**kwargs``), else
+    none. A schedule that does not depend on the run's length (``get_constant_schedule_with_warmup``,
+    torch's ``StepLR``) gets no ``num_training_steps``; one that does (the cosine default) gets it.
+
+    Raises:
+        ValueError: naming ``scheduler._target_`` and the arguments it still lacks (set them under
+            ``scheduler.``).
+    """
+    func = getattr(scheduler, "func", scheduler)  # Hydra's _partial_: a functools.partial
+    target = f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', func)}".lstrip(".")
+    try:
+        signature = inspect.signature(scheduler)
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass it as before
+        return {"num_training_steps": num_training_steps}
+    params = signature.parameters.values()
+    takes = any(p.name == "num_training_steps" or p.kind is p.VAR_KEYWORD for p in params)
+    kwargs = {"num_training_steps": num_training_steps} if takes else {}
+    try:
+        signature.bind(object(), **kwargs)  # the optimizer
+    except TypeError as err:
+        missing = [p.name for p in list(params)[1:] if p.default is p.empty and p.name not in kwargs
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not missing:  # e.g. it takes no optimizer
+            raise ValueError(f"scheduler._target_={target}: cannot be called with the optimizer ({err})") from None
+        hint = " ".join(f"+scheduler.{name}=..." for name in missing)
+        raise ValueError(f"scheduler._target_={target}: needs {', '.join(missing)}, which nothing sets: add {hint}") from None
+    return kwargs
 
 
 def host_scalar(value: float) -> torch.Tensor:

@@ -383,3 +383,102 @@ def test_gradients_are_freed_right_after_the_optimizer_step_and_still_accumulate
     assert seen == [("end", params, params), ("step", True), ("end", 0, params)] * 2
     after = dict(module.model.named_parameters())
     assert all(not torch.equal(before[n], after[n].detach()) for n in before)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # PEFT reads a str as a regex that must match a whole module name: "q_proj" matches nothing
+        ("target_modules", "q_proj", r"^lora.target_modules='q_proj' matches no module: a string is a regular expression over "
+         r"full module names \(such as model.layers.0.self_attn.q_proj\); for module names use a list, such as "
+         r"lora.target_modules=\[q_proj\]; its layers have: .*self_attn.q_proj"),
+        ("target_modules", r"layers\.\d+\.self_attn\.q_proj", r"matches no module: .* such as lora.target_modules=\[self_attn.q_proj\];"),
+        ("target_modules", "q_proj[", r"^lora.target_modules='q_proj\[': a string is a regular expression .* not valid"),
+        # PEFT takes no str here (TypeError); list() would have split it into characters
+        ("target_parameters", "mlp.experts.gate_up_proj", r"^lora.target_parameters='mlp.experts.gate_up_proj': expected a list "
+         r"of parameter names, such as lora.target_parameters=\[mlp.experts.gate_up_proj\]$"),
+    ],
+)
+def test_a_lora_target_string_that_matches_no_module_name_is_refused_by_key(key, value, message):
+    """Before the model would reach PEFT, which raises NoMatchingPeftModuleError (or a TypeError, or re.error)."""
+    with pytest.raises(ValueError, match=message):
+        FinetuneModule(model=TINY_MODEL, lora={**LORA, key: value}).configure_model()
+
+
+def test_a_lora_target_string_is_a_regex_over_full_names_as_peft_reads_it():
+    """A regex that matches (anchored or not) and ``all-linear`` still reach PEFT: the same adapters as the list."""
+    def adapted(target_modules):
+        module = FinetuneModule(model=TINY_MODEL, lora={**LORA, "target_modules": target_modules})
+        module.configure_model()
+        return sorted(n for n, p in module.model.named_parameters() if p.requires_grad)
+
+    listed = adapted(LORA["target_modules"])
+    assert listed and adapted(r".*\.(q_proj|v_proj|o_proj)") == listed
+    assert adapted(r"model\.layers\.\d+\.self_attn\.(q|v|o)_proj") == listed
+    assert set(listed) < set(adapted("all-linear"))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"num_hidden_layers": "abc"}, r"^model.config.num_hidden_layers='abc': expected int, got str \(value: 'abc'\)$"),
+        ({"norm_topk_prob": "yes"}, r"^model.config.norm_topk_prob='yes': expected bool, got str"),
+        ({"hidden_size": 2.5}, r"^model.config.hidden_size=2.5: expected int, got float"),
+    ],
+)
+def test_a_model_config_value_of_the_wrong_type_is_refused_by_key(config, message):
+    """transformers' configs are strict dataclasses: huggingface_hub raised StrictDataclassFieldValidationError."""
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], **config}}
+    with pytest.raises(ValueError, match=message):
+        FinetuneModule(model=model, lora=LORA).configure_model()
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "lrs"),
+    [
+        # warm-up over 2 steps, then constant: no num_training_steps in its signature
+        ("get_constant_schedule_with_warmup", [0.0, 0.5e-2, 1e-2, 1e-2]),
+        # warm-up over 2 steps, then cosine to 0 at num_training_steps=4 (Lightning's estimated_stepping_batches)
+        ("get_cosine_schedule_with_warmup", [0.0, 0.5e-2, 1e-2, 0.5e-2]),
+    ],
+)
+def test_the_scheduler_gets_num_training_steps_only_where_it_takes_it(scheduler, lrs):
+    """The LR of each of 4 optimizer steps, as the scheduler's own formula gives it."""
+    import transformers
+    from torch.utils.data import DataLoader
+
+    seen = []
+
+    class LRs(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(optimizer.param_groups[0]["lr"])
+
+    loader = DataLoader([collate_packed(_docs([12, 7], seed)) for seed in range(4)], batch_size=None)
+    torch.manual_seed(0)
+    module = FinetuneModule(model=TINY_MODEL, lora=LORA, optimizer=partial(torch.optim.AdamW, lr=1e-2),
+                            scheduler=partial(getattr(transformers, scheduler), num_warmup_steps=2))
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, callbacks=[LRs()],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader)
+    assert seen == pytest.approx(lrs, abs=1e-12)
+
+
+def test_a_scheduler_missing_an_argument_is_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match=r"^scheduler._target_=torch.optim.lr_scheduler.StepLR: needs step_size, which nothing "
+                                         r"sets: add \+scheduler.step_size=\.\.\.$"):
+        FinetuneModule(model=TINY_MODEL, lora=LORA, scheduler=partial(torch.optim.lr_scheduler.StepLR, gamma=0.5))
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("lora.target_modules=q_proj", "error: lora.target_modules='q_proj' matches no module: a string is a regular expression"),
+        ("model.config.num_hidden_layers=abc", "error: model.config.num_hidden_layers='abc': expected int, got str (value: 'abc')"),
+    ],
+)
+def test_the_cli_prints_the_bad_config_key_without_a_traceback(tmp_path, override, line):
+    """The reviewer's commands: one line from the CLI (our ValueError), not PEFT's or huggingface_hub's traceback."""
+    from cli_helpers import FAST, run_cli
+
+    proc = run_cli(tmp_path, override, "trainer.max_steps=2", *FAST, ok=False)
+    assert line in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
