@@ -115,6 +115,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     with _run_dir_lock(run_dir):
         if not cfg.ckpt_path:
             _check_new_run_dir(run_dir)
+        elif cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).resolve().is_relative_to(run_dir.resolve()):
+            _check_new_run_dir(run_dir, resumed_from=cfg.ckpt_path)  # another run's checkpoint: a new folder
         return _train(cfg, run_dir, trainer_kwargs, written)
 
 
@@ -221,13 +223,15 @@ def _check_factory_keys(group: str, node: DictConfig | None) -> None:
             )
 
 
-def _check_new_run_dir(run_dir: Path) -> None:
+def _check_new_run_dir(run_dir: Path, resumed_from: str | None = None) -> None:
     """Refuse to start a new run where one ran already: it would replace that run's summary,
     config, adapter and metrics and mix its checkpoints with the new ones (the first process
     only: the other DDP ranks join this run's folder on purpose).
 
     A ``summary.json`` of a run that stopped before its first optimizer step (a data or setup
-    error; nothing to resume) does not count: the new run replaces it.
+    error; nothing to resume) does not count: the new run replaces it. A run resumed from a
+    checkpoint outside ``run_dir`` (``resumed_from``, another run's) is a new run in this folder:
+    checked the same way (its step checkpoints would rotate this folder's out).
 
     Raises:
         ValueError: ``run_dir`` holds ``summary.json`` of a run that trained, or files under ``checkpoints/``.
@@ -238,6 +242,11 @@ def _check_new_run_dir(run_dir: Path) -> None:
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         found.append("checkpoints/")
+    if found and resumed_from:
+        raise ValueError(
+            f"ckpt_path={resumed_from}: {run_dir} holds another run ({', '.join(found)}); resume from that checkpoint "
+            "in an empty folder (hydra.run.dir=...), or resume this folder's own run with ckpt_path=last"
+        )
     if found:
         raise ValueError(
             f"{run_dir} holds a run already ({', '.join(found)}): resume it with ckpt_path=last, or start the new run "
@@ -378,7 +387,8 @@ def _resume_command(run_dir: Path) -> str:
 
 def _keep_previous_metrics(run_dir: Path) -> None:
     """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
-    starts a fresh file in the same folder and would drop the interrupted run's rows.
+    deletes it when the resumed run's logger starts (before the checkpoint is restored: a resume that
+    fails there has it moved already) and would drop the interrupted run's rows.
     Only the job's first process does it (the other ranks, on any node, never write logs)."""
     metrics = run_dir / "logs" / "metrics.csv"
     if not _first_process() or not metrics.exists():

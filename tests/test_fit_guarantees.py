@@ -9,6 +9,7 @@ import csv
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -283,6 +284,13 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert "holds a run already (summary.json, checkpoints/): resume it with ckpt_path=last" in proc.stderr
     proc = run_cli(tmp_path, *FAST, "ckpt_path=checkpoints/nope.ckpt", ok=False)
     assert "ckpt_path='checkpoints/nope.ckpt': no such checkpoint file" in proc.stderr
+    # another run's checkpoint resumed here would rotate this folder's step checkpoints out: a new run here
+    other = tmp_path.parent / f"{tmp_path.name}_other"
+    (other / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "config.json", other)
+    shutil.copy(tmp_path / "checkpoints" / "last.ckpt", other / "checkpoints")
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", f"ckpt_path={other / 'checkpoints' / 'last.ckpt'}", ok=False)
+    assert "holds another run (summary.json, checkpoints/); resume from that checkpoint in an empty folder" in proc.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
     assert not (tmp_path / "logs" / "metrics.1.csv").exists()
     # a resume that fails before training resumes (a checkpoint that does not load) keeps the summary

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 
@@ -30,6 +32,7 @@ class StepCheckpoint(ModelCheckpoint):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._step_at_batch_start: int | None = None  # None: no training batch has started in this process
+        self._trainer: weakref.ref[L.Trainer] | None = None
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -39,14 +42,21 @@ class StepCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # SIGTERMException comes after the batch's end: global_step moved on iff that batch finished a step
         finished_a_step = self._step_at_batch_start is not None and trainer.global_step != self._step_at_batch_start
-        if not (isinstance(exception, SIGTERMException) and finished_a_step):
+        if not (isinstance(exception, SIGTERMException) and finished_a_step) or trainer.fast_dev_run:
             return
-        # Lightning's path for the save (a step checkpoint, then last.ckpt; skipped when this step is saved)
-        self.save_on_exception = True
-        try:
-            super().on_exception(trainer, pl_module, exception)
-        finally:
-            self.save_on_exception = False
+        if self._last_global_step_saved == trainer.global_step:  # the periodic save wrote this step already
+            return
+        # the periodic saves' path: the step checkpoint joins the kept ones (save_top_k rotates it out
+        # later; Lightning's save on exception wrote it outside them, and it stayed for good), then last.ckpt
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        rank_zero_info(f"SIGTERM: saved the checkpoint of step {trainer.global_step} ({self._last_checkpoint_saved})")
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._trainer = weakref.ref(trainer)  # its ckpt_path, in load_state_dict
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -54,24 +64,30 @@ class StepCheckpoint(ModelCheckpoint):
 
         Lightning reloads the paths it manages (``last.ckpt``, the kept step checkpoints) only when the
         checkpoint's ``dirpath`` is this one; otherwise the copy's ``last.ckpt`` stayed beside a new
-        ``last-v1.ckpt`` and the copied step checkpoints were never rotated out. When every such path
-        lies under the old dirpath and its file exists under this one (a whole copy), they are read as
-        those files, so the resumed run carries on as it would have in its own folder; otherwise (a run
-        resumed from a checkpoint in another run's folder) Lightning's behaviour is kept.
+        ``last-v1.ckpt`` and the copied step checkpoints were never rotated out. When the checkpoint
+        resumed from is a file of this dirpath (the copy resumes from its own files), the paths under
+        the old dirpath are read as the same files under this one, the step checkpoints the copy lacks
+        left out, so the run carries on as it would have in its own folder. A checkpoint from elsewhere
+        (another run's folder) keeps Lightning's behaviour: this folder's files are never taken for its.
         """
+        trainer = self._trainer() if self._trainer is not None else None
+        source = os.path.abspath(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else None
+        here = os.path.abspath(self.dirpath) if self.dirpath else None
         old = os.path.abspath(state_dict["dirpath"]) if state_dict.get("dirpath") else None
-        if old and self.dirpath and old != os.path.abspath(self.dirpath):
-            paths = [*state_dict.get("best_k_models", {}), state_dict.get("kth_best_model_path"),
-                     state_dict.get("last_model_path"), state_dict.get("best_model_path")]
-            paths = [p for p in paths if p]
-            moved = {p: os.path.join(self.dirpath, os.path.relpath(os.path.abspath(p), old)) for p in paths}
-            under_old = all(os.path.commonpath([old, os.path.abspath(p)]) == old for p in paths)
-            if paths and under_old and all(os.path.exists(q) for q in moved.values()):
-                state_dict = {
-                    **state_dict,
-                    "dirpath": self.dirpath,
-                    "best_k_models": {moved[p]: v for p, v in state_dict.get("best_k_models", {}).items()},
-                    **{key: moved.get(state_dict.get(key), state_dict.get(key))
-                       for key in ("kth_best_model_path", "last_model_path", "best_model_path") if key in state_dict},
-                }
+        if old and here and source and old != here and os.path.commonpath([here, source]) == here:
+            def moved(path: str) -> str:
+                path = os.path.abspath(path)
+                return os.path.join(here, os.path.relpath(path, old)) if os.path.commonpath([old, path]) == old else path
+
+            kept = {moved(p): v for p, v in state_dict.get("best_k_models", {}).items() if os.path.exists(moved(p))}
+            kth = moved(state_dict["kth_best_model_path"]) if state_dict.get("kth_best_model_path") else ""
+            if kth not in kept:  # its file is not in the copy: the next save fills the kept ones up again
+                kth = ""
+            state_dict = {
+                **state_dict,
+                "dirpath": self.dirpath,
+                "best_k_models": kept,
+                "kth_best_model_path": kth,
+                **{key: moved(state_dict[key]) for key in ("last_model_path", "best_model_path") if state_dict.get(key)},
+            }
         super().load_state_dict(state_dict)
