@@ -23,8 +23,8 @@ through SDPA alone):
             internally and sums them back).
     flex    FlexAttention with a document-causal `BlockMask` (sliding window when the layer has one).
             `flex_attention` is compiled once per process with dynamic shapes, so a new packed length
-            (of more than one 128-token block) does not recompile. On the CPU torch runs its unfused reference instead (forward only:
-            torch has no FlexAttention backward on the CPU).
+            (of more than one 128-token block) does not recompile. On the CPU torch runs its unfused
+            reference instead (forward only: torch has no FlexAttention backward on the CPU).
     sdpa    `F.scaled_dot_product_attention` with a dense [T, T] block-diagonal causal mask: O(T²)
             memory; for the CPU and GPUs without flash-attention.
     auto    `resolve_attention_backend`: varlen when it can run, else sdpa.
