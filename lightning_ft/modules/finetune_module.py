@@ -471,6 +471,11 @@ class FinetuneModule(L.LightningModule):
                 )
             if offload:
                 rank_zero_info("activation offloading: each decoder layer's input (but the last's) waits in host memory for the backward")
+        # training mode throughout, as a transformers Trainer sets it: from_pretrained (and PEFT's, for
+        # lora.init_from) return the model in eval mode, and Lightning keeps each submodule's mode, so a
+        # loaded checkpoint would train without gradient checkpointing (transformers checkpoints only in
+        # training mode), CUDA graphs (replayed only then) or LoRA dropout
+        model.train()
         self.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())

@@ -140,6 +140,26 @@ def test_exported_adapter_loads_with_peft_and_reproduces_logits(tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("init_from", [False, True])
+def test_a_loaded_checkpoint_trains_in_training_mode(tmp_path, init_from):
+    # from_pretrained returns eval mode and Lightning keeps submodule modes: a checkpoint trained with
+    # gradient checkpointing silently off (a review found 2250 against 1255 MiB for random weights)
+    torch.manual_seed(0)
+    random_model = FinetuneModule(model=TINY_MODEL, lora=LORA)
+    random_model.configure_model()
+    base = random_model.model.get_base_model()
+    base.save_pretrained(tmp_path / "base")
+    random_model.model.save_pretrained(tmp_path / "adapter")
+    lora = {**LORA, "init_from": str(tmp_path / "adapter")} if init_from else LORA
+    model_cfg = {"init": "pretrained", "name_or_path": str(tmp_path / "base"), "gradient_checkpointing": True}
+    module = FinetuneModule(model=model_cfg, lora=lora)
+    module.configure_model()
+    in_eval = [name for name, m in module.model.named_modules() if not m.training]
+    assert not in_eval, f"{len(in_eval)} modules in eval mode, e.g. {in_eval[:3]}"
+    layer = module.model.get_base_model().model.layers[0]
+    assert layer.gradient_checkpointing and layer.training  # transformers checkpoints this layer
+
+
 def test_kernels_all_gives_the_stock_loss_and_lora_gradients():
     """fp32: the fused kernels compute the same math, so 1e-5 holds (bf16 tolerances: tests/modules/test_patching.py)."""
     batch = collate_packed(_docs([9, 1, 14], 5))
