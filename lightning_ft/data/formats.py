@@ -14,9 +14,9 @@ format         row fields                                            becomes
 ``text``       ``text``                                              plain text
 =============  ====================================================  ==========================
 
-Rows come from a local ``.jsonl``/``.json``/``.parquet`` file or a Hugging Face ``datasets``
-name (read with `datasets.load_dataset`), or from a built-in generator (``builtin:<name>``,
-see `lightning_ft.data.builtin`).
+Rows come from a local ``.jsonl``/``.json``/``.parquet`` file (JSON parsed as written, see
+`read_rows`) or a Hugging Face ``datasets`` name (read with `datasets.load_dataset`), or from a
+built-in generator (``builtin:<name>``, see `lightning_ft.data.builtin`).
 """
 
 from __future__ import annotations
@@ -83,12 +83,19 @@ def check_data_path(key: str, path: str | None) -> None:
 def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[dict[str, Any]]:
     """Read all rows of a local file or a `datasets` name (``key``: the config key that named it, for errors).
 
+    A ``.jsonl`` file, and a ``.json`` file holding an array of objects (or JSON Lines), are parsed
+    with the `json` module, every value exactly as written: `datasets`' JSON reader infers one Arrow
+    type per column, which turned the string "007" into the integer 7 beside an integer row and
+    ISO-date strings into timestamps. Other ``.json`` layouts and ``.parquet`` (typed columns) go
+    through `datasets.load_dataset`.
+
     Args:
         path: ``.jsonl``/``.json``/``.parquet`` file, or a dataset name for `datasets.load_dataset`.
         split: the split to read from a dataset name.
 
     Raises:
-        ValueError: malformed JSON (names the file and line), an unreadable file, or no rows.
+        ValueError: malformed JSON or text that is not UTF-8 (names the file and line), an
+            unreadable file, or no rows.
         FileNotFoundError: ``path`` looks like a local file and does not exist.
     """
     import datasets
@@ -96,35 +103,47 @@ def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[d
     check_data_path(key, path)
     local = Path(path).expanduser()
     suffix = local.suffix.lower()
+    rows = None
     if local.exists():
-        builder = _FILE_TYPES[suffix]
-        if local.stat().st_size == 0 or suffix == ".jsonl" and _check_jsonl(local) == 0:
-            raise ValueError(f"{local}: the file has no rows")
-        try:
-            ds = datasets.load_dataset(builder, data_files=str(local), split="train")
-        except Exception as err:  # datasets wraps parser errors in its own types (no position)
-            if suffix == ".json":
-                _check_json(local)
-            raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
+        if suffix == ".jsonl":
+            rows = _read_json_lines(local)
+        elif suffix == ".json":
+            rows = _read_json(local)
+        if rows is None and local.stat().st_size > 0:
+            try:
+                rows = datasets.load_dataset(_FILE_TYPES[suffix], data_files=str(local), split="train").to_list()
+            except Exception as err:  # datasets wraps parser errors in its own types (no position)
+                raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
     else:
         try:
-            ds = datasets.load_dataset(path, split=split)
+            rows = datasets.load_dataset(path, split=split).to_list()
         except Exception as err:
             raise ValueError(
                 f"{key}={path!r} is not a local file and could not be loaded as a `datasets` name "
                 f"(split {split!r}): {err}"
             ) from err
-    rows = ds.to_list()
     if not rows:
         raise ValueError(f"{path}: the file has no rows")
     return rows
 
 
-def _check_jsonl(path: Path) -> int:
-    """Count the rows; raise a ValueError naming ``path:line`` for the first line that is not a JSON object."""
-    rows = 0
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+def _decode(path: Path, raw: bytes, first_line: int = 1) -> str:
+    """``raw`` as UTF-8 text (a leading byte-order mark dropped); a ValueError naming ``path:line`` otherwise."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = first_line + raw.count(b"\n", 0, err.start)
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as UTF-8"
+        ) from None
+
+
+def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON Lines file; a ValueError naming ``path:line`` for the first line that is not a JSON object."""
+    rows = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(path, raw, lineno)
             if not line.strip():
                 continue
             try:
@@ -133,20 +152,26 @@ def _check_jsonl(path: Path) -> int:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-            rows += 1
+            rows.append(row)
     return rows
 
 
-def _check_json(path: Path) -> None:
-    """Raise a ValueError naming ``path:line:column`` where a .json file stops being JSON (JSON Lines: the line)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+def _read_json(path: Path) -> list[dict[str, Any]] | None:
+    """The rows of a .json file holding an array of objects (or JSON Lines); None for another layout
+    (`datasets` reads it). Raises a ValueError naming ``path:line:column`` where the file stops being JSON."""
+    text = _decode(path, path.read_bytes())
     try:
-        json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):  # JSON Lines in a .json file
-            _check_jsonl(path)
-            return
+            return _read_json_lines(path)
         raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    if not isinstance(data, list):
+        return None
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: element {i} of the array is a {type(row).__name__}; expected one JSON object per row")
+    return data
 
 
 def detect_format(row: dict[str, Any], source: str = "") -> str:
@@ -224,15 +249,19 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
     elif fmt == "instruction":
         instruction = _string(row, "instruction", where)
         instances = row.get("instances")
-        if instances is None:
-            instances = [{"input": row.get("input") or "", "output": row["output"]}]
+        flat = instances is None  # instruction, input, output in the row itself
+        if flat:
+            instances = [{"input": row.get("input"), "output": row["output"]}]
         if not isinstance(instances, list) or not instances:
             raise ValueError(f"{where}: 'instances' must be a non-empty list of {{input, output}}")
         for j, inst in enumerate(instances):
             if not isinstance(inst, dict) or inst.get("output") is None:
                 raise ValueError(f"{where}: instances[{j}] needs an 'output' field")
-            prompt = instruction if not inst.get("input") else f"{instruction}\n\n{inst['input']}"
-            yield [_msg("user", prompt), _msg("assistant", _string(inst, "output", f"{where} instances[{j}]"))]
+            inst_where = where if flat else f"{where} instances[{j}]"
+            given = inst.get("input")
+            given = "" if given is None else _string(inst, "input", inst_where)
+            prompt = f"{instruction}\n\n{given}" if given else instruction
+            yield [_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))]
     else:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:

@@ -67,13 +67,50 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
     qa = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(4)]
     chat = {"messages": [{"role": "user", "content": "x"}]}
     extra = read_rows(_jsonl(tmp_path / "extra.jsonl", qa[:2] + [{**qa[2], **chat}]))
-    assert extra[0]["messages"] is None and detect_format(extra[0]) == "qa"
+    assert detect_format(extra[0]) == "qa" and detect_format({**extra[0], "messages": None}) == "qa"
     assert [e.messages[1]["content"] for e in to_examples(extra)] == ["a0", "a1", "a2"]
     instruction = {"instruction": "i", "input": "x", "output": "o"}
     mixed = read_rows(_jsonl(tmp_path / "mixed.jsonl", qa[:2] + [instruction] + qa[3:]))
     has = r"\(the row has \['input', 'instruction', 'output'\]\)"
     with pytest.raises(ValueError, match=rf"data row 3: the 'qa' format needs .*{has}"):
         to_examples(mixed)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_json_rows_are_read_as_written(tmp_path, suffix):
+    # `datasets`' reader typed each column: "007" became 7 beside an integer row (then trained on
+    # silently), all-ISO-date strings became timestamps (then refused as not strings)
+    rows = [
+        {"instruction": "Repeat the code", "input": "007", "output": "007"},
+        {"instruction": "Repeat the code", "input": 5, "output": "5"},
+        {"question": "When did it end?", "answer": "1945-05-08"},
+    ]
+    path = tmp_path / f"rows{suffix}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) if suffix == ".jsonl" else json.dumps(rows))
+    assert read_rows(str(path)) == rows
+    (first,) = to_examples(read_rows(str(path))[:1])
+    assert first.messages[0]["content"] == "Repeat the code\n\n007"
+    with pytest.raises(ValueError, match=r"data row 2: field 'input' must be a string, got int"):
+        to_examples(read_rows(str(path))[:2])
+    assert to_examples(read_rows(str(path))[2:])[0].messages[1]["content"] == "1945-05-08"
+
+
+def test_instruction_input_must_be_a_string_and_empty_or_null_is_none():
+    with pytest.raises(ValueError, match=r"row 1 instances\[1\]: field 'input' must be a string, got dict"):
+        to_examples([{"instruction": "i", "instances": [{"input": "a", "output": "o"}, {"input": {"a": 1}, "output": "o"}]}])
+    for given in ("", None):
+        (ex,) = to_examples([{"instruction": "Add.", "input": given, "output": "0"}])
+        assert ex.messages[0]["content"] == "Add."
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_text_that_is_not_utf8_names_the_line(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"latin1{suffix}:2: not UTF-8 text \(byte 0xe9\)"):
+        read_rows(str(path))
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a byte-order mark first"}\n')  # UTF-8 with a BOM: read
+    assert read_rows(str(path)) == [{"text": "a byte-order mark first"}]
 
 
 def test_empty_and_missing_files(tmp_path):
