@@ -44,8 +44,8 @@ class GenerationEval(L.Callback):
         max_new_tokens: the generation budget of each (``eval.max_new_tokens``).
 
     Raises:
-        ValueError: a non-positive ``num_examples`` or ``max_new_tokens``; at validation, a datamodule
-            without ``generation_examples`` or without examples that have a prompt.
+        ValueError: a non-positive ``num_examples`` or ``max_new_tokens``; when fitting starts (before
+            the first step), a datamodule without ``generation_examples`` or without examples that have a prompt.
     """
 
     def __init__(self, num_examples: int = 32, max_new_tokens: int = 64):
@@ -54,16 +54,28 @@ class GenerationEval(L.Callback):
         self.num_examples = num_examples
         self.max_new_tokens = max_new_tokens
 
-    @override
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
+    def _examples(self, trainer: L.Trainer) -> list[tuple[list[int], list[int]]]:
         datamodule = trainer.datamodule
         if not hasattr(datamodule, "generation_examples"):
             raise ValueError("eval.generate=true needs a PackedDataModule (it provides the validation examples)")
         examples = datamodule.generation_examples(self.num_examples)
         if not examples:
-            raise ValueError("eval.generate=true: no validation example has a prompt to generate from (plain-text data?)")
+            raise ValueError(
+                "eval.generate=true: no validation example has a prompt to generate from: every token is a target "
+                "(text data, or data.train_on_prompt=true); set eval.generate=false"
+            )
+        return examples
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._examples(trainer)  # refused before the first step, not after the run has trained (the data is set up by now)
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        examples = self._examples(trainer)
+        datamodule = trainer.datamodule
         tokenizer = datamodule.tokenizer
         correct = 0
         mine = examples[trainer.global_rank :: trainer.world_size]

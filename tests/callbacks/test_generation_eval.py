@@ -1,4 +1,5 @@
 import pytest
+from cli_helpers import FAST, run_cli, summary
 
 from lightning_ft.callbacks.generation_eval import GenerationEval, extract_answer
 
@@ -45,3 +46,13 @@ def test_greedy_generation_with_a_kv_cache_matches_the_packed_forward():
         logits = module.model(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch).logits
     assert len(seq) == len(prompt) + 8
     assert logits[0, len(prompt) - 1 : -1].argmax(-1).tolist() == seq[len(prompt):]
+
+
+def test_generation_without_prompts_is_refused_before_the_first_step(tmp_path):
+    # every token a target: nothing to generate from; this was found at the first validation, after
+    # the whole run had trained, and the run ended failed with no adapter
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=3", "data.val_fraction=0.2", "data.train_on_prompt=true",
+                   "eval.generate=true", ok=False)
+    assert "eval.generate=true: no validation example has a prompt to generate from" in proc.stderr
+    assert "data.train_on_prompt=true" in proc.stderr and "Traceback" not in proc.stderr
+    assert summary(tmp_path)["steps"] == 0
