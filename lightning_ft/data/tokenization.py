@@ -115,9 +115,16 @@ def tokenize_example(
     shifted: the loss shifts them). Plain text gets the eos token appended and is all target.
 
     Raises:
-        ValueError: the chat template's renders are not prefixes of each other (names the example).
+        ValueError: the chat template's renders are not prefixes of each other, or the template raises
+            on the conversation (e.g. "roles must alternate"), or text data with a tokenizer that has no
+            eos token (each names the example).
     """
     if example.text is not None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"{example.source}: the tokenizer has no eos token, which ends each text document; "
+                "use a tokenizer that has one (model.tokenizer=...)"
+            )
         ids = tokenizer(example.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return ids, list(ids)
     segments = _chat_segments(tokenizer, list(example.messages), example.source)
@@ -131,8 +138,14 @@ def tokenize_example(
 
 
 def _chat_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict], source: str) -> list[tuple[str, bool]]:
+    from jinja2 import TemplateError
+
     def render(msgs: list[dict], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as err:  # the template's own check, e.g. "roles must alternate user/assistant"
+            roles = [m["role"] for m in messages]
+            raise ValueError(f"{source}: the tokenizer's chat template refuses this conversation ({err}); its roles: {roles}") from None
 
     segments: list[tuple[str, bool]] = []
     done = ""

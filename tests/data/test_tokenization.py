@@ -1,3 +1,5 @@
+import pytest
+
 from lightning_ft.data.formats import Example
 from lightning_ft.data.tokenization import IGNORE_INDEX, load_tokenizer, tokenize_example
 
@@ -31,3 +33,19 @@ def test_text_is_all_target_and_ends_with_eos():
     tok = load_tokenizer("builtin")
     ids, labels = tokenize_example(Example(text="hello"), tok)
     assert ids == labels and ids[-1] == tok.eos_token_id
+
+
+def test_a_template_that_raises_or_a_tokenizer_without_eos_names_the_row():
+    tok = load_tokenizer("builtin")
+    tok.chat_template = (  # a Mistral-style check
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    messages = ({"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})
+    with pytest.raises(ValueError, match=r"data row 3: the tokenizer's chat template refuses this conversation "
+                                         r"\(Conversation roles must alternate user/assistant\); its roles: \['system', 'user', 'assistant'\]"):
+        tokenize_example(Example(messages=messages, source="data row 3"), tok)
+    tok = load_tokenizer("builtin")
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="data row 1: the tokenizer has no eos token"):
+        tokenize_example(Example(text="hello", source="data row 1"), tok)
