@@ -98,7 +98,8 @@ def load_causal_lm(
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
             not a causal LM, a ``config`` value of the wrong type for transformers (naming
-            ``model.config.<key>`` and the type expected), or an embedding table smaller than the tokenizer.
+            ``model.config.<key>`` and the type expected), a ``config`` key that is a near miss of a
+            field (``num_hidden_layer``), or an embedding table smaller than the tokenizer.
         FileNotFoundError: ``name_or_path`` is neither a local checkpoint (a folder with a
             ``config.json``) nor a reachable hub name.
     """
@@ -130,6 +131,7 @@ def load_causal_lm(
             raise _config_value_error(err, overrides, None) from err
     else:
         raise ValueError("set model.name_or_path, or model.init=random with model.config.model_type")
+    _check_config_keys(hf_config, overrides)
     if hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
         raise ValueError(
             f"model {name_or_path or hf_config.model_type!r}: a {hf_config.model_type!r} config is not a causal LM "
@@ -151,6 +153,27 @@ def load_causal_lm(
     return AutoModelForCausalLM.from_pretrained(
         name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
     )
+
+
+def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
+    """Refuse a ``model.config`` key that is a near miss of a field of the model's config class (a typo:
+    transformers stores any extra key as an attribute that nothing reads); log the other keys the class
+    does not declare (a model may read them with a default, as Qwen3-MoE reads ``head_dim``).
+
+    Raises:
+        ValueError: a key within a character or two of a declared field (``num_hidden_layer``).
+    """
+    import difflib
+
+    cls = type(hf_config)
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    for key in overrides:
+        if key in known or key == "model_type":
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"model.config.{key}: {cls.__name__} has no such field; did you mean model.config.{close[0]}?")
+        log.info("model.config.%s: not a declared field of %s; set on the config as given", key, cls.__name__)
 
 
 def _config_value_error(err: Exception, overrides: dict[str, Any], name_or_path: str | None) -> ValueError:

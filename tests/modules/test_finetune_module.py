@@ -453,6 +453,20 @@ def test_a_model_config_value_of_the_wrong_type_is_refused_by_key(config, messag
         FinetuneModule(model=model, lora=LORA).configure_model()
 
 
+def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog):
+    """transformers keeps any extra key as an attribute nothing reads: num_hidden_layer built the default depth."""
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "num_hidden_layer": 1}}
+    with pytest.raises(ValueError, match=r"^model.config.num_hidden_layer: Qwen3MoeConfig has no such field; did you mean model.config.num_hidden_layers\?$"):
+        FinetuneModule(model=model, lora=LORA).configure_model()
+    # a key the class does not declare but a model may read (Qwen3-MoE's head_dim is one) is set as given
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "my_note": "x"}}
+    with caplog.at_level("INFO", logger="lightning_ft.modules.finetune_module"):
+        module = FinetuneModule(model=model, lora=LORA)
+        module.configure_model()
+    assert module.model.config.my_note == "x" and module.model.config.head_dim == 16
+    assert "model.config.my_note: not a declared field of Qwen3MoeConfig" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("scheduler", "lrs"),
     [
