@@ -18,12 +18,13 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object, instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
+from lightning_ft.callbacks.hydra_record import HydraRecord
 from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
 from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
@@ -67,10 +68,16 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         FileNotFoundError: the tokenizer, a data file or ``ckpt_path`` cannot be found.
 
     Nothing is written into ``run_dir`` before every check that can be made without the model has
-    passed: a refused run leaves the folder (a finished run's files too) as it was. A resume of a run
-    whose checkpoint has reached ``trainer.max_steps`` trains nothing, writes nothing and returns the
-    run's ``summary.json`` (logged as a warning).
+    passed: a refused run leaves the folder (a finished run's files too) as it was. Hydra's record
+    (``.hydra/``) is written at once only where the folder has none, otherwise when training starts
+    (`HydraRecord`). A resume of a run whose checkpoint has reached ``trainer.max_steps`` or
+    ``trainer.max_epochs`` (`_finished_at`) trains nothing, writes nothing and returns the run's
+    ``summary.json`` (logged as a warning).
     """
+    hydra_record = HydraRecord.of_job(cfg)  # configs/fit.yaml leaves .hydra/ to us: hydra.output_subdir=null
+    if hydra_record is not None and _first_process() and not hydra_record.folder.exists():
+        hydra_record.write()  # a folder without a record: written at once, as Hydra does; nothing is replaced
+        hydra_record = None
     _quiet_library_notices(resuming=bool(cfg.ckpt_path))
     if logging.getLogger().hasHandlers():
         # `import lightning` adds its own console handler that also propagates to the root logger,
@@ -117,7 +124,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             _check_new_run_dir(run_dir)
         elif cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).resolve().is_relative_to(run_dir.resolve()):
             _check_new_run_dir(run_dir, resumed_from=cfg.ckpt_path)  # another run's checkpoint: a new folder
-        return _train(cfg, run_dir, trainer_kwargs, written)
+        return _train(cfg, run_dir, trainer_kwargs, written, hydra_record)
 
 
 def _first_process() -> bool:
@@ -263,11 +270,14 @@ def _never_trained(summary_path: Path) -> bool:
     return isinstance(summary, dict) and summary.get("status") != "completed" and summary.get("steps") == 0
 
 
-def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
+def _train(
+    cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], written: dict[str, Any], hydra_record: HydraRecord | None,
+) -> dict[str, Any]:
     """Everything after the checks of `fit`: data, model, callbacks, Trainer, fit.
 
-    ``written`` goes to ``config.json`` when training starts (`RunSummary`): a run refused or
-    failed before that (a resume too) leaves the folder's config as it was.
+    ``written`` goes to ``config.json`` and ``hydra_record`` (None: written already, or not ours to
+    write) to ``.hydra/`` when training starts (`RunSummary`, `HydraRecord`): a run refused or failed
+    before that (a resume too) leaves the folder's config and Hydra record as they were.
     """
     resolved = OmegaConf.to_container(cfg, resolve=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -302,6 +312,8 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], writt
         callbacks.append(GenerationEval(cfg.eval.num_examples, cfg.eval.max_new_tokens))
     summary = RunSummary(run_dir, resolved, resuming=bool(cfg.ckpt_path), run_config=written)
     callbacks.append(summary)
+    if hydra_record is not None:
+        callbacks.append(hydra_record)
     # callbacks.progress_bar=null means no progress bar at all (not Lightning's default one)
     trainer_kwargs.setdefault("enable_progress_bar", cfg.callbacks.get("progress_bar") is not None)
     if not datamodule.has_validation:
@@ -313,12 +325,13 @@ def _train(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], writt
     if cfg.ckpt_path == "last":
         _check_last_checkpoint(callbacks)
     if cfg.ckpt_path:
-        finished = _finished_at(cfg.ckpt_path, callbacks, trainer_kwargs.get("max_steps", -1))
+        finished = _finished_at(cfg.ckpt_path, callbacks, trainer_kwargs)
         if finished is not None:  # a scheduler re-running a finished job: a success that changes nothing
+            checkpoint, reached = finished
             log.warning(
-                "ckpt_path=%s: %s is at step %d and trainer.max_steps=%d: the run is finished, nothing is trained "
-                "and the run folder is left as it was; to train on, resume with a larger trainer.max_steps",
-                cfg.ckpt_path, finished[0], finished[1], trainer_kwargs["max_steps"],
+                "ckpt_path=%s: %s %s: the run is finished, nothing is trained and the run folder is left as it was; "
+                "to train on, resume with a larger %s",
+                cfg.ckpt_path, checkpoint, " and ".join(reached.values()), " and ".join(reached),
             )
             summary_file = run_dir / "summary.json"
             return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
@@ -495,12 +508,19 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if old == new else [(prefix, old, new)]
 
 
-def _finished_at(ckpt_path: str, callbacks: list[Any], max_steps: int) -> tuple[Path, int] | None:
-    """(checkpoint file, its optimizer step) when the checkpoint ``ckpt_path`` resumes from (for
-    ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``max_steps`` already, where
-    Lightning would only log "`max_steps` reached"; None otherwise, and for a file that does not read
-    as a checkpoint (Lightning's own load then says why)."""
-    if max_steps is None or max_steps < 1:
+def _finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str]] | None:
+    """(checkpoint file, {limit: how it is reached}) when the checkpoint ``ckpt_path`` resumes from (for
+    ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``trainer.max_steps`` or
+    ``trainer.max_epochs`` already (Lightning stops at whichever comes first), where Lightning would
+    train nothing; None otherwise, and for a file that does not read as a checkpoint (Lightning's own
+    load then says why). The epochs are counted as Lightning counts them on a resume (`_epochs_done`)."""
+    max_steps = trainer_kwargs.get("max_steps", -1)
+    max_epochs = trainer_kwargs.get("max_epochs")
+    if max_epochs is None:  # Lightning's default (its _parse_loop_limits): 1000 unless steps or time bound the run
+        timed = trainer_kwargs.get("max_time") is not None or any(isinstance(c, Timer) for c in callbacks)
+        max_epochs = 1000 if max_steps == -1 and not timed else -1
+    steps_bound = isinstance(max_steps, int) and max_steps >= 1  # -1: no step limit
+    if not steps_bound and max_epochs == -1:
         return None
     if ckpt_path == "last":
         candidates = [p for d in _checkpoint_dirs(callbacks) for p in d.glob("last*.ckpt")]
@@ -510,10 +530,41 @@ def _finished_at(ckpt_path: str, callbacks: list[Any], max_steps: int) -> tuple[
     else:
         checkpoint = Path(ckpt_path)
     try:  # mmap: the weights and optimizer state are not read
-        step = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True).get("global_step")
+        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
     except Exception:  # noqa: BLE001 - not ours to report: Lightning's load of the same file raises its own error
         return None
-    return (checkpoint, step) if isinstance(step, int) and step >= max_steps else None
+    reached = {}
+    step = state.get("global_step")
+    if steps_bound and isinstance(step, int) and step >= max_steps:
+        reached["trainer.max_steps"] = f"is at step {step} and trainer.max_steps={max_steps}"
+    epochs = _epochs_done(state)
+    if max_epochs != -1 and epochs is not None and epochs >= max_epochs:
+        reached["trainer.max_epochs"] = f"has finished {epochs} epochs and trainer.max_epochs={max_epochs}"
+    return (checkpoint, reached) if reached else None
+
+
+def _epochs_done(checkpoint: dict[str, Any]) -> int | None:
+    """The epochs a Lightning checkpoint's run has finished, as Lightning counts them when it resumes from it
+    (its ``FitLoop``: ``done`` compares ``epoch_progress.current.processed`` with ``max_epochs``); None
+    without the fit loop's state.
+
+    ``processed`` counts an epoch once its last batch has run, before ``on_train_epoch_end`` (where epoch
+    checkpoints are saved) and so before the checkpoint's ``epoch`` key (``completed``) moves on. A
+    checkpoint saved at the end of an epoch's last batch (a step checkpoint, ``on_train_batch_end``) has
+    that epoch started and not yet processed: on a resume Lightning counts it processed (``FitLoop.reset``)
+    and trains nothing more in it, so it is counted here too. Any other checkpoint inside an epoch (a
+    batch before the last) resumes that epoch. An epoch that ``max_steps`` ended early is processed
+    too (Lightning's count: a longer ``max_steps`` with the same ``max_epochs`` trains nothing more).
+    """
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
+        processed = epochs["current"]["processed"]
+        in_epoch = epochs["total"]["ready"] == epochs["total"]["started"] == epochs["total"]["processed"] + 1
+        last_batch_ran = batches["is_last_batch"] and batches["total"]["processed"] == batches["total"]["started"]
+    except (KeyError, TypeError):
+        return None
+    return processed + 1 if in_epoch and last_batch_ran else processed
 
 
 def _checkpoint_dirs(callbacks: list[Any]) -> list[Path]:

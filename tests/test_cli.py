@@ -214,3 +214,14 @@ def test_a_plus_before_a_group_of_the_defaults_list_is_named():
 
     assert override_hints(["+hparams_search=optuna"])[0] == "+hparams_search=optuna: `hparams_search` is in `fit`'s defaults list: hparams_search=optuna, without the +"
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
+
+
+@pytest.mark.slow
+def test_hydra_output_subdir_set_on_the_command_line_is_left_to_hydra(tmp_path):
+    """fit writes .hydra/ itself (configs/fit.yaml: hydra.output_subdir=null); a user's own setting keeps
+    Hydra's behaviour: another folder written by Hydra, or none. Runs refused at once (trainer.max_steps=0)."""
+    run_cli(tmp_path / "own", "trainer.max_steps=0", "hydra.output_subdir=record", ok=False)
+    assert sorted(p.name for p in (tmp_path / "own" / "record").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert not (tmp_path / "own" / ".hydra").exists()
+    run_cli(tmp_path / "none", "trainer.max_steps=0", "hydra.output_subdir=null", ok=False)
+    assert not (tmp_path / "none" / ".hydra").exists() and (tmp_path / "none" / "__main__.log").exists()

@@ -12,6 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from cli_helpers import FAST, assert_first_step_grads_close, run_cli, summary
@@ -267,7 +268,9 @@ def test_validation_file_reports_loss_perplexity_and_exact_match(tmp_path):
 @pytest.mark.slow
 def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_path):
     run_cli(tmp_path, *FAST, "trainer.max_steps=3")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")}
+    hydra_record = (tmp_path / ".hydra" / name for name in ("config.yaml", "hydra.yaml", "overrides.yaml"))
+    kept = (tmp_path / "summary.json", tmp_path / "config.json", *hydra_record)  # Hydra's record of the run too
+    before = {p.name: p.read_bytes() for p in kept}
     assert summary(tmp_path)["checkpoint_path"].endswith("last.ckpt")  # short runs name their last checkpoint too
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "lora.rank=4", ok=False)
     assert "lora.rank: 16 in the interrupted run, 4 now" in proc.stderr
@@ -276,7 +279,7 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert "model.activation_offload=true needs model.cuda_graphs=true" in proc.stderr
     proc = run_cli(tmp_path, *FAST, "ckpt_path=last", "model.cuda_graphs=true", "model.activation_offload=true", ok=False)
     assert "set model.cuda_graphs=false model.activation_offload=false" in proc.stderr
-    # refused after the data is read (a change a resume may make, that this run cannot do): config.json kept too
+    # refused after the data is read (a change a resume may make, that this run cannot do): config.json and .hydra/ kept too
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "eval.generate=true", ok=False)
     assert "eval.generate=true needs validation data" in proc.stderr
     # a new run (no ckpt_path) in this folder would replace the finished run's files
@@ -291,14 +294,14 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     shutil.copy(tmp_path / "checkpoints" / "last.ckpt", other / "checkpoints")
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", f"ckpt_path={other / 'checkpoints' / 'last.ckpt'}", ok=False)
     assert "holds another run (summary.json, checkpoints/); resume from that checkpoint in an empty folder" in proc.stderr
-    assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json", tmp_path / "config.json")} == before
+    assert {p.name: p.read_bytes() for p in kept} == before
     assert not (tmp_path / "logs" / "metrics.1.csv").exists()
-    # a resume that fails before training resumes (a checkpoint that does not load) keeps the summary
+    # a resume that fails before training resumes (a checkpoint that does not load) keeps the summary, config and .hydra/
     last = Path(summary(tmp_path)["checkpoint_path"])
     good = last.read_bytes()
     last.write_bytes(b"not a checkpoint")
     run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", ok=False)
-    assert (tmp_path / "summary.json").read_bytes() == before["summary.json"]
+    assert {p.name: p.read_bytes() for p in kept} == before
     last.write_bytes(good)
     (tmp_path / "logs" / "metrics.1.csv").rename(tmp_path / "logs" / "metrics.csv")  # as it was before that attempt
     # a longer run of the same config is fine (its learning-rate schedule stretches: warned), and so is a
@@ -306,18 +309,113 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.cuda_graphs_keep_attention=false")
     assert "resume with trainer.max_steps: 3 → 5: the learning-rate schedule is rebuilt" in proc.stdout + proc.stderr
     assert summary(tmp_path)["steps"] == 5
+    # a resume that trains records its own overrides in .hydra/, as Hydra did when it wrote them
+    overrides = (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    assert "- ckpt_path=last\n" in overrides and "- model.cuda_graphs_keep_attention=false\n" in overrides
     # the first run's metrics survive the resume beside the new file
     assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1
     assert (tmp_path / "logs" / "metrics.csv").exists()
     # resuming the finished run (a scheduler re-running the job): says so, trains nothing, changes nothing
-    def run_files():  # all but Hydra's own (.hydra/, its job log) and the folder's lock
-        return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts
-                and p.name not in (".lock", "__main__.log")}
+    def run_files():  # all but Hydra's job log (appended to) and the folder's lock
+        return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name not in (".lock", "__main__.log")}
 
     files = run_files()
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")
     assert "last.ckpt is at step 5 and trainer.max_steps=5: the run is finished" in proc.stdout + proc.stderr
     assert run_files() == files and any(p.suffix == ".ckpt" for p in files) and any(p.suffix == ".csv" for p in files)
+    assert any(".hydra" in p.parts for p in files)
+
+
+class _Stop(Exception):
+    """Raised by `_StopAtStep`: the run ends there, as a killed one."""
+
+
+class _StopAtStep(L.Callback):
+    """Ends the run once ``step`` optimizer steps are done (its checkpoints stay)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            raise _Stop
+
+
+def _fit_boring(run_dir, max_epochs, max_steps, stop_at=None, ckpt_path=None, **checkpoint):
+    """Lightning's BoringModel, 10 batches an epoch, with ModelCheckpoint(save_last=True, **checkpoint)
+    into ``run_dir``; returns how many training batches ran."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    class Model(BoringModel):
+        batches = 0
+
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 40), batch_size=4)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            Model.batches += 1
+
+    callbacks = [ModelCheckpoint(dirpath=run_dir, save_last=True, **checkpoint)]
+    if stop_at is not None:
+        callbacks.append(_StopAtStep(stop_at))
+    trainer = L.Trainer(max_epochs=max_epochs, max_steps=max_steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    try:
+        trainer.fit(Model(), ckpt_path=ckpt_path)
+    except _Stop:
+        pass
+    return Model.batches
+
+
+@pytest.mark.parametrize(
+    ("first", "checkpoint", "again", "finished"),
+    [
+        # (max_epochs, max_steps, stopped after step) of the run, its ModelCheckpoint, (max_epochs, max_steps) of the re-run
+        ((2, -1, None), {"every_n_train_steps": 50}, (2, -1), "max_epochs"),  # last.ckpt at the end of training
+        ((2, -1, None), {"every_n_train_steps": 1}, (2, -1), "max_epochs"),  # at the end of the last batch
+        ((2, -1, None), {}, (2, -1), "max_epochs"),  # at the end of the last epoch (every_n_epochs=1)
+        ((2, -1, None), {"every_n_train_steps": 50}, (3, -1), None),  # extended by an epoch: trains on
+        ((3, -1, 15), {"every_n_train_steps": 1}, (3, -1), None),  # stopped mid-epoch
+        ((3, -1, 10), {"every_n_train_steps": 1}, (3, -1), None),  # stopped at the end of epoch 1's last batch
+        ((3, -1, 10), {"every_n_train_steps": 1}, (1, -1), "max_epochs"),  # ... which is the last with max_epochs=1
+        ((3, -1, 10), {}, (3, -1), None),  # stopped after epoch 1's checkpoint, before max_epochs
+        ((1, 30, None), {"every_n_train_steps": 50}, (1, 30), "max_epochs"),  # both limits: the epochs came first
+        ((3, 15, None), {"every_n_train_steps": 50}, (3, 15), "max_steps"),  # the steps came first, mid-epoch
+        ((3, 15, None), {"every_n_train_steps": 50}, (3, 25), None),  # more steps: trains on
+        # an epoch max_steps cut short counts as done for Lightning: max_epochs=2 stops the longer run at once
+        ((2, 15, None), {"every_n_train_steps": 50}, (2, 25), "max_epochs"),
+    ],
+)
+def test_finished_run_is_detected_by_max_epochs_exactly_as_lightning_resumes(tmp_path, first, checkpoint, again, finished):
+    """`_finished_at` says finished exactly where Lightning, resuming from the same checkpoint, trains no batch."""
+    from lightning_ft.fit import _finished_at
+
+    max_epochs, max_steps, stop_at = first
+    _fit_boring(tmp_path / "run", max_epochs, max_steps, stop_at, **checkpoint)
+    last = tmp_path / "run" / "last.ckpt"
+    got = _finished_at(str(last), [], {"max_epochs": again[0], "max_steps": again[1]})
+    assert (None if got is None else [key.removeprefix("trainer.") for key in got[1]]) == (finished and [finished])
+    trained = _fit_boring(tmp_path / "again", *again, ckpt_path=last, **checkpoint)
+    assert (trained == 0) == (finished is not None), trained
+
+
+@pytest.mark.slow
+def test_resuming_a_run_that_reached_max_epochs_trains_nothing_and_touches_nothing(tmp_path):
+    """A run limited by trainer.max_epochs (8 examples: 2 steps an epoch), run again in its folder with
+    ckpt_path=last, is a success that changes nothing, as one that reached trainer.max_steps."""
+    common = ("callbacks.progress_bar=null", "data.num_examples=8", "data.max_tokens=128", "trainer.log_every_n_steps=1",
+              "trainer.max_steps=-1", "trainer.max_epochs=2")
+    run_cli(tmp_path, *common)
+    assert summary(tmp_path)["status"] == "completed" and summary(tmp_path)["steps"] == 4
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name not in (".lock", "__main__.log")}
+    proc = run_cli(tmp_path, *common, "ckpt_path=last")
+    assert (f"{tmp_path / 'checkpoints' / 'last.ckpt'} has finished 2 epochs and trainer.max_epochs=2: the run is "
+            "finished, nothing is trained") in proc.stdout + proc.stderr
+    assert "to train on, resume with a larger trainer.max_epochs" in proc.stdout + proc.stderr
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name not in (".lock", "__main__.log")}
+    assert after == files and any(".hydra" in p.parts for p in files) and any(p.suffix == ".csv" for p in files)
 
 
 def _signal_at_step(run_dir, step, *overrides, signal_name=None):
@@ -377,6 +475,10 @@ def test_missing_required_values_and_trainer_typos_are_named(tmp_path):
     proc = run_cli(tmp_path / "g", "data=jsonl", f"data.path={tmp_path}", ok=False)
     assert f"data.path='{tmp_path}' is a folder" in proc.stderr
     assert not any((tmp_path / d / "config.json").exists() for d in "efg")  # refused before anything is written
+    # but a folder without Hydra's record gets it at once, as Hydra writes it (a sweep's table lists such a job)
+    assert "- trainer.max_steps=five" in (tmp_path / "e" / ".hydra" / "overrides.yaml").read_text()
+    assert "  output_subdir: .hydra\n" in (tmp_path / "e" / ".hydra" / "hydra.yaml").read_text()
+    assert "max_steps: five" in (tmp_path / "e" / ".hydra" / "config.yaml").read_text()
     proc = run_cli(tmp_path / "c", "trainer.devices=0", ok=False)  # a value Lightning rejects: one line, the key named
     assert "trainer.devices=0: Lightning refused it" in proc.stderr
     assert "Traceback" not in proc.stderr
