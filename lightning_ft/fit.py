@@ -466,6 +466,8 @@ def _check_trainer_arguments(kwargs: dict[str, Any]) -> None:
             raise ValueError(f"trainer.{key}={value!r}: expected an integer")
     if kwargs.get("max_steps") == 0:
         raise ValueError("trainer.max_steps=0 trains nothing: set at least 1 (or -1 to run trainer.max_epochs)")
+    if kwargs.get("max_epochs") == 0:
+        raise ValueError("trainer.max_epochs=0 trains nothing: set at least 1 (or -1 to run trainer.max_steps)")
 
 
 def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) -> None:

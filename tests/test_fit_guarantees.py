@@ -461,6 +461,14 @@ def test_ctrl_c_stops_with_a_message_that_says_how_to_resume(tmp_path):
     assert summary(tmp_path)["error"] == "KeyboardInterrupt: stopped by Ctrl-C (SIGINT)"
 
 
+def test_zero_epochs_is_refused_like_zero_steps():
+    from lightning_ft.fit import _check_trainer_arguments
+
+    with pytest.raises(ValueError, match=r"^trainer.max_epochs=0 trains nothing: set at least 1"):
+        _check_trainer_arguments({"max_epochs": 0, "max_steps": -1})
+    _check_trainer_arguments({"max_epochs": 1, "max_steps": -1})
+
+
 @pytest.mark.slow
 def test_missing_required_values_and_trainer_typos_are_named(tmp_path):
     proc = run_cli(tmp_path / "a", "data=jsonl", ok=False)
