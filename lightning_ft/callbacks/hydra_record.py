@@ -20,13 +20,14 @@ command line, keeps Hydra's own behaviour: that folder written before the task, 
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from typing_extensions import override
+
+from lightning_ft.callbacks.summary import write_text_atomic
 
 SUBDIR = ".hydra"  # Hydra's default hydra.output_subdir
 
@@ -70,9 +71,7 @@ class HydraRecord(L.Callback):
         """Write the files (each through a temporary file and a rename: never half of one)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for name, text in self.files.items():
-            tmp = self.folder / f"{name}.tmp"
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, self.folder / name)
+            write_text_atomic(self.folder / name, text)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -39,11 +39,16 @@ def allocator_settings() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PYTORCH_") and k.endswith("ALLOC_CONF")}
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file and a rename: never half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def plot_loss_curve(losses: list[float | None], path: Path, title: str = "training loss") -> None:
