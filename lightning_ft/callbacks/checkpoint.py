@@ -79,7 +79,7 @@ class StepCheckpoint(ModelCheckpoint):
                 path = os.path.abspath(path)
                 return os.path.join(here, os.path.relpath(path, old)) if os.path.commonpath([old, path]) == old else path
 
-            kept = {moved(p): v for p, v in state_dict.get("best_k_models", {}).items() if os.path.exists(moved(p))}
+            kept = {q: v for p, v in state_dict.get("best_k_models", {}).items() if os.path.exists(q := moved(p))}
             kth = moved(state_dict["kth_best_model_path"]) if state_dict.get("kth_best_model_path") else ""
             if kth not in kept:  # its file is not in the copy: the next save fills the kept ones up again
                 kth = ""
