@@ -8,6 +8,7 @@ Examples::
     python -m lightning_ft fit -m lora.rank=4,8                 # a Hydra sweep
     python -m lightning_ft fit --cfg job                         # print the composed config
     python -m lightning_ft bench +bench=llama8b                 # side-by-side step benchmark (GPU)
+    python -m lightning_ft bench report                         # benchmarks/RESULTS.md from benchmarks/results.csv
 
 Errors: a config that does not compose prints Hydra's message and then our hints (a close key
 name, the options of a group). An error the project raises on purpose (bad data, a missing model
@@ -36,12 +37,13 @@ PROG = "python -m lightning_ft"
 #: each command and its line in ``python -m lightning_ft --help``
 COMMANDS = {
     "fit": "fine-tune a causal LM (LoRA or full) on packed batches; the default command",
-    "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU)",
+    "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU); bench report: RESULTS.md",
 }
 EXAMPLES = """examples:
   python -m lightning_ft fit                          # built-in default: tiny Qwen3-MoE, generated arithmetic, CPU, ~30 s
   python -m lightning_ft fit data=jsonl data.path=train.jsonl lora.rank=8
   python -m lightning_ft bench +bench=tiny_cpu        # the benchmark's CPU preset
+  python -m lightning_ft bench report                 # RESULTS.md from the results table (--help: its flags)
 
 `python -m lightning_ft fit --help` (or `bench --help`) lists a command's config groups and options."""
 #: the Hydra plugin an override needs: its module, its name, how to install it (an extra of pyproject.toml)
@@ -173,6 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_ft.config import config_dir, register_configs
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "report"]:  # plain flags, not Hydra's config
+        from lightning_ft.bench.report import main as report_main
+
+        raise SystemExit(report_main(argv[2:]))
     if argv and argv[0] in ("-h", "--help"):
         command_parser().print_help()
         return

@@ -1,6 +1,7 @@
-"""The benchmark harness: FLOP counting, a CPU smoke run of the real `bench` command, and the
+"""The benchmark harness: FLOP counting, a CPU smoke run of the real `bench` command, the
 ``unsloth`` system's plumbing on the CPU (Unsloth itself needs a GPU; a stand-in with its loader API
-checks the checkpoint folder, the arguments, the import order and the loop)."""
+checks the checkpoint folder, the arguments, the import order and the loop), the results table and
+``bench report``."""
 
 import importlib.util
 import json
@@ -53,9 +54,10 @@ class FastLanguageModel:
 
 
 def run_bench(tmp_path, *overrides, env=None):
-    """``python -m lightning_ft bench +bench=tiny_cpu`` for one 48-token length; returns the result rows."""
+    """``python -m lightning_ft bench +bench=tiny_cpu`` for one 48-token length, its rows appended to
+    ``tmp_path/results.csv``; returns the result rows."""
     cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}",
-           "seq_lens=[48]", "warmup_steps=1", "timed_steps=1", *overrides]
+           "seq_lens=[48]", "warmup_steps=1", "timed_steps=1", f"results_table={tmp_path / 'results.csv'}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "results.json").read_text())["rows"]
@@ -91,6 +93,18 @@ def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
     # profile=true ranks the timed step's ops (on the CPU by host time) for each row
     for system in ("hf_peft", "lightning_ft"):
         assert "aten::mm" in (tmp_path / f"profile_{system}_48.txt").read_text()
+    # each row appended to the results table, with the columns of the schema
+    from lightning_ft.bench.table import COLUMN_NAMES, read_rows
+
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == ",".join(COLUMN_NAMES)
+    table = read_rows(tmp_path / "results.csv")
+    assert [(r["system"], r["seq_len"], r["layers"], r["status"]) for r in table] == [("hf_peft", 48, 4, "ok"), ("lightning_ft", 48, 4, "ok")]
+    for r, row in zip(table, rows):
+        assert r["ms_per_step"] == pytest.approx(row["ms_per_step"], abs=1e-3) and r["tokens_per_s"] > 0 and r["loss_last"] > 0
+        assert r["commit"] and r["gpu"] and r["torch"] and r["run"] == table[0]["run"] and (r["warmup_steps"], r["timed_steps"]) == (1, 1)
+        assert r["table"] is None  # profile=true changes what is measured: history, in no RESULTS.md table
+    assert table[0]["settings"] == "fp32 ckpt lora=r16a32:q,k,v,o" and table[1]["settings"].endswith("kernels=none moe=hf")
+    assert "+bench=tiny_cpu" in table[0]["command"] and "results_table" not in table[0]["command"]
 
 
 @pytest.mark.slow
@@ -98,8 +112,7 @@ def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
 def test_bench_unsloth_missing_is_a_row_saying_why(tmp_path):
     (row,) = run_bench(tmp_path, "systems=[unsloth]")
     assert row["status"] == ("error: ImportError: unsloth not importable: ModuleNotFoundError: No module named 'unsloth'; "
-                             "carry it to the GPU machine with ../shared/gpu/prepare-site.sh .gpu-site unsloth "
-                             "(benchmarks/README.md)")
+                             'install the peers with pip install -e ".[bench]" (needs a CUDA GPU for unsloth)')
     assert f"| unsloth | 4 | 48 | {row['status']} |" in (tmp_path / "results.md").read_text()
 
 
@@ -116,6 +129,10 @@ def test_bench_unsloth_system_trains_the_same_random_model_through_a_checkpoint_
     # the same adapters: the same losses
     assert rows[1]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-5)
     assert not list(tmp.glob("lightning_ft_unsloth_*")), "the checkpoint folder is deleted after the run"
+    from lightning_ft.bench.table import read_rows
+
+    # only lengths, systems and steps overridden: the rows belong to the preset's table
+    assert [(r["table"], r["system"]) for r in read_rows(tmp_path / "run" / "results.csv")] == [("tiny_cpu", "hf_peft"), ("tiny_cpu", "unsloth")]
 
 
 def test_import_unsloth_refuses_to_come_after_transformers():
@@ -240,3 +257,89 @@ def test_bench_key_typos_get_the_closest_key_and_added_ones_are_refused(tmp_path
     assert not list(tmp_path.iterdir())
     for preset in (p.stem for p in (Path(config_dir()) / "bench").glob("*.yaml")):  # every preset passes the check
         OmegaConf.merge(OmegaConf.structured(command_schema("bench")), _compose_bench(f"+bench={preset}"))
+
+
+def _table_row(**values):
+    row = {"table": "qwen3_moe", "run": "2026-12-03T19:25:00Z", "date": "2026-12-03 19:25", "commit": "3af38d2", "gpu": "NVIDIA H200",
+           "system": "lightning_ft", "model": "qwen3_moe_30b_a3b", "layers": 48, "seq_len": 8192, "status": "ok",
+           "ms_per_step": 482.04, "ms_min": 476.8, "ms_max": 494.4, "tokens_per_s": 16994.4, "mfu": 0.63912, "peak_mem_gib": 85.53,
+           "peak_reserved_gib": 87.32, "loss_last": 12.2111, "settings": "bf16 ckpt", "command": "python -m lightning_ft bench +bench=qwen3_moe",
+           "torch": "2.11.0"}
+    return {**row, **values}
+
+
+def test_results_table_round_trips_and_appends(tmp_path):
+    from lightning_ft.bench.table import COLUMN_NAMES, append_rows, read_rows
+
+    path = tmp_path / "sub" / "results.csv"
+    assert append_rows(path, [_table_row(), _table_row(system="hf_peft", mfu=None, tokens_per_s=4996.3)]) == 2
+    append_rows(path, [_table_row(table="", seq_len=1024, command="a, b \n c")])
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(COLUMN_NAMES) and len(lines) == 4  # one header, rows appended below it
+    rows = read_rows(path)
+    assert set(rows[0]) == set(COLUMN_NAMES)
+    assert (rows[0]["layers"], rows[0]["seq_len"], rows[0]["ms_per_step"], rows[0]["mfu"], rows[0]["unsloth"]) == (48, 8192, 482.04, 0.6391, None)
+    assert rows[1]["system"] == "hf_peft" and rows[1]["mfu"] is None and rows[1]["tokens_per_s"] == 4996.3
+    assert rows[2]["table"] is None and rows[2]["command"] == "a, b c"  # one line per row; a comma is quoted
+
+
+def test_results_table_refuses_other_columns_naming_them_and_the_file(tmp_path):
+    from lightning_ft.bench.table import TableError, append_rows, read_rows
+
+    path = tmp_path / "results.csv"
+    with pytest.raises(TableError, match=r"results.csv: row 0 .*unknown columns \['tokens'\]; missing columns \['seq_len'\]"):
+        append_rows(path, [{**{k: v for k, v in _table_row().items() if k != "seq_len"}, "tokens": 8192}])
+    assert not path.exists()  # nothing written
+    path.write_text("table,run,date,tokens\n")
+    with pytest.raises(TableError, match=r"results.csv: the header .*missing columns \['commit', .*unknown columns \['tokens'\]"):
+        append_rows(path, [_table_row()])
+    with pytest.raises(TableError, match=str(path)):
+        read_rows(path)
+    assert path.read_text() == "table,run,date,tokens\n"
+
+
+def test_bench_report_regenerates_results_md_deterministically(tmp_path):
+    from lightning_ft.bench.report import main
+    from lightning_ft.bench.table import append_rows
+
+    table = tmp_path / "results.csv"
+    old = {"run": "2026-12-01T10:00:00Z", "date": "2026-12-01 10:00", "commit": "aaaaaaa"}
+    append_rows(table, [
+        _table_row(system="hf_peft", seq_len=8192, ms_per_step=1700.0, tokens_per_s=4818.8, peak_mem_gib=80.0, **old),
+        _table_row(seq_len=8192, ms_per_step=500.0, tokens_per_s=16384.0, **old),
+        _table_row(system="hf_peft", ms_per_step=1639.6, tokens_per_s=4996.3, peak_mem_gib=79.59),
+        _table_row(),  # the latest lightning_ft row at 8K, with hf_peft in its run
+        _table_row(system="hf_peft", seq_len=65536, status="OOM", ms_per_step=None, tokens_per_s=None, peak_mem_gib=None),
+        _table_row(table="", seq_len=8192, ms_per_step=1.0, run="2026-12-05T00:00:00Z", date="2026-12-05 00:00"),  # history
+    ])
+    out = tmp_path / "docs" / "RESULTS.md"
+    assert main(["--table", str(table), "--out", str(out)]) == 0
+    text = out.read_text()
+    png = tmp_path / "docs" / "plots" / "qwen3_moe.png"
+    assert "## qwen3_moe" in text and "Reproduce: `python -m lightning_ft bench +bench=qwen3_moe`" in text
+    assert ("| 8192 | 48 | `lightning_ft` | 482.0 (476.8–494.4) | 16,994 | 3.40× | 63.9% | 85.53 / 87.32 | 1.07× | 12.2111 | "
+            "2026-12-03 (3af38d2) |") in text
+    assert "| 65536 | 48 | `hf_peft` | OOM |" in text and "| 1.0 " not in text and "2026-12-01" not in text
+    assert "![qwen3_moe](plots/qwen3_moe.png)" in text and png.stat().st_size > 0
+    assert "Session" not in text and "session" not in text
+    first = (text, png.read_bytes())
+    main(["--table", str(table), "--out", str(out)])
+    assert (out.read_text(), png.read_bytes()) == first  # same table, same files
+
+
+def test_bench_report_is_a_plain_command_listed_in_the_help():
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "bench", "report", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--table TABLE" in proc.stdout and "--out OUT" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "bench", "report", "--table", "no/such.csv"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "no results table at no/such.csv" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "--help"], capture_output=True, text=True, timeout=120)
+    assert "bench report" in proc.stdout
+
+
+def test_bench_appends_to_the_repository_table_only_on_cuda_from_a_checkout(tmp_path):
+    from lightning_ft.bench.runner import _table_target
+
+    assert _table_target(_compose_bench("+bench=tiny_cpu")) == (None, "")  # auto on the CPU: nowhere
+    assert _table_target(_compose_bench("+bench=tiny_cpu", f"results_table={tmp_path}/t.csv", "table=mine")) == (tmp_path / "t.csv", "mine")
+    assert _table_target(_compose_bench("+bench=qwen3_moe", "results_table=null"))[0] is None

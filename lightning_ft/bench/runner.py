@@ -1,5 +1,6 @@
 """Run a benchmark config: every (sequence length, system) pair in a fresh subprocess, alternating
-systems within each length, then write ``results.json``, ``results.md`` and ``results.png``.
+systems within each length, then write ``results.json``, ``results.md`` and ``results.png``, and
+append each row to the results table (``results_table``; `lightning_ft.bench.table`).
 
 The systems run one after another on the same device (never at the same time); each gets its
 own process so that allocator state, compiled kernels and monkey-patches (Liger patches
@@ -22,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from lightning_ft.bench import table as results_table
 from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
 from lightning_ft.callbacks.summary import allocator_settings, write_json_atomic
@@ -46,7 +48,7 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "versions": versions,
         # the CUDA allocator's settings every row starts with (the CLI's default, or the user's)
@@ -87,9 +89,12 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
     if cfg.num_layers:
         model_config["num_hidden_layers"] = cfg.num_layers
+    table_path, table_name = _table_target(cfg)
     peak = measured_peak_flops(cfg.device)
     env = {**environment(), "peak_bf16_tflops": peak / 1e12 if peak else None}
     log.info("bench: %s on %s, peak %s", cfg.name, env["device"], _peak_text(env["peak_bf16_tflops"], cfg.device))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    commit = results_table.git_commit() if table_path else None
     rows = []
     for seq_len in cfg.seq_lens:
         for system in cfg.systems:
@@ -114,8 +119,51 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
             log.info("bench row: %s", row_text(row))
             rows.append(row)
             _write(out_dir, env, _with_ratios(rows), cfg)
+            if table_path:
+                results_table.append_rows(table_path, results_table.table_rows(env, config, [row], table_name, commit))
     log.info("bench: results in %s (results.md, results.json, results.png)", out_dir)
+    if table_path:
+        where = f"table {table_name!r}" if table_name else "history only: set table=NAME to give them a RESULTS.md table"
+        log.info("bench: %d rows appended to %s (%s); `python -m lightning_ft bench report` regenerates RESULTS.md",
+                 len(rows), table_path, where)
     return _with_ratios(rows)
+
+
+#: overrides that leave a preset's measurement as it is (which lengths and systems, how many steps, where output goes)
+_SAME_MEASUREMENT = {"seq_lens", "systems", "warmup_steps", "timed_steps", "timeout_s", "out_dir", "name", "results_table",
+                     "table"}
+
+
+def _table_target(cfg: DictConfig) -> tuple[Path | None, str]:
+    """Where the rows go: (the results table's path or None, the RESULTS.md table they belong to).
+
+    ``results_table``: ``auto`` is the repository's ``benchmarks/results.csv`` for a run on CUDA from a git checkout
+    (`lightning_ft.bench.table.repository_table`), else nothing; ``null`` or ``false``: nothing; else a path.
+    ``table``: null is the preset's name (``+bench=NAME``) when the other overrides leave the preset's measurement as
+    it is (`_SAME_MEASUREMENT`), else empty (the rows are history, in no RESULTS.md table).
+    """
+    target = cfg.get("results_table", "auto")
+    if target in (None, False, "", "none", "false"):
+        path = None
+    elif target == "auto":
+        path = results_table.repository_table() if str(cfg.device).startswith("cuda") else None
+    else:
+        path = Path(str(target))
+    name = cfg.get("table")
+    if name is None:
+        name = ""
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            hydra_cfg = HydraConfig.get()
+        except ValueError:  # composed outside a Hydra run (tests)
+            hydra_cfg = None
+        if hydra_cfg is not None:
+            overrides = [o.lstrip("+~") for o in hydra_cfg.overrides.task]
+            preset = next((o.split("=", 1)[1] for o in overrides if o.startswith("bench=")), None)
+            if preset and all(o.split("=", 1)[0] in _SAME_MEASUREMENT | {"bench"} or o.startswith("hydra.") for o in overrides):
+                name = preset
+    return path, str(name)
 
 
 def _run_worker(spec: dict[str, Any], timeout_s: int) -> dict[str, Any]:

@@ -37,7 +37,8 @@ SYSTEMS = ("hf_peft", "liger", "unsloth", "lightning_ft")
 
 _LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3",
                   "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
-_UNSLOTH_CARRY_HINT = "; carry it to the GPU machine with ../shared/gpu/prepare-site.sh .gpu-site unsloth (benchmarks/README.md)"
+#: what a user does when a peer is not installed (pyproject.toml's `bench` extra holds liger-kernel, unsloth, unsloth_zoo)
+_INSTALL_HINT = '; install the peers with pip install -e ".[bench]" (needs a CUDA GPU for unsloth)'
 
 
 def _sync(device: str) -> None:
@@ -101,7 +102,10 @@ def _train(model: torch.nn.Module, spec: dict[str, Any], input_ids: torch.Tensor
 def hf_peft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int, liger: bool = False) -> tuple[list[float], float, dict]:
     """Run ``num_steps`` training steps of stock transformers + PEFT; returns (seconds per step, last loss, profile summary)."""
     if liger:
-        import liger_kernel.transformers as lk
+        try:
+            import liger_kernel.transformers as lk
+        except ModuleNotFoundError as err:
+            raise ImportError(f"liger-kernel not importable: {type(err).__name__}: {err}{_INSTALL_HINT}") from err
 
         getattr(lk, _LIGER_PATCHES[spec["model_config"]["model_type"]])()
     from lightning_ft.modules.finetune_module import add_lora
@@ -140,7 +144,7 @@ def import_unsloth() -> Any:
         from unsloth import FastLanguageModel
     except Exception as err:  # Unsloth raises NotImplementedError, RuntimeError, ... for an unusable machine
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:180]
-        hint = _UNSLOTH_CARRY_HINT if isinstance(err, ModuleNotFoundError) else ""
+        hint = _INSTALL_HINT if isinstance(err, ModuleNotFoundError) else ""
         raise ImportError(f"unsloth not importable: {reason}{hint}") from err
     return FastLanguageModel
 

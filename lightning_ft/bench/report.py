@@ -1,0 +1,234 @@
+"""``python -m lightning_ft bench report``: regenerate ``benchmarks/RESULTS.md`` and its plots from the results table.
+
+For each table (the ``table`` column, one per bench preset) the report shows the latest row of each
+(system, layers, seq_len): date order, and file order among rows of the same date. Each row's ratios
+(× ``hf_peft``, × ``unsloth``, memory) are against the peer's row of the same run and length; a
+peer that did not run in that run gives no ratio. The table's text is the leading comment of its
+preset (``configs/bench/<table>.yaml``); the plot (tokens/s and peak memory against the length)
+goes to ``<plots>/<table>.png``. The same table file gives the same RESULTS.md and PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from lightning_ft.bench.table import COLUMNS, read_rows
+
+#: the order of the sections (tables not listed follow, by name)
+TABLE_ORDER = ("qwen3_moe", "qwen3_moe_long", "unsloth_qwen3_moe", "llama8b", "unsloth_llama8b")
+SYSTEM_ORDER = ("hf_peft", "liger", "unsloth", "lightning_ft")
+#: the peers a row's speed and memory are compared with, where they ran
+PEERS = ("hf_peft", "unsloth")
+INTRO = """\
+Training-step benchmarks of `lightning_ft` against stock transformers + PEFT (`hf_peft`, the
+baseline of every ratio) and the peers Liger Kernel (`liger`) and Unsloth (`unsloth`): one sequence
+of random tokens, batch 1, random weights of the named shape, LoRA, the median of the timed steps.
+MFU counts the step's matmul and attention FLOPs (`lightning_ft/bench/flops.py`) against the bf16
+matmul rate measured at the start of the run. Peak memory is the device's peak allocated memory of
+the row (reserved: what the CUDA allocator held). Ratios are taken within one run on one machine:
+against the peer's row of the same run and length. Each row names its run's date and commit; a
+commit ending in `?` is the last commit before a run recorded before the table existed (its tree
+may have held uncommitted changes).
+
+This file is generated: `python -m lightning_ft bench report` rebuilds it and the plots from
+[results.csv](results.csv), to which every GPU bench run appends its rows (see [README.md](README.md))."""
+
+
+def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The latest row of each (system, layers, seq_len) of ``rows`` (one table's), by date and then file order;
+    sorted by length, then `SYSTEM_ORDER`."""
+    latest: dict[tuple, dict[str, Any]] = {}
+    for index, row in sorted(enumerate(rows), key=lambda item: (item[1]["date"], item[0])):
+        latest[(row["system"], row["layers"], row["seq_len"])] = row
+    rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    return sorted(latest.values(), key=lambda r: (r["layers"], r["seq_len"], rank.get(r["system"], len(rank)), r["system"]))
+
+
+def _peer(rows: list[dict[str, Any]], row: dict[str, Any], system: str) -> dict[str, Any] | None:
+    for other in rows:
+        if (other["run"], other["system"], other["layers"], other["seq_len"]) == (row["run"], system, row["layers"], row["seq_len"]) \
+                and other["status"] == "ok":
+            return other
+    return None
+
+
+def _ratio(value: float | None, base: float | None, invert: bool = False) -> str:
+    if not value or not base:
+        return "–"
+    return f"{(base / value if invert else value / base):.2f}×"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(shown: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """The markdown table of the ``shown`` rows, ratios against their peers' rows of the same run among ``rows``."""
+    peers = [p for p in PEERS if any(r["system"] == p for r in shown)]
+    head = ["tokens", "layers", "system", "ms/step (min–max)", "tokens/s", *[f"× {p}" for p in peers], "MFU",
+            "peak GiB allocated / reserved", *[f"memory × {p}" for p in peers], "loss", "run (commit)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("system", "run (commit)") else "---:" for h in head) + "|"]
+    other_run = False
+    for r in shown:
+        ok = r["status"] == "ok"
+        if ok:
+            spread = f" ({r['ms_min']:.1f}–{r['ms_max']:.1f})" if r["ms_min"] is not None and r["ms_max"] is not None else ""
+            ms = f"{r['ms_per_step']:.1f}{spread}"
+            memory = " / ".join(_num(r[k], ".2f") for k in ("peak_mem_gib", "peak_reserved_gib")) if r["peak_mem_gib"] is not None else "–"
+        else:
+            ms, memory = r["status"], "–"
+        speed, mem = [], []
+        for p in peers:
+            base = _peer(rows, r, p) if ok else None
+            mark = "†" if base is not None and not any(base is s for s in shown) else ""  # the peer's shown row is another run's
+            speed.append(_ratio(r["tokens_per_s"], base and base["tokens_per_s"]) + mark)
+            mem.append(_ratio(r["peak_mem_gib"], base and base["peak_mem_gib"]) + mark)
+            other_run = other_run or bool(mark)
+        cells = [str(r["seq_len"]), str(r["layers"]), f"`{r['system']}`", ms, _num(r["tokens_per_s"] if ok else None, ",.0f"),
+                 *speed, _num(r["mfu"] if ok and r["mfu"] is not None else None, ".1%"), memory, *mem,
+                 _num(r["loss_last"] if ok else None, ".4f"), f"{r['date'][:10]} ({r['commit']})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if other_run:
+        lines += ["", "† against the peer's row of this row's own run; the peer's row shown is from a later run."]
+    return "\n".join(lines)
+
+
+def plot(shown: list[dict[str, Any]], path: Path, title: str) -> None:
+    """tokens/s and peak allocated memory against the sequence length, one line per system (the rows that ran)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
+    for system in dict.fromkeys(r["system"] for r in shown):
+        ok = sorted((r for r in shown if r["system"] == system and r["status"] == "ok"), key=lambda r: r["seq_len"])
+        if not ok:
+            continue
+        seqs = [r["seq_len"] for r in ok]
+        style = {"marker": "o", "label": system, "color": f"C{SYSTEM_ORDER.index(system) if system in SYSTEM_ORDER else len(SYSTEM_ORDER)}"}
+        axes[0].plot(seqs, [r["tokens_per_s"] for r in ok], **style)
+        with_mem = [r for r in ok if r["peak_mem_gib"] is not None]
+        if with_mem:
+            axes[1].plot([r["seq_len"] for r in with_mem], [r["peak_mem_gib"] for r in with_mem], **style)
+    lengths = sorted({r["seq_len"] for r in shown})
+    for ax, ylabel in zip(axes, ("tokens/s", "peak allocated memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata={"Software": None})  # no version stamp: the same rows give the same bytes
+    plt.close(fig)
+
+
+def preset_text(table: str) -> str | None:
+    """The leading comment of ``configs/bench/<table>.yaml`` as one paragraph (None for a table without a preset)."""
+    from lightning_ft.config import config_dir
+
+    path = Path(config_dir()) / "bench" / f"{table}.yaml"
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    end = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    comment = [line.lstrip("#").strip() for line in lines[:end] if not line.startswith("# @package")]
+    return " ".join(line for line in comment if line)
+
+
+def _versions(rows: list[dict[str, Any]]) -> list[str]:
+    names = [name for name, _, meaning in COLUMNS if meaning.startswith("version")]
+    found = []
+    for r in rows:
+        text = f"{r['gpu']}: " + ", ".join(f"{name.replace('_', '-')} {r[name]}" for name in names if r[name])
+        if text not in found:
+            found.append(text)
+    return found
+
+
+def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path) -> str:
+    """RESULTS.md's text for the table's ``rows``; writes one plot per table into ``plots_dir``."""
+    by_table: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["table"]:
+            by_table[r["table"]].append(r)
+    order = [t for t in TABLE_ORDER if t in by_table] + sorted(t for t in by_table if t not in TABLE_ORDER)
+    shown = {t: latest_rows(by_table[t]) for t in order}
+    every = [r for t in order for r in shown[t]]
+    parts = ["# Results", "", INTRO, ""]
+    if every:
+        parts += ["Machines and versions of the rows below:", ""] + [f"- {v}" for v in _versions(every)] + [""]
+    history = len(rows) - len(every)
+    parts += [f"[results.csv](results.csv) holds {len(rows)} rows of {len({r['run'] for r in rows})} runs; "
+              f"{history} older or unassigned rows are not shown here.", ""]
+    parts += ["Tables: " + ", ".join(f"[{t}](#{t})" for t in order), ""] if order else []
+    for table in order:
+        table_rows = shown[table]
+        models = ", ".join(dict.fromkeys(f"{r['model']} ({r['layers']} layers)" for r in table_rows))
+        text = preset_text(table)
+        parts += [f"## {table}", "", f"{models}. {text or ''}".rstrip(), ""]
+        if text is not None:
+            parts += [f"Reproduce: `python -m lightning_ft bench +bench={table}`", ""]
+        parts += [markdown_table(table_rows, by_table[table]), ""]
+        settings = {}
+        for r in table_rows:
+            settings.setdefault(r["system"], [])
+            if r["settings"] and r["settings"] not in settings[r["system"]]:
+                settings[r["system"]].append(r["settings"])
+        parts += ["Settings: " + "; ".join(f"`{s}` {' | '.join(f'`{v}`' for v in values)}" for s, values in settings.items() if values), ""]
+        commands = list(dict.fromkeys((r["command"], r["date"][:10], r["commit"]) for r in table_rows if r["command"]))
+        if commands:
+            parts += ["Measured with:", ""] + [f"- `{c}` ({d}, {commit})" for c, d, commit in commands] + [""]
+        png = plots_dir / f"{table}.png"
+        plot(table_rows, png, f"{table}: {models}")
+        rel = Path(_relpath(png, out.parent))
+        parts += [f"![{table}]({rel.as_posix()})", ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _relpath(path: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(path.resolve(), start.resolve())
+
+
+def parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="python -m lightning_ft bench report",
+        description="Regenerate RESULTS.md and its plots from the bench results table (benchmarks/results.csv): one "
+                    "section per table (bench preset) with the latest row of each (system, layers, seq_len), the ratios "
+                    "against the peers of the same run, the settings, the commands that measured them and a plot.",
+    )
+
+
+def main(argv: list[str]) -> int:
+    """``bench report`` with its arguments; returns the exit status (errors print one line)."""
+    p = parser()
+    p.add_argument("--table", default="benchmarks/results.csv", help="the results table (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/RESULTS.md", help="the markdown file written (default: %(default)s)")
+    p.add_argument("--plots", default=None, help="folder of the PNG plots (default: plots/ beside --out)")
+    args = p.parse_args(argv)
+    table, out = Path(args.table), Path(args.out)
+    if not table.exists():
+        p.error(f"no results table at {table}: run `python -m lightning_ft bench +bench=PRESET` on a GPU from a git "
+                "checkout (it appends there), or pass --table")
+    from lightning_ft.bench.table import TableError
+
+    try:
+        rows = read_rows(table)
+    except TableError as err:
+        p.error(str(err))
+    plots = Path(args.plots) if args.plots else out.parent / "plots"
+    text = render(rows, plots, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out} and {len({r['table'] for r in rows if r['table']})} plots in {plots}")
+    return 0

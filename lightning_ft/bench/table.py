@@ -1,0 +1,270 @@
+"""The results table: one CSV row per measured (system, shape, sequence length) of a bench run.
+
+``python -m lightning_ft bench`` appends its rows here (`append_rows`) and ``python -m lightning_ft
+bench report`` regenerates ``benchmarks/RESULTS.md`` and its plots from it (`lightning_ft.bench.report`).
+Rows are only ever appended; the report picks the latest row of each (system, layers, seq_len) of a
+table.
+
+The schema lives here and nowhere else: `COLUMNS` (name, type, meaning). `SCHEMA_VERSION` goes up
+whenever `COLUMNS` changes; a file whose header differs from `COLUMNS` is refused by `read_rows` and
+`append_rows` with the missing and unknown column names.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA_VERSION = 1
+
+#: (column, type, meaning); floats are written with the digits in `_DIGITS`, an unknown value as an empty cell
+COLUMNS: tuple[tuple[str, type, str], ...] = (
+    ("table", str, "the RESULTS.md table the row belongs to (a preset's name); empty: kept as history only"),
+    ("run", str, "the run's id (its UTC start time); rows of one run share it, ratios are taken within a run"),
+    ("date", str, "the run's UTC start, YYYY-MM-DD HH:MM"),
+    ("commit", str, "git commit of the code measured (`-dirty`: with uncommitted changes; `?`: the last commit before the "
+                    "run's date, the tree possibly changed since; unknown outside git)"),
+    ("gpu", str, "the device's name (the CPU's on a CPU run)"),
+    ("system", str, "hf_peft | liger | unsloth | lightning_ft"),
+    ("model", str, "the shape's name (the model config option, e.g. qwen3_moe_30b_a3b)"),
+    ("layers", int, "decoder layers built"),
+    ("seq_len", int, "tokens in the step (one sequence, batch 1)"),
+    ("status", str, "ok, OOM, or why the row did not run"),
+    ("ms_per_step", float, "median step time of the timed steps (ms)"),
+    ("ms_min", float, "fastest timed step (ms)"),
+    ("ms_max", float, "slowest timed step (ms)"),
+    ("ms_first_step", float, "the first step (compilation, autotuning; not in the median) (ms)"),
+    ("tokens_per_s", float, "seq_len / median step time"),
+    ("tflops_per_s", float, "counted FLOPs / median step time (lightning_ft/bench/flops.py) (TFLOP/s)"),
+    ("mfu", float, "tflops_per_s / the bf16 matmul peak measured at the start of the run (fraction)"),
+    ("peak_mem_gib", float, "peak allocated device memory of the row (GiB)"),
+    ("peak_reserved_gib", float, "peak memory the CUDA allocator held (allocated + cached) (GiB)"),
+    ("loss_last", float, "loss of the last step"),
+    ("warmup_steps", int, "steps before the timed ones"),
+    ("timed_steps", int, "steps timed"),
+    ("settings", str, "what the system measured ran with: dtype, checkpointing, LoRA, and for lightning_ft kernels, MoE and model options"),
+    ("command", str, "the bench command line of the run (output folders left out)"),
+    ("peak_bf16_tflops", float, "the bf16 matmul peak measured at the start of the run (TFLOP/s)"),
+    ("torch", str, "version"),
+    ("triton", str, "version"),
+    ("transformers", str, "version"),
+    ("peft", str, "version"),
+    ("lightning", str, "version"),
+    ("liger_kernel", str, "version of the peer liger-kernel, if installed"),
+    ("unsloth", str, "version of the peer unsloth, if installed"),
+    ("unsloth_zoo", str, "version of unsloth-zoo, if installed"),
+)
+COLUMN_NAMES = tuple(name for name, _, _ in COLUMNS)
+#: the columns every appended row must have
+REQUIRED = ("run", "date", "commit", "gpu", "system", "model", "layers", "seq_len", "status")
+#: the distributions whose versions are recorded, and their columns
+VERSIONED = {"torch": "torch", "triton": "triton", "transformers": "transformers", "peft": "peft", "lightning": "lightning",
+             "liger-kernel": "liger_kernel", "unsloth": "unsloth", "unsloth-zoo": "unsloth_zoo"}
+_TYPES = {name: kind for name, kind, _ in COLUMNS}
+#: decimals written per float column (rounded so that the file reads and diffs well)
+_DIGITS = {"mfu": 4, "loss_last": 4, "tokens_per_s": 1, "tflops_per_s": 2, "peak_bf16_tflops": 1}
+
+
+class TableError(ValueError):
+    """A table file or a row that does not match `COLUMNS`."""
+
+
+def _check_header(header: list[str], path: Path) -> None:
+    if tuple(header) == COLUMN_NAMES:
+        return
+    missing = [c for c in COLUMN_NAMES if c not in header]
+    unknown = [c for c in header if c not in COLUMN_NAMES]
+    what = "; ".join(part for part in (f"missing columns {missing}" if missing else "",
+                                       f"unknown columns {unknown}" if unknown else "") if part) or "the columns in another order"
+    raise TableError(f"{path}: the header does not match the results table's schema (version {SCHEMA_VERSION}): {what}; "
+                     f"the columns are defined in lightning_ft/bench/table.py (COLUMNS)")
+
+
+def _cell(name: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    kind = _TYPES[name]
+    if kind is float:
+        return f"{float(value):.{_DIGITS.get(name, 3)}f}"
+    if kind is int:
+        return str(int(value))
+    return " ".join(str(value).split())  # one line per row
+
+
+def _parse(name: str, text: str) -> Any:
+    if text == "":
+        return None
+    kind = _TYPES[name]
+    return kind(float(text)) if kind is int else kind(text)
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The table's rows in file order, values typed per `COLUMNS` (None for an empty cell).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        TableError: the header differs from `COLUMNS` (the message names the missing and unknown columns).
+    """
+    path = Path(path)
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            return []
+        _check_header(header, path)
+        return [{name: _parse(name, cell) for name, cell in zip(COLUMN_NAMES, line)} for line in reader if line]
+
+
+def append_rows(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Append ``rows`` to the table at ``path`` (created with its header if absent); returns how many.
+
+    Each row is a dict keyed by column names; a column left out is written empty.
+
+    Raises:
+        TableError: a row with a key that is not a column or without one of `REQUIRED`, or an existing file
+            whose header differs from `COLUMNS`; nothing is written then. The message names the column and the file.
+    """
+    path = Path(path)
+    rows = list(rows)
+    for i, row in enumerate(rows):
+        unknown = [k for k in row if k not in _TYPES]
+        missing = [k for k in REQUIRED if row.get(k) in (None, "")]
+        if unknown or missing:
+            what = "; ".join(p for p in (f"unknown columns {unknown}" if unknown else "",
+                                         f"missing columns {missing}" if missing else "") if p)
+            raise TableError(f"{path}: row {i} does not match the results table's schema (version {SCHEMA_VERSION}): {what}; "
+                             f"the columns are defined in lightning_ft/bench/table.py (COLUMNS)")
+    exists = path.exists() and path.stat().st_size > 0
+    if exists:
+        with path.open(newline="") as f:
+            _check_header(next(csv.reader(f), []), path)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        if not exists:
+            writer.writerow(COLUMN_NAMES)
+        writer.writerows([_cell(name, row.get(name)) for name in COLUMN_NAMES] for row in rows)
+    return len(rows)
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    """``git rev-parse --short HEAD`` of the checkout holding ``cwd`` (default: this package), with ``-dirty`` when
+    tracked files have uncommitted changes; ``unknown`` outside a git checkout or without git."""
+    cwd = Path(cwd) if cwd else Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=30)
+        if commit.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
+                               text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def repository_table() -> Path | None:
+    """The repository's ``benchmarks/results.csv`` when this package runs from a git checkout of the repository
+    (a source tree with ``benchmarks/`` beside the package and a commit), else None (an installed package)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks").is_dir() or git_commit(root) == "unknown":
+        return None
+    return root / "benchmarks" / "results.csv"
+
+
+def versions() -> dict[str, str | None]:
+    """The installed versions of `VERSIONED`, by column (None where not installed)."""
+    out = {}
+    for dist, column in VERSIONED.items():
+        try:
+            out[column] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[column] = None
+    return out
+
+
+def settings_text(config: dict[str, Any], system: str) -> str:
+    """What ``system`` ran with, in one compact line from a bench config (``results.json``'s ``config``), e.g.
+    ``bf16 ckpt lora=r16a32:q,k,v,o+experts kernels=rms_norm,rope,swiglu,lora,flce moe=auto graphs=keep:attn,proj``.
+
+    Every system: dtype, gradient checkpointing, LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
+    MoE backend (MoE shapes), attention, CUDA graphs and what they keep, activation offload. A key the config lacks
+    is left out (older configs had fewer)."""
+    parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
+    if config.get("gradient_checkpointing"):
+        parts.append("ckpt")
+    lora = config.get("lora") or {}
+    if lora.get("enabled", True):
+        targets = lora.get("target_modules") or []
+        targets = [targets] if isinstance(targets, str) else [t.removesuffix("_proj") for t in targets]
+        if lora.get("target_parameters"):
+            targets.append("experts")
+        parts.append(f"lora=r{lora.get('rank')}a{lora.get('alpha')}:{','.join(targets)}")
+    else:
+        parts.append("full")
+    if system != "lightning_ft":
+        return " ".join(parts)
+    kernels = config.get("kernels") or {}
+    short = {"fused_linear_cross_entropy": "flce"}
+    parts.append("kernels=" + (",".join(short.get(k, k) for k, on in kernels.items() if on) or "none"))
+    model_cfg = (config.get("model") or {}).get("config") or {}
+    moe = config.get("moe") or {}
+    if model_cfg.get("num_experts") and moe:
+        parts.append(f"moe={moe.get('backend')}" + ("" if moe.get("lora_slots", True) else ",no_slots"))
+    model = config.get("model") or {}
+    if model.get("attention") not in (None, "auto"):
+        parts.append(f"attn={model['attention']}")
+    if "cuda_graphs" in model:
+        if not model["cuda_graphs"]:
+            parts.append("eager")
+        elif "cuda_graphs_keep_attention" not in model:  # before the graphs kept anything
+            parts.append("graphs")
+        else:
+            keep = [name for key, name in (("cuda_graphs_keep_attention", "attn"), ("cuda_graphs_keep_projections", "proj"))
+                    if model.get(key)]
+            limit = model.get("cuda_graphs_keep_max_gib")
+            parts.append(f"graphs=keep:{','.join(keep) or 'none'}" + (f"<={limit}GiB" if limit else ""))
+    if model.get("activation_offload"):
+        parts.append("offload")
+    return " ".join(parts)
+
+
+#: command-line items left out of the recorded command: where the output went, not what was measured
+_OUTPUT_KEYS = ("hydra.run.dir=", "out_dir=", "results_table=", "timeout_s=")
+
+
+def command_text(command: str) -> str:
+    """The bench command line without the items that only say where output goes (`_OUTPUT_KEYS`)."""
+    return " ".join(item for item in command.split() if not item.lstrip("+").startswith(_OUTPUT_KEYS))
+
+
+def preset_of(command: str) -> str | None:
+    """The ``+bench=PRESET`` of a bench command line, else None."""
+    for item in command.split():
+        if item.startswith("+bench="):
+            return item.split("=", 1)[1]
+    return None
+
+
+def table_rows(env: dict[str, Any], config: dict[str, Any], rows: list[dict[str, Any]], table: str, commit: str,
+               run: str | None = None) -> list[dict[str, Any]]:
+    """The table's rows for a run's ``results.json`` parts: its ``environment``, ``config`` and result ``rows``."""
+    versions_by_dist = env.get("versions") or {}
+    common = {
+        "table": table,
+        "run": run or env["date"].removesuffix(" UTC").replace(" ", "T") + "Z",
+        "date": env["date"].removesuffix(" UTC")[:16],
+        "commit": commit,
+        "gpu": env.get("device"),
+        "command": command_text(env.get("command", "")),
+        "peak_bf16_tflops": env.get("peak_bf16_tflops"),
+        "warmup_steps": config.get("warmup_steps"),
+        "timed_steps": config.get("timed_steps"),
+        **{column: versions_by_dist.get(dist) for dist, column in VERSIONED.items()},
+    }
+    return [{**common, **{k: row.get(k) for k in COLUMN_NAMES if k in row},
+             "settings": settings_text(config, row["system"])} for row in rows]
