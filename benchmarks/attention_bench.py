@@ -13,7 +13,7 @@ two ``torch.cuda.synchronize()``. Shapes:
 
 on one packed row of 2048 and of 8192 tokens, filled with whole documents in data order. Document
 lengths are GSM8K's (question + answer, tokenized with the project's builtin tokenizer) when
-``--data`` exists (default ../shared/data/gsm8k_train.jsonl), else drawn uniformly from 100..400.
+``--data`` names a GSM8K-style jsonl file (``question``, ``answer``), else drawn uniformly from 100..400.
 
 (a) cache: each backend with its attention metadata built once per batch (the cache is cleared once
     before each step, as a new batch would have it) vs rebuilt in every layer (cleared before each
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
-    parser.add_argument("--data", default="../shared/data/gsm8k_train.jsonl", help="GSM8K jsonl for document lengths")
+    parser.add_argument("--data", default="", help="GSM8K-style jsonl for document lengths (default: sampled 100..400)")
     parser.add_argument(
         "--backends", help="comma-separated packed attention backends (default varlen,sdpa,flex; varlen,sdpa with --cuda-graphs)"
     )

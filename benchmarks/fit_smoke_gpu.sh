@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the GPU machine for a few steps, as a user would type it, with random weights:
-#   PYTHONPATH=$PWD:$PWD/.gpu-site bash benchmarks/fit_smoke_gpu.sh OUT_DIR [EXPERIMENT] [overrides...]
+#   bash benchmarks/fit_smoke_gpu.sh OUT_DIR [EXPERIMENT] [overrides...]
 # Writes OUT_DIR/<experiment>.summary.json and the loss curve (the run folder stays in /tmp: the
 # adapter and checkpoint of the 30B shape are gigabytes).
 set -euo pipefail

@@ -1,8 +1,8 @@
 """Host work of one training step, counted on the CPU: Python function calls and aten ops per step.
 
-On the H200 our short-row steps wait on the host, not the GPU (benchmarks/RESULTS.md, "Where the
-time goes": GPU busy 31 of 232 ms per step at 1K tokens). Python calls and dispatched aten ops per
-step are what the host spends that time on, and unlike wall time they are counted exactly and do
+Short-row steps can wait on the host rather than the GPU (``python -m lightning_ft bench ...
+profile=true`` reports the device-busy time per step beside the step time). Python calls and
+dispatched aten ops per step are what the host spends that time on, and unlike wall time they are counted exactly and do
 not depend on the machine, so a change to the hot path can be checked here before GPU time is
 spent on it. The model is a tiny random one of the chosen architecture (the per-layer host work
 does not depend on the hidden size) in bf16 under bf16 autocast with fp32 LoRA weights, gradient

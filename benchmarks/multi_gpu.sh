@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Scaling of the main job over the GPUs of one host, through `python -m lightning_ft fit`:
-#   PYTHONPATH=$PWD:$PWD/.gpu-site bash benchmarks/multi_gpu.sh OUT_DIR EXPERIMENT STRATEGY [STEPS] [overrides...]
+#   bash benchmarks/multi_gpu.sh OUT_DIR EXPERIMENT STRATEGY [STEPS] [overrides...]
 #   e.g. bash benchmarks/multi_gpu.sh out llama3_8b ddp 20
 #        bash benchmarks/multi_gpu.sh out qwen3_moe fsdp2 12
 # N = every GPU the machine has. Three runs of STEPS optimizer steps: N GPUs (one micro-batch per rank
@@ -8,7 +8,7 @@
 # tokens/s per GPU on N GPUs over tokens/s on 1); 1 GPU accumulating N micro-batches (the same global
 # batch: its losses must match the N-GPU run's). Writes OUT_DIR/<experiment>_<strategy>.json with, per
 # run, tokens/s over all ranks and per GPU, rank 0's peak memory (in training and while building and
-# sharding the model) and the per-step losses. NVLink multicast stays off (the lending machines' rule).
+# sharding the model) and the per-step losses. NVLink multicast is kept off (the NCCL/NVSHMEM variables below).
 set -euo pipefail
 usage="usage: multi_gpu.sh OUT_DIR EXPERIMENT STRATEGY [STEPS] [overrides...]  (EXPERIMENT: a configs/experiment name, STRATEGY: ddp or fsdp2, STEPS: optimizer steps, at least 2; default 8)"
 (( $# >= 3 )) || { echo "$usage" >&2; exit 2; }
