@@ -1,2 +1,0 @@
-# Session 18, call 3 (the committed code, right after call 2): Unsloth and ours at 12 layers 8K in one run.
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1; ROOT=$PWD; PYTHONPATH=$ROOT:$ROOT/.gpu-site timeout 330 python -m lightning_ft bench +bench=unsloth_qwen3_moe systems=[unsloth,lightning_ft] seq_lens=[8192] warmup_steps=2 timed_steps=5 out_dir=/tmp/b_u > /tmp/u.log 2>&1; python scratch/rows.py /tmp/b_u/results.json; cp /tmp/b_u/results.json $OUT/unsloth_12l_8k.json; grep -i "error\|bench row" /tmp/u.log | cut -c1-250 | tail -n 6

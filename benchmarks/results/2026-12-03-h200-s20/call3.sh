@@ -1,2 +1,0 @@
-# Session 20, call 3 (one command): the full Qwen3-30B-A3B shape, 48 layers, 8K tokens, final code (dba06fd).
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1; PYTHONPATH=$PWD:$PWD/.gpu-site timeout 400 python -m lightning_ft bench +bench=qwen3_moe systems=[lightning_ft] seq_lens=[8192] warmup_steps=2 timed_steps=3 out_dir=/tmp/b48 > $OUT/q48_8k_log.txt 2>&1; python scratch/rows.py /tmp/b48/results.json | tee $OUT/call3.txt; cp /tmp/b48/results.json $OUT/q48_8192.json
