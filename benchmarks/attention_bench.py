@@ -328,6 +328,7 @@ def _table(rows: list[Row], auto: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--record", help="also append the rows to this micro-benchmark table (benchmarks/micro.csv; not with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
     parser.add_argument("--data", default="", help="GSM8K-style jsonl for document lengths (default: sampled 100..400)")
     parser.add_argument(
@@ -371,6 +372,10 @@ def main(argv: list[str] | None = None) -> None:
         "table": table,
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.record:  # the micro-benchmarks' results table (lightning_ft/bench/table.py, MICRO)
+        from lightning_ft.bench.table import MICRO, append_rows, git_commit, micro_rows
+
+        append_rows(args.record, micro_rows("attention", result, git_commit()), MICRO)
 
 
 if __name__ == "__main__":

@@ -371,6 +371,7 @@ def _markdown(rows: list[Row], copy_gbps: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--record", help="also append the rows to this micro-benchmark table (benchmarks/micro.csv; not with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--only", help=f"comma-separated ops to run, of: {', '.join(OPS)} (default: all)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of each timed step")
@@ -416,6 +417,10 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {args.out}")
+    if args.record:  # the micro-benchmarks' results table (lightning_ft/bench/table.py, MICRO)
+        from lightning_ft.bench.table import MICRO, append_rows, git_commit, micro_rows
+
+        append_rows(args.record, micro_rows("kernels", result, git_commit()), MICRO)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--record", help="also append the rows to this micro-benchmark table (benchmarks/micro.csv; not with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU")
     parser.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], help="e.g. 4096,65536")
     args = parser.parse_args()
@@ -222,6 +223,10 @@ def main() -> None:
     print(markdown(results))
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
+    if args.record:  # the micro-benchmarks' results table (lightning_ft/bench/table.py, MICRO)
+        from lightning_ft.bench.table import MICRO, append_rows, git_commit, micro_rows
+
+        append_rows(args.record, micro_rows("moe", results, git_commit()), MICRO)
 
 
 if __name__ == "__main__":

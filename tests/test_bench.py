@@ -343,3 +343,34 @@ def test_bench_appends_to_the_repository_table_only_on_cuda_from_a_checkout(tmp_
     assert _table_target(_compose_bench("+bench=tiny_cpu")) == (None, "")  # auto on the CPU: nowhere
     assert _table_target(_compose_bench("+bench=tiny_cpu", f"results_table={tmp_path}/t.csv", "table=mine")) == (tmp_path / "t.csv", "mine")
     assert _table_target(_compose_bench("+bench=qwen3_moe", "results_table=null"))[0] is None
+
+
+def test_micro_benchmark_results_become_rows_of_their_own_table_and_a_report_section(tmp_path):
+    from lightning_ft.bench.report import main
+    from lightning_ft.bench.table import MICRO, append_rows, micro_rows, read_rows
+
+    common = {"date": "2026-11-29 12:53:53", "device": "NVIDIA H200", "smoke": False, "versions": {"torch": "2.11.0", "liger_kernel": "0.8.5"}}
+    kernels = {**common, "rows": [
+        {"op": "rms_norm", "impl": impl, "mode": "fwd", "shape": "16384x4096 bf16", "ms": ms, "gbps": gbps, "tflops": None, "peak_mib": None}
+        for impl, ms, gbps in (("ours", 0.043, 6241.5), ("reference", 0.446, 601.0))]}
+    moe = {**common, "dtype": "bfloat16", "shape": {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+                                                  "num_experts_per_tok": 8, "lora_rank": 16},
+           "rows": [{"tokens": 1024, "impl": "hf_peft", "fwd_ms": 3.97, "fwd_bwd_ms": 6.29, "peak_mib": 1664.8}]}
+    attention = {**common, "command": "python benchmarks/attention_bench.py --cuda-graphs --out /x/a.json", "documents": "sampled",
+                 "rows": [{"section": "cache", "model": "qwen3_0_6b", "tokens": 2041, "docs": 6, "backend": "varlen", "variant": "cached",
+                           "ms": 98.3, "tokens_per_s": 20753.3, "peak_gib": 7.0, "skipped": None}]}
+    assert micro_rows("kernels", {**kernels, "smoke": True}, "abc1234") == []  # a CPU check measures nothing
+    rows = micro_rows("kernels", kernels, "abc1234") + micro_rows("moe", moe, "abc1234") + micro_rows("attention", attention, "abc1234")
+    path = tmp_path / "micro.csv"
+    append_rows(path, rows, MICRO)
+    back = read_rows(path, MICRO)
+    assert [(r["table"], r["op"], r["mode"], r["provider"]) for r in back] == [
+        ("kernels", "rms_norm", "fwd", "ours"), ("kernels", "rms_norm", "fwd", "reference"), ("moe", "moe_block", "fwd", "hf_peft"),
+        ("moe", "moe_block", "fwd+bwd", "hf_peft"), ("attention", "attention_cache", "fwd+bwd cuda_graphs", "varlen:cached")]
+    assert back[2]["shape"] == "T=1024 H=2048 I=768 E=128 k=8 r=16 bfloat16" and back[3]["peak_mib"] == 1664.8
+    assert back[4]["command"] == "python benchmarks/attention_bench.py --cuda-graphs" and back[4]["peak_mib"] == 7168.0
+    append_rows(tmp_path / "results.csv", [_table_row()])
+    main(["--table", str(tmp_path / "results.csv"), "--out", str(tmp_path / "RESULTS.md")])  # micro.csv beside the table
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "## kernels" in text and "| rms_norm | fwd | 16384x4096 bf16 | `ours` | 0.043 | 10.37× | 6,242 | 2026-11-29 (abc1234) |" in text
+    assert "## moe" in text and "## attention" in text

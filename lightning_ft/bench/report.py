@@ -1,11 +1,13 @@
-"""``python -m lightning_ft bench report``: regenerate ``benchmarks/RESULTS.md`` and its plots from the results table.
+"""``python -m lightning_ft bench report``: regenerate ``benchmarks/RESULTS.md`` and its plots from the results tables.
 
 For each table (the ``table`` column, one per bench preset) the report shows the latest row of each
 (system, layers, seq_len): date order, and file order among rows of the same date. Each row's ratios
 (× ``hf_peft``, × ``unsloth``, memory) are against the peer's row of the same run and length; a
 peer that did not run in that run gives no ratio. The table's text is the leading comment of its
 preset (``configs/bench/<table>.yaml``); the plot (tokens/s and peak memory against the length)
-goes to ``<plots>/<table>.png``. The same table file gives the same RESULTS.md and PNGs.
+goes to ``<plots>/<table>.png``. The micro-benchmarks' table (``micro.csv``) follows, one section per
+script with the latest row of each (op, mode, shape, provider). The same table files give the same
+RESULTS.md and PNGs.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lightning_ft.bench.table import COLUMNS, read_rows
+from lightning_ft.bench.table import COLUMNS, MICRO, MICRO_COMMANDS, read_rows
 
 #: the order of the sections (tables not listed follow, by name)
 TABLE_ORDER = ("qwen3_moe", "qwen3_moe_long", "unsloth_qwen3_moe", "llama8b", "unsloth_llama8b")
 SYSTEM_ORDER = ("hf_peft", "liger", "unsloth", "lightning_ft")
 #: the peers a row's speed and memory are compared with, where they ran
 PEERS = ("hf_peft", "unsloth")
+#: the micro-benchmark sections, their titles and the provider each row's time is compared with (same run, op, mode, shape)
+MICRO_SECTIONS = {"kernels": ("Fused kernels", "reference"), "moe": ("One MoE block", "hf_peft"),
+                  "attention": ("Packed attention", None)}
 INTRO = """\
 Training-step benchmarks of `lightning_ft` against stock transformers + PEFT (`hf_peft`, the
 baseline of every ratio) and the peers Liger Kernel (`liger`) and Unsloth (`unsloth`): one sequence
@@ -154,7 +159,46 @@ def _versions(rows: list[dict[str, Any]]) -> list[str]:
     return found
 
 
-def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path) -> str:
+def micro_sections(rows: list[dict[str, Any]]) -> list[str]:
+    """The micro-benchmarks' sections: per script the latest row of each (op, mode, shape, provider), in first-seen
+    order, with the time against the reference provider's row of the same run."""
+    parts = []
+    for bench, (title, reference) in MICRO_SECTIONS.items():
+        mine = [r for r in rows if r["table"] == bench]
+        if not mine:
+            continue
+        latest: dict[tuple, dict[str, Any]] = {}
+        first_seen: dict[tuple, int] = {}
+        for index, row in sorted(enumerate(mine), key=lambda item: (item[1]["date"], item[0])):
+            key = (row["op"], row["mode"], row["shape"], row["provider"])
+            latest[key] = row
+            first_seen.setdefault(key[:3], index)
+        shown = sorted(latest.values(), key=lambda r: (first_seen[(r["op"], r["mode"], r["shape"])], r["provider"]))
+        optional = [(k, h, spec) for k, h, spec in (("gbps", "GB/s", ",.0f"), ("tflops", "TFLOP/s", ".1f"),
+                                                     ("tokens_per_s", "tokens/s", ",.0f"), ("peak_mib", "peak MiB", ",.0f"))
+                    if any(r[k] is not None for r in shown)]
+        head = ["op", "mode", "shape", "provider", "ms", *([f"× {reference}"] if reference else []), *[h for _, h, _ in optional],
+                "run (commit)"]
+        lines = ["| " + " | ".join(head) + " |",
+                 "|" + "|".join("---:" if h == "ms" or "×" in h or h in [o[1] for o in optional] else "---" for h in head) + "|"]
+        for r in shown:
+            cells = [r["op"], r["mode"], r["shape"], f"`{r['provider']}`", f"{r['ms']:.3f}"]
+            if reference:
+                base = next((o for o in mine if (o["run"], o["op"], o["mode"], o["shape"], o["provider"])
+                             == (r["run"], r["op"], r["mode"], r["shape"], reference)), None)
+                cells.append(_ratio(base["ms"], r["ms"]) if base else "–")
+            cells += [_num(r[k], spec) for k, _, spec in optional]
+            cells.append(f"{r['date'][:10]} ({r['commit']})")
+            lines.append("| " + " | ".join(cells) + " |")
+        commands = list(dict.fromkeys((r["command"], r["date"][:10], r["commit"]) for r in shown))
+        ratio = f" × {reference}: the {reference} row's time over this row's, same run." if reference else ""
+        parts += [f"## {bench}", "", f"{title}.{ratio}", "",
+                  f"Reproduce: `{MICRO_COMMANDS[bench]} --out {bench}.json --record benchmarks/micro.csv`", "", *lines, "",
+                  "Measured with:", "", *[f"- `{c}` ({d}, {commit})" for c, d, commit in commands], ""]
+    return parts
+
+
+def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[dict[str, Any]] | None = None) -> str:
     """RESULTS.md's text for the table's ``rows``; writes one plot per table into ``plots_dir``."""
     by_table: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -169,7 +213,9 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path) -> str:
     history = len(rows) - len(every)
     parts += [f"[results.csv](results.csv) holds {len(rows)} rows of {len({r['run'] for r in rows})} runs; "
               f"{history} older or unassigned rows are not shown here.", ""]
-    parts += ["Tables: " + ", ".join(f"[{t}](#{t})" for t in order), ""] if order else []
+    micro = micro or []
+    links = order + [b for b in MICRO_SECTIONS if any(r["table"] == b for r in micro)]
+    parts += ["Tables: " + ", ".join(f"[{t}](#{t})" for t in links), ""] if links else []
     for table in order:
         table_rows = shown[table]
         models = ", ".join(dict.fromkeys(f"{r['model']} ({r['layers']} layers)" for r in table_rows))
@@ -191,6 +237,9 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path) -> str:
         plot(table_rows, png, f"{table}: {models}")
         rel = Path(_relpath(png, out.parent))
         parts += [f"![{table}]({rel.as_posix()})", ""]
+    if micro:
+        parts += ["# Micro-benchmarks", "", "Single ops and blocks, timed alone on the GPU, from [micro.csv](micro.csv).", ""]
+        parts += micro_sections(micro)
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -205,7 +254,8 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m lightning_ft bench report",
         description="Regenerate RESULTS.md and its plots from the bench results table (benchmarks/results.csv): one "
                     "section per table (bench preset) with the latest row of each (system, layers, seq_len), the ratios "
-                    "against the peers of the same run, the settings, the commands that measured them and a plot.",
+                    "against the peers of the same run, the settings, the commands that measured them and a plot; "
+                    "then the micro-benchmarks (benchmarks/micro.csv) by script.",
     )
 
 
@@ -215,6 +265,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--table", default="benchmarks/results.csv", help="the results table (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/RESULTS.md", help="the markdown file written (default: %(default)s)")
     p.add_argument("--plots", default=None, help="folder of the PNG plots (default: plots/ beside --out)")
+    p.add_argument("--micro", default=None,
+                   help="the micro-benchmarks' table (default: micro.csv beside --table, when it exists)")
     args = p.parse_args(argv)
     table, out = Path(args.table), Path(args.out)
     if not table.exists():
@@ -226,8 +278,17 @@ def main(argv: list[str]) -> int:
         rows = read_rows(table)
     except TableError as err:
         p.error(str(err))
+    micro_path = Path(args.micro) if args.micro else table.parent / "micro.csv"
+    micro = []
+    if micro_path.exists():
+        try:
+            micro = read_rows(micro_path, MICRO)
+        except TableError as err:
+            p.error(str(err))
+    elif args.micro:
+        p.error(f"no micro-benchmark table at {micro_path}")
     plots = Path(args.plots) if args.plots else out.parent / "plots"
-    text = render(rows, plots, out)
+    text = render(rows, plots, out, micro)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out} and {len({r['table'] for r in rows if r['table']})} plots in {plots}")

@@ -1,13 +1,15 @@
-"""The results table: one CSV row per measured (system, shape, sequence length) of a bench run.
+"""The results tables: CSV files of measured rows, only ever appended to.
 
-``python -m lightning_ft bench`` appends its rows here (`append_rows`) and ``python -m lightning_ft
-bench report`` regenerates ``benchmarks/RESULTS.md`` and its plots from it (`lightning_ft.bench.report`).
-Rows are only ever appended; the report picks the latest row of each (system, layers, seq_len) of a
-table.
+- `STEP` (``benchmarks/results.csv``): one row per measured (system, shape, sequence length) of a
+  ``python -m lightning_ft bench`` run, which appends them (`append_rows`).
+- `MICRO` (``benchmarks/micro.csv``): one row per (op, mode, shape, provider) of the micro-benchmarks
+  ``benchmarks/kernels_bench.py``, ``moe_bench.py`` and ``attention_bench.py`` (``--record PATH``;
+  `micro_rows` turns a script's JSON result into rows).
 
-The schema lives here and nowhere else: `COLUMNS` (name, type, meaning). `SCHEMA_VERSION` goes up
-whenever `COLUMNS` changes; a file whose header differs from `COLUMNS` is refused by `read_rows` and
-`append_rows` with the missing and unknown column names.
+``python -m lightning_ft bench report`` regenerates ``benchmarks/RESULTS.md`` and its plots from them
+(`lightning_ft.bench.report`). The schemas live here and nowhere else: each `Schema` has its columns
+(name, type, meaning) and a version that goes up whenever they change; a file whose header differs
+is refused by `read_rows` and `append_rows` with the missing and unknown column names.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import csv
 import math
 import subprocess
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
@@ -61,33 +64,83 @@ COLUMNS: tuple[tuple[str, type, str], ...] = (
 COLUMN_NAMES = tuple(name for name, _, _ in COLUMNS)
 #: the columns every appended row must have
 REQUIRED = ("run", "date", "commit", "gpu", "system", "model", "layers", "seq_len", "status")
+
+MICRO_COLUMNS: tuple[tuple[str, type, str], ...] = (
+    ("table", str, "the script: kernels | moe | attention"),
+    ("run", str, "the run's id (its start time); ratios are taken within a run"),
+    ("date", str, "the run's start, YYYY-MM-DD HH:MM"),
+    ("commit", str, "git commit of the code measured (as in the step table)"),
+    ("gpu", str, "the device's name"),
+    ("op", str, "what is timed: a fused op (rms_norm, rope, swiglu, linear_ce), moe_block, routing, attention_cache, attention_padding"),
+    ("mode", str, "fwd | fwd+bwd (+ cuda_graphs when the script replays them)"),
+    ("shape", str, "the op's input shape and dtype, or the model, tokens and documents"),
+    ("provider", str, "the implementation: ours | reference | liger; an experts backend; an attention backend:variant"),
+    ("ms", float, "median time of the timed calls (ms)"),
+    ("gbps", float, "bytes moved / ms, for memory-bound ops (GB/s)"),
+    ("tflops", float, "counted FLOPs / ms, for matmul-bound ops (TFLOP/s)"),
+    ("tokens_per_s", float, "real (unpadded) tokens / second"),
+    ("peak_mib", float, "peak allocated device memory of the call (MiB)"),
+    ("command", str, "the script's command line (output paths left out)"),
+    ("torch", str, "version"),
+    ("triton", str, "version"),
+    ("transformers", str, "version"),
+    ("peft", str, "version"),
+    ("lightning", str, "version"),
+    ("liger_kernel", str, "version of liger-kernel, if installed"),
+)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A table's columns (name, type, meaning), the columns an appended row must fill, and its version."""
+
+    name: str
+    version: int
+    columns: tuple[tuple[str, type, str], ...]
+    required: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.columns)
+
+    @property
+    def types(self) -> dict[str, type]:
+        return {name: kind for name, kind, _ in self.columns}
+
+
+STEP = Schema("step", SCHEMA_VERSION, COLUMNS, REQUIRED)
+MICRO = Schema("micro", 1, MICRO_COLUMNS, ("table", "run", "date", "commit", "gpu", "op", "mode", "shape", "provider"))
 #: the distributions whose versions are recorded, and their columns
 VERSIONED = {"torch": "torch", "triton": "triton", "transformers": "transformers", "peft": "peft", "lightning": "lightning",
              "liger-kernel": "liger_kernel", "unsloth": "unsloth", "unsloth-zoo": "unsloth_zoo"}
-_TYPES = {name: kind for name, kind, _ in COLUMNS}
-#: decimals written per float column (rounded so that the file reads and diffs well)
-_DIGITS = {"mfu": 4, "loss_last": 4, "tokens_per_s": 1, "tflops_per_s": 2, "peak_bf16_tflops": 1}
+#: decimals written per float column (rounded so that the file reads and diffs well); 3 for the others
+_DIGITS = {"mfu": 4, "loss_last": 4, "tokens_per_s": 1, "tflops_per_s": 2, "peak_bf16_tflops": 1, "gbps": 1, "tflops": 2,
+           "peak_mib": 1, "ms": 4}
 
 
 class TableError(ValueError):
     """A table file or a row that does not match `COLUMNS`."""
 
 
-def _check_header(header: list[str], path: Path) -> None:
-    if tuple(header) == COLUMN_NAMES:
+def _schema_text(schema: Schema) -> str:
+    return f"the {schema.name} table's schema (version {schema.version})"
+
+
+def _check_header(header: list[str], path: Path, schema: Schema) -> None:
+    if tuple(header) == schema.names:
         return
-    missing = [c for c in COLUMN_NAMES if c not in header]
-    unknown = [c for c in header if c not in COLUMN_NAMES]
+    missing = [c for c in schema.names if c not in header]
+    unknown = [c for c in header if c not in schema.names]
     what = "; ".join(part for part in (f"missing columns {missing}" if missing else "",
                                        f"unknown columns {unknown}" if unknown else "") if part) or "the columns in another order"
-    raise TableError(f"{path}: the header does not match the results table's schema (version {SCHEMA_VERSION}): {what}; "
-                     f"the columns are defined in lightning_ft/bench/table.py (COLUMNS)")
+    raise TableError(f"{path}: the header does not match {_schema_text(schema)}: {what}; "
+                     f"the columns are defined in lightning_ft/bench/table.py")
 
 
-def _cell(name: str, value: Any) -> str:
+def _cell(name: str, value: Any, schema: Schema) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
-    kind = _TYPES[name]
+    kind = schema.types[name]
     if kind is float:
         return f"{float(value):.{_DIGITS.get(name, 3)}f}"
     if kind is int:
@@ -95,19 +148,19 @@ def _cell(name: str, value: Any) -> str:
     return " ".join(str(value).split())  # one line per row
 
 
-def _parse(name: str, text: str) -> Any:
+def _parse(name: str, text: str, schema: Schema) -> Any:
     if text == "":
         return None
-    kind = _TYPES[name]
+    kind = schema.types[name]
     return kind(float(text)) if kind is int else kind(text)
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The table's rows in file order, values typed per `COLUMNS` (None for an empty cell).
+def read_rows(path: str | Path, schema: Schema = STEP) -> list[dict[str, Any]]:
+    """The table's rows in file order, values typed per the schema's columns (None for an empty cell).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        TableError: the header differs from `COLUMNS` (the message names the missing and unknown columns).
+        TableError: the header differs from the schema's columns (the message names the missing and unknown columns).
     """
     path = Path(path)
     with path.open(newline="") as f:
@@ -115,40 +168,42 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         header = next(reader, None)
         if header is None:
             return []
-        _check_header(header, path)
-        return [{name: _parse(name, cell) for name, cell in zip(COLUMN_NAMES, line)} for line in reader if line]
+        _check_header(header, path, schema)
+        return [{name: _parse(name, cell, schema) for name, cell in zip(schema.names, line)} for line in reader if line]
 
 
-def append_rows(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
+def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], schema: Schema = STEP) -> int:
     """Append ``rows`` to the table at ``path`` (created with its header if absent); returns how many.
 
     Each row is a dict keyed by column names; a column left out is written empty.
 
     Raises:
-        TableError: a row with a key that is not a column or without one of `REQUIRED`, or an existing file
-            whose header differs from `COLUMNS`; nothing is written then. The message names the column and the file.
+        TableError: a row with a key that is not a column or without one of the schema's required columns, or an
+            existing file whose header differs from the schema's; nothing is written then. The message names the
+            columns and the file.
     """
     path = Path(path)
     rows = list(rows)
+    types = schema.types
     for i, row in enumerate(rows):
-        unknown = [k for k in row if k not in _TYPES]
-        missing = [k for k in REQUIRED if row.get(k) in (None, "")]
+        unknown = [k for k in row if k not in types]
+        missing = [k for k in schema.required if row.get(k) in (None, "")]
         if unknown or missing:
             what = "; ".join(p for p in (f"unknown columns {unknown}" if unknown else "",
                                          f"missing columns {missing}" if missing else "") if p)
-            raise TableError(f"{path}: row {i} does not match the results table's schema (version {SCHEMA_VERSION}): {what}; "
-                             f"the columns are defined in lightning_ft/bench/table.py (COLUMNS)")
+            raise TableError(f"{path}: row {i} does not match {_schema_text(schema)}: {what}; "
+                             f"the columns are defined in lightning_ft/bench/table.py")
     exists = path.exists() and path.stat().st_size > 0
     if exists:
         with path.open(newline="") as f:
-            _check_header(next(csv.reader(f), []), path)
+            _check_header(next(csv.reader(f), []), path, schema)
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         if not exists:
-            writer.writerow(COLUMN_NAMES)
-        writer.writerows([_cell(name, row.get(name)) for name in COLUMN_NAMES] for row in rows)
+            writer.writerow(schema.names)
+        writer.writerows([_cell(name, row.get(name), schema) for name in schema.names] for row in rows)
     return len(rows)
 
 
@@ -235,11 +290,23 @@ def settings_text(config: dict[str, Any], system: str) -> str:
 
 #: command-line items left out of the recorded command: where the output went, not what was measured
 _OUTPUT_KEYS = ("hydra.run.dir=", "out_dir=", "results_table=", "timeout_s=")
+#: the same for the micro-benchmark scripts: flags followed by a path
+_OUTPUT_FLAGS = ("--out", "--record", "--data")
 
 
 def command_text(command: str) -> str:
-    """The bench command line without the items that only say where output goes (`_OUTPUT_KEYS`)."""
-    return " ".join(item for item in command.split() if not item.lstrip("+").startswith(_OUTPUT_KEYS))
+    """The command line without the items that only say where output goes (`_OUTPUT_KEYS`, `_OUTPUT_FLAGS` and their
+    values) or where input comes from."""
+    items, out = command.split(), []
+    skip = False
+    for item in items:
+        if skip:
+            skip = False
+        elif item in _OUTPUT_FLAGS:
+            skip = True
+        elif not item.lstrip("+").startswith(_OUTPUT_KEYS) and not item.startswith(tuple(f"{f}=" for f in _OUTPUT_FLAGS)):
+            out.append(item)
+    return " ".join(out)
 
 
 def preset_of(command: str) -> str | None:
@@ -268,3 +335,48 @@ def table_rows(env: dict[str, Any], config: dict[str, Any], rows: list[dict[str,
     }
     return [{**common, **{k: row.get(k) for k in COLUMN_NAMES if k in row},
              "settings": settings_text(config, row["system"])} for row in rows]
+
+
+#: each micro-benchmark script's command line, where its JSON does not record one
+MICRO_COMMANDS = {"kernels": "python benchmarks/kernels_bench.py", "moe": "python benchmarks/moe_bench.py",
+                  "attention": "python benchmarks/attention_bench.py"}
+
+
+def micro_rows(bench: str, result: dict[str, Any], commit: str) -> list[dict[str, Any]]:
+    """The `MICRO` rows of a micro-benchmark script's JSON ``result`` (``bench``: kernels | moe | attention); none for
+    a ``--smoke`` run (tiny shapes on the CPU check the script, they measure nothing)."""
+    if result.get("smoke"):
+        return []
+    versions_by_name = {k.replace("-", "_"): v for k, v in (result.get("versions") or {}).items()}
+    command = command_text(result.get("command") or MICRO_COMMANDS[bench])
+    common = {"table": bench, "run": result["date"].replace(" ", "T")[:19], "date": result["date"][:16], "commit": commit,
+              "gpu": result.get("device"), "command": command,
+              **{c: versions_by_name.get(c) for c in ("torch", "triton", "transformers", "peft", "lightning", "liger_kernel")}}
+    rows = []
+    if bench == "kernels":
+        for r in result["rows"]:
+            rows.append({**common, "op": r["op"], "mode": r["mode"], "shape": r["shape"], "provider": r["impl"], "ms": r["ms"],
+                         "gbps": r.get("gbps"), "tflops": r.get("tflops"), "peak_mib": r.get("peak_mib")})
+    elif bench == "moe":
+        sh = result.get("shape") or {}
+        dims = (f"H={sh.get('hidden_size')} I={sh.get('moe_intermediate_size')} E={sh.get('num_experts')} "
+                f"k={sh.get('num_experts_per_tok')} r={sh.get('lora_rank')} {result.get('dtype', '')}").strip()
+        for r in result["rows"]:
+            op = "routing" if r["impl"].startswith("routing") else "moe_block"
+            for mode, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fwd_bwd_ms")):
+                if r.get(key) is not None:
+                    rows.append({**common, "op": op, "mode": mode, "shape": f"T={r['tokens']} {dims}", "provider": r["impl"],
+                                 "ms": r[key], "peak_mib": r.get("peak_mib") if mode == "fwd+bwd" else None})
+    elif bench == "attention":
+        mode = "fwd+bwd" + (" cuda_graphs" if "--cuda-graphs" in (result.get("command") or "") else "")
+        documents = "sampled" if "sampled" in (result.get("documents") or "sampled") else "gsm8k"
+        for r in result["rows"]:
+            if r.get("skipped") or r.get("ms") is None:
+                continue
+            rows.append({**common, "op": f"attention_{r['section']}", "mode": mode,
+                         "shape": f"{r['model']} T={r['tokens']} docs={r['docs']} ({documents})", "provider": f"{r['backend']}:{r['variant']}",
+                         "ms": r["ms"], "tokens_per_s": r.get("tokens_per_s"),
+                         "peak_mib": r["peak_gib"] * 1024 if r.get("peak_gib") is not None else None})
+    else:
+        raise ValueError(f"unknown micro-benchmark {bench!r}: one of {sorted(MICRO_COMMANDS)}")
+    return rows
