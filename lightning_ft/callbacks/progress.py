@@ -62,7 +62,7 @@ class ProgressBar(RichProgressBar):
         resume. Lightning 2.6's total (`ProgressBar.total_train_batches`, read by its Rich and TQDM bars
         alike) is instead ``min(num_training_batches, max_steps - global_step)``: the remaining
         *optimizer steps*, so a run resumed after step 11 of a 20-batch epoch with ``max_steps=20``
-        counted 12..20 out of 8, and with ``accumulate_grad_batches=k`` the remaining steps were
+        would count 12..20 out of 8, and with ``accumulate_grad_batches=k`` the remaining steps are
         compared with micro-batches (k times too few). Here both are micro-batches of the epoch.
         """
         trainer = self.trainer

@@ -60,7 +60,7 @@ def test_a_partial_copy_replaces_its_last_checkpoint(tmp_path):
 
 def test_another_runs_checkpoint_never_rotates_this_folders_files_out(tmp_path):
     """Resumed from run a's checkpoint in folder b, where a run with the same file names ran: b's
-    checkpoints are b's own, not a's copies, and stay (they were rotated out when taken for a's)."""
+    checkpoints are b's own, not a's copies, and stay (taken for a's, they would be rotated out)."""
     _fit(tmp_path / "a", 4)
     _fit(tmp_path / "b", 4)
     own = {name: (tmp_path / "b" / "checkpoints" / name).read_bytes() for name in ("step000003.ckpt", "step000004.ckpt")}

@@ -29,10 +29,10 @@ class _RecordingBar(ProgressBar):
 @pytest.mark.parametrize(
     ("accumulate", "stopped_at", "max_steps", "expected"),
     [
-        (1, 11, 20, [(n, 20) for n in range(12, 21)]),  # resumed after step 11 of a 20-batch epoch: was 12/8 .. 20/8
-        (2, 5, 10, [(n, 20) for n in range(11, 21)]),  # the same with 2 micro-batches per step: was 11/5 .. 20/5
+        (1, 11, 20, [(n, 20) for n in range(12, 21)]),  # resumed after step 11 of a 20-batch epoch (Lightning's total: 12/8 .. 20/8)
+        (2, 5, 10, [(n, 20) for n in range(11, 21)]),  # the same with 2 micro-batches per step (Lightning's: 11/5 .. 20/5)
         (2, 5, 8, [(n, 16) for n in range(11, 17)]),  # max_steps ends the resumed epoch early: 16 of its 20 micro-batches
-        # and the next epoch, which max_steps ends after 10 micro-batches: was 11/10 .. 20/10, then 1/5 .. 10/5
+        # and the next epoch, which max_steps ends after 10 micro-batches (Lightning's: 11/10 .. 20/10, then 1/5 .. 10/5)
         (2, 5, 15, [(n, 20) for n in range(11, 21)] + [(n, 10) for n in range(1, 11)]),
     ],
 )
