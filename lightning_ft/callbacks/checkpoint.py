@@ -47,7 +47,7 @@ class StepCheckpoint(ModelCheckpoint):
         if self._last_global_step_saved == trainer.global_step:  # the periodic save wrote this step already
             return
         # the periodic saves' path: the step checkpoint joins the kept ones (save_top_k rotates it out
-        # later; Lightning's save on exception wrote it outside them, and it stayed for good), then last.ckpt
+        # later; Lightning's own save on exception writes it outside them, where it stays for good), then last.ckpt
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)

@@ -62,7 +62,7 @@ def test_the_bar_counts_and_totals_micro_batches_of_the_epoch_after_a_resume(tmp
 def test_an_extended_finished_run_counts_its_new_epoch_from_one(tmp_path):
     """A run that reached max_steps=3 mid-epoch (checkpoints every 50 steps: last.ckpt is written at its end),
     extended to 6: Lightning starts the next epoch, whose batch_idx goes on from 3; the bar counts 1..3 of 3
-    (it read 4/3 .. 6/3)."""
+    (Lightning's own count: 4/3 .. 6/3)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
