@@ -10,7 +10,7 @@ expert intermediate 768, 128 experts, top-8, LoRA r16 alpha 32 on ``gate_up_proj
   block (split LoRA on PEFT's own tensors);
 * ``routing_sort`` / ``routing_where``: routing alone (top-k, then dispatch to expert order and the
   weighted combine back, no expert math) with our stable sort + searchsorted offsets against the
-  legacy per-expert ``torch.where`` loop.
+  per-expert ``torch.where`` loop of transformers' eager MoE blocks.
 
 Each row has forward and forward+backward time (``triton.testing.do_bench`` median; on the CPU a
 plain median of a few runs) and the peak memory a forward+backward adds on top of the weights.
@@ -97,7 +97,7 @@ def _peak_mib(fn, device: str) -> float | None:
 
 
 def _routing_fns(num_experts: int, top_k: int):
-    """Routing alone: (our sort + searchsorted dispatch, the legacy per-expert where loop)."""
+    """Routing alone: (our sort + searchsorted dispatch, transformers' eager per-expert where loop)."""
     import torch
 
     from lightning_ft.kernels.moe import permute_tokens, sort_by_expert, topk_routing, unpermute_tokens

@@ -150,14 +150,13 @@ def default_allocator_settings(environ: MutableMapping[str, str]) -> None:
 
     Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when none of `ALLOCATOR_VARIABLES`
     is set (a user's setting, including ``expandable_segments:False``, is kept), except on Windows,
-    WSL and NVIDIA Tegra boards, where the CUDA virtual-memory calls it is built on fail (as
-    Unsloth, which sets the same default, found: unslothai/unsloth#3511, #2401). It must happen
-    before CUDA is initialised, so the command line does it first; DDP ranks inherit the
-    environment. Why: with fixed-size segments the allocator reserved 12.8 GiB more than it handed
-    out at 32K tokens on Qwen3-30B-A3B (48 layers, offloaded checkpoints: 82.7 GiB reserved for
-    69.9 GiB allocated on an H200); expandable segments took 3.3 GiB of that off at 32K and 7.5 GiB
-    at 64K, at the same step time (benchmarks/RESULTS.md, session 9). PyTorch's notes on the
-    setting: "CUDA memory management" in the CUDA semantics docs.
+    WSL and NVIDIA Tegra boards, where the CUDA virtual-memory calls it is built on fail (Unsloth
+    sets the same default with the same exceptions: https://github.com/unslothai/unsloth/issues/3511
+    and /2401). It must happen before CUDA is initialised, so the command line does it first; DDP
+    ranks inherit the environment. Why: with fixed-size segments the allocator reserves many GiB more
+    than it hands out on long rows (Qwen3-30B-A3B at 32K and 64K tokens, 48 layers, offloaded
+    checkpoints); expandable segments give part of that back at the same step time. PyTorch's notes
+    on the setting: "CUDA memory management" in the CUDA semantics docs.
     """
     if any(name in environ for name in ALLOCATOR_VARIABLES):
         return

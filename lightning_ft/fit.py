@@ -152,7 +152,7 @@ def _run_dir_lock(run_dir: Path) -> Iterator[None]:
 
 
 def _quiet_library_notices(resuming: bool) -> None:
-    """Hide notices every run printed that ask nothing of the user: deprecations inside
+    """Hide notices the libraries print on every run that ask nothing of the user: deprecations inside
     transformers and Lightning, Lightning's "💡 Tip:" advertisements of its cloud services
     (`_not_a_lightning_tip`), and (on a resume, where the folders are expected to hold files)
     Lightning's "directory exists and is not empty" notices, whose "previous log files ... will be

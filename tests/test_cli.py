@@ -60,7 +60,7 @@ def test_default_fit_learns_the_builtin_task_and_leaves_its_artifacts(tmp_path, 
     """The built-in default exactly as README runs it (200 steps, ~20 s on 2 cores), on one thread:
     the losses depend on the CPU thread count (summation order; 0.01-0.02 apart by step 100 with 1
     or 2 threads), and the checked-in trace was made with one. They also depend on the CPU: on an
-    AMD EPYC the same code and versions match the trace (made on session 12's machine) to 1e-6 for
+    AMD EPYC the same code and versions match the trace (made on another CPU model) to 1e-6 for
     38 steps, then the rounding difference grows to 0.066 by step 85. So the first 30 steps are
     held to 1e-4 (a change to the math shows there) and the whole run to 0.1."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

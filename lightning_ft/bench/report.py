@@ -120,10 +120,21 @@ def plot(shown: list[dict[str, Any]], path: Path, title: str) -> None:
         if with_mem:
             axes[1].plot([r["seq_len"] for r in with_mem], [r["peak_mem_gib"] for r in with_mem], **style)
     lengths = sorted({r["seq_len"] for r in shown})
-    for ax, ylabel in zip(axes, ("tokens/s", "peak allocated memory (GiB)")):
+    finish_plot(fig, axes, ("tokens/s", "peak allocated memory (GiB)"), title, lengths)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata={"Software": None})  # no version stamp: the same rows give the same bytes
+    plt.close(fig)
+
+
+def finish_plot(fig: Any, axes: Any, ylabels: tuple[str, ...], title: str, lengths: list[int] | None = None) -> None:
+    """Style a figure of per-sequence-length panels: a log2 x axis of sequence lengths (with ``lengths``:
+    ticks at exactly those, labelled 1K, 2K, ...), one y label per axis, a grid, a legend where an
+    axis has labelled lines, then ``title`` and a tight layout."""
+    for ax, ylabel in zip(axes, ylabels):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
-        ax.minorticks_off()
+        if lengths is not None:
+            ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+            ax.minorticks_off()
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -131,9 +142,6 @@ def plot(shown: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, metadata={"Software": None})  # no version stamp: the same rows give the same bytes
-    plt.close(fig)
 
 
 def preset_text(table: str) -> str | None:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lightning_ft.bench import table as results_table
+from lightning_ft.bench.report import finish_plot
 from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
 from lightning_ft.callbacks.summary import allocator_settings, write_json_atomic
@@ -258,14 +259,6 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         axes[0].plot(seqs, [r["tokens_per_s"] for r in ok], marker="o", label=system)
         if all(r.get("peak_mem_gib") is not None for r in ok):
             axes[1].plot(seqs, [r["peak_mem_gib"] for r in ok], marker="o", label=system)
-    for ax, ylabel in zip(axes, ("tokens/s", "peak memory (GiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
+    finish_plot(fig, axes, ("tokens/s", "peak memory (GiB)"), title)
     fig.savefig(path)
     plt.close(fig)

@@ -248,7 +248,7 @@ def settings_text(config: dict[str, Any], system: str) -> str:
 
     Every system: dtype, gradient checkpointing, LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
     MoE backend (MoE shapes), attention, CUDA graphs and what they keep, activation offload. A key the config lacks
-    is left out (older configs had fewer)."""
+    is left out (configs recorded by earlier versions have fewer)."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
         parts.append("ckpt")
@@ -276,7 +276,7 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     if "cuda_graphs" in model:
         if not model["cuda_graphs"]:
             parts.append("eager")
-        elif "cuda_graphs_keep_attention" not in model:  # before the graphs kept anything
+        elif "cuda_graphs_keep_attention" not in model:  # a recorded config without the keep options: nothing kept
             parts.append("graphs")
         else:
             keep = [name for key, name in (("cuda_graphs_keep_attention", "attn"), ("cuda_graphs_keep_projections", "proj"))

@@ -47,7 +47,7 @@ class StepCheckpoint(ModelCheckpoint):
         if self._last_global_step_saved == trainer.global_step:  # the periodic save wrote this step already
             return
         # the periodic saves' path: the step checkpoint joins the kept ones (save_top_k rotates it out
-        # later; Lightning's save on exception wrote it outside them, and it stayed for good), then last.ckpt
+        # later; Lightning's own save on exception writes it outside them, where it stays for good), then last.ckpt
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
@@ -63,8 +63,8 @@ class StepCheckpoint(ModelCheckpoint):
         """Lightning's, also for a run resumed in a copy of its folder (``hydra.run.dir`` another path).
 
         Lightning reloads the paths it manages (``last.ckpt``, the kept step checkpoints) only when the
-        checkpoint's ``dirpath`` is this one; otherwise the copy's ``last.ckpt`` stayed beside a new
-        ``last-v1.ckpt`` and the copied step checkpoints were never rotated out. When the checkpoint
+        checkpoint's ``dirpath`` is this one; otherwise the copy's ``last.ckpt`` would stay beside a new
+        ``last-v1.ckpt`` and the copied step checkpoints would never be rotated out. When the checkpoint
         resumed from is a file of this dirpath (the copy resumes from its own files), the paths under
         the old dirpath are read as the same files under this one, the step checkpoints the copy lacks
         left out, so the run carries on as it would have in its own folder. A checkpoint from elsewhere

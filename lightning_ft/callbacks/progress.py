@@ -45,7 +45,7 @@ class ProgressBar(RichProgressBar):
         # after a mid-epoch resume on_train_epoch_start is skipped and the bar is made here, at the first batch's end.
         # An epoch that started afresh counts from its first batch: resumed from a checkpoint written when a run
         # reached max_steps mid-epoch, Lightning starts the next epoch (at its first step of data) but its
-        # batch_idx goes on from the restored count (a run extended from 3 steps to 6 read "Epoch 1 6/3")
+        # batch_idx goes on from the restored count (a run extended from 3 steps to 6 would read "Epoch 1 6/3")
         if self._fresh_epoch:
             self._fresh_epoch, self._epoch_offset = False, batch_idx
         batch_idx -= self._epoch_offset
@@ -62,7 +62,7 @@ class ProgressBar(RichProgressBar):
         resume. Lightning 2.6's total (`ProgressBar.total_train_batches`, read by its Rich and TQDM bars
         alike) is instead ``min(num_training_batches, max_steps - global_step)``: the remaining
         *optimizer steps*, so a run resumed after step 11 of a 20-batch epoch with ``max_steps=20``
-        counted 12..20 out of 8, and with ``accumulate_grad_batches=k`` the remaining steps were
+        would count 12..20 out of 8, and with ``accumulate_grad_batches=k`` the remaining steps are
         compared with micro-batches (k times too few). Here both are micro-batches of the epoch.
         """
         trainer = self.trainer

@@ -21,11 +21,11 @@ row with dz in place (two passes over V: online max/sum-exp, then softmax - oneh
 dh_c = dz @ W (and dW += dz^T @ h_c when the head is trainable). So the gradient is ready at the end
 of the forward; backward only multiplies by grad_output (no sync, no recompute). Default C: the
 chunk logits about as large as the hidden states, C = next_pow2(N / ceil(V / H)), at least 1024
-rows and at most N. The floor is measured (H200, bf16, frozen head, forward+backward device time):
-with 256-row chunks the [C, H] output of dh_c = dz @ W is too few tiles to fill the GPU (cuBLAS
-splits K), and 1024 rows ran 7-10% faster than 256 at every shape tried (Qwen3 head V=151936,
-H=2048 at N = 4K, 8K, 16K; Llama-3 head V=128256, H=4096 at N = 2K, 8K) for about 0.2 GiB more
-(a [1024, V] bf16 buffer: 297 MiB at V=151936); 2048 rows gained at most 2% more.
+rows and at most N. The floor comes from tuning on Hopper (bf16, frozen head, forward+backward
+device time): with 256-row chunks the [C, H] output of dh_c = dz @ W is too few tiles to fill the
+GPU (cuBLAS splits K), and 1024 rows were faster than 256 at every shape tried (Qwen3 head
+V=151936, H=2048 at N = 4K, 8K, 16K; Llama-3 head V=128256, H=4096 at N = 2K, 8K) for a larger
+buffer (a [1024, V] bf16 buffer is 297 MiB at V=151936); 2048 rows gained little more.
 
 Accumulation dtypes: matmuls in the compute dtype (the autocast dtype when autocast is on, else
 hidden's dtype) with fp32 accumulation inside cuBLAS; softmax, loss and dz in fp32 registers; dz

@@ -137,9 +137,9 @@ def _launch(
 ) -> None:
     """One launch over B * T tokens; head counts and dims are compile-time constants (one compile per model).
 
-    4 warps per token: on the H200 (T=8192, 32/8 heads, D=128, CUDA-graph replays) 4 warps
-    ran the forward in 0.0488 ms and the backward in 0.0482 ms against 0.0528 / 0.0492 with 8; 1, 2
-    and 16 warps and 2-8 tokens per program were slower (measured at that head count only).
+    4 warps per token: on Hopper at T=8192, 32/8 heads, D=128 (CUDA-graph replays), 4 warps ran
+    both passes faster than 8, and 1, 2 or 16 warps or 2-8 tokens per program were slower (tuned at
+    that head count only; the kernel's timings are in benchmarks/RESULTS.md).
     """
     batch, heads_q, seq_len, head_dim = q.shape
     heads_k = k.shape[1]

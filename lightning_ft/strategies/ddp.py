@@ -5,10 +5,10 @@ gradient-accumulation hooks (one ``AccumulateGrad`` node per trainable tensor) a
 on torch 2.11 every one of them belongs to that side stream while backward runs on the default
 stream: autograd then synchronises the two streams for each gradient (torch warns: "The
 AccumulateGrad node's stream does not match the stream of the node that produced the incoming
-gradient"). Measured on 2 H200s, Llama-3.1-8B shape, LoRA on all linear layers (448 tensors), 4K
-tokens per GPU and step: backward took 347 ms per step under Lightning's DDP against 277 ms on one
-GPU (Lightning's SimpleProfiler); built on the current stream, the 2-GPU run keeps 94% of one
-GPU's tokens/s per GPU instead of 82%, with the same losses (benchmarks/RESULTS.md, "Session 3").
+gradient"). With LoRA on every linear layer (448 trainable tensors at the Llama-3.1-8B shape) those
+per-gradient syncs make backward on two GPUs markedly slower than on one. Here DDP is built on the
+current stream, so the hooks run on backward's own stream: the same losses, and tokens/s per GPU
+much closer to one GPU's.
 
 Also ``gradient_as_bucket_view=True``: gradients live in DDP's all-reduce buckets, with no copy
 into the buckets after every backward.

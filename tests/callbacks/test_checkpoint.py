@@ -33,8 +33,8 @@ def _files(run_dir):
 
 
 def test_a_copied_run_folder_resumes_in_place_and_a_new_folder_leaves_the_old_one_alone(tmp_path):
-    """The copy's last.ckpt is replaced and its step checkpoints rotate (Lightning wrote last-v1.ckpt
-    beside it and kept every copied step checkpoint); the original folder is untouched. A run resumed
+    """The copy's last.ckpt is replaced and its step checkpoints rotate (Lightning alone would write
+    last-v1.ckpt beside it and keep every copied step checkpoint); the original folder is untouched. A run resumed
     in a new folder from another run's step checkpoint keeps Lightning's behaviour there."""
     _fit(tmp_path / "a", 4)
     original = _files(tmp_path / "a")
@@ -60,7 +60,7 @@ def test_a_partial_copy_replaces_its_last_checkpoint(tmp_path):
 
 def test_another_runs_checkpoint_never_rotates_this_folders_files_out(tmp_path):
     """Resumed from run a's checkpoint in folder b, where a run with the same file names ran: b's
-    checkpoints are b's own, not a's copies, and stay (they were rotated out when taken for a's)."""
+    checkpoints are b's own, not a's copies, and stay (taken for a's, they would be rotated out)."""
     _fit(tmp_path / "a", 4)
     _fit(tmp_path / "b", 4)
     own = {name: (tmp_path / "b" / "checkpoints" / name).read_bytes() for name in ("step000003.ckpt", "step000004.ckpt")}
@@ -70,8 +70,8 @@ def test_another_runs_checkpoint_never_rotates_this_folders_files_out(tmp_path):
 
 def test_the_checkpoint_sigterm_saves_rotates_out_like_the_periodic_ones(tmp_path):
     """SIGTERM after step 8 saves step000008 among the kept step checkpoints (save_top_k=2); the
-    resumed run's periodic saves rotate it out. Lightning's save on exception wrote it outside them:
-    it stayed in the folder for good."""
+    resumed run's periodic saves rotate it out. Lightning's own save on exception would write it
+    outside them, to stay in the folder for good."""
     with pytest.raises(SIGTERMException):
         _fit(tmp_path, 20, every=5, callbacks=[SignalAtStep(7)])
     assert _files(tmp_path) == ["last.ckpt", "step000005.ckpt", "step000008.ckpt"]

@@ -49,8 +49,8 @@ def test_greedy_generation_with_a_kv_cache_matches_the_packed_forward():
 
 
 def test_generation_without_prompts_is_refused_before_the_first_step(tmp_path):
-    # every token a target: nothing to generate from; this was found at the first validation, after
-    # the whole run had trained, and the run ended failed with no adapter
+    # every token a target: nothing to generate from; refused before training, not at the first
+    # validation after the whole run has trained (which would end the run failed, with no adapter)
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=3", "data.val_fraction=0.2", "data.train_on_prompt=true",
                    "eval.generate=true", ok=False)
     assert "eval.generate=true: no validation example has a prompt to generate from" in proc.stderr

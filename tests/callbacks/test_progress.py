@@ -29,10 +29,10 @@ class _RecordingBar(ProgressBar):
 @pytest.mark.parametrize(
     ("accumulate", "stopped_at", "max_steps", "expected"),
     [
-        (1, 11, 20, [(n, 20) for n in range(12, 21)]),  # resumed after step 11 of a 20-batch epoch: was 12/8 .. 20/8
-        (2, 5, 10, [(n, 20) for n in range(11, 21)]),  # the same with 2 micro-batches per step: was 11/5 .. 20/5
+        (1, 11, 20, [(n, 20) for n in range(12, 21)]),  # resumed after step 11 of a 20-batch epoch (Lightning's total: 12/8 .. 20/8)
+        (2, 5, 10, [(n, 20) for n in range(11, 21)]),  # the same with 2 micro-batches per step (Lightning's: 11/5 .. 20/5)
         (2, 5, 8, [(n, 16) for n in range(11, 17)]),  # max_steps ends the resumed epoch early: 16 of its 20 micro-batches
-        # and the next epoch, which max_steps ends after 10 micro-batches: was 11/10 .. 20/10, then 1/5 .. 10/5
+        # and the next epoch, which max_steps ends after 10 micro-batches (Lightning's: 11/10 .. 20/10, then 1/5 .. 10/5)
         (2, 5, 15, [(n, 20) for n in range(11, 21)] + [(n, 10) for n in range(1, 11)]),
     ],
 )
@@ -62,7 +62,7 @@ def test_the_bar_counts_and_totals_micro_batches_of_the_epoch_after_a_resume(tmp
 def test_an_extended_finished_run_counts_its_new_epoch_from_one(tmp_path):
     """A run that reached max_steps=3 mid-epoch (checkpoints every 50 steps: last.ckpt is written at its end),
     extended to 6: Lightning starts the next epoch, whose batch_idx goes on from 3; the bar counts 1..3 of 3
-    (it read 4/3 .. 6/3)."""
+    (Lightning's own count: 4/3 .. 6/3)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset

@@ -48,7 +48,7 @@ def test_loader_resumes_mid_epoch_and_at_the_epoch_end(tokenizer):
     assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["consumed"] == 0
 
     # a run stopped by trainer.max_steps mid-epoch and extended: Lightning restores the loader, then
-    # moves on to the next epoch, which starts at its first step (it skipped the restored count)
+    # moves on to the next epoch, which starts at its first step (it skips the restored count)
     extended = _datamodule(tokenizer, accumulate_grad_batches=2).train_dataloader()
     extended.load_state_dict(state)
     extended.sampler.set_epoch(2)

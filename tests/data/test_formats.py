@@ -78,8 +78,8 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_json_rows_are_read_as_written(tmp_path, suffix):
-    # `datasets`' reader typed each column: "007" became 7 beside an integer row (then trained on
-    # silently), all-ISO-date strings became timestamps (then refused as not strings)
+    # not typed per column as `datasets`' reader does, which would turn "007" into 7 beside an integer
+    # row (trained on silently) and all-ISO-date strings into timestamps (refused as not strings)
     rows = [
         {"instruction": "Repeat the code", "input": "007", "output": "007"},
         {"instruction": "Repeat the code", "input": 5, "output": "5"},

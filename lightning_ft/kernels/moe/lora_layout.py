@@ -5,11 +5,11 @@ PEFT 0.21 (``LoraConfig(target_parameters=...)``, ``ParamWrapper``) keeps B of a
 column j of expert e's B_e [N, R]: the experts are innermost. The grouped GEMMs want
 ``b_ENR`` [E, N, R], each B_e contiguous, in the compute dtype (bf16 where PEFT keeps its adapters in
 fp32). As a view, ``lora_B.view(N, R, E).permute(2, 0, 1)`` has strides (1, R*E, E), so torch's copy
-of it (cast included) reads one scattered element at a time: on the H200 it took ~25 us per call at
-N=2048, R=16, E=128 (Qwen3-30B-A3B's down projection), and the forward, the recompute and the
-backward of each expert projection pay it, ~0.2 ms per decoder layer and step in all (profiled at
-8K tokens). Here each program moves a [BLOCK_N, BLOCK_R, BLOCK_E] block: the reads are contiguous
-along E, the writes along R (Triton converts the layout in shared memory between the two).
+of it (cast included) reads one scattered element at a time, which is slow on the GPU at N=2048,
+R=16, E=128 (Qwen3-30B-A3B's down projection), and the forward, the recompute and the backward of
+each expert projection pay it in every decoder layer and step. Here each program moves a
+[BLOCK_N, BLOCK_R, BLOCK_E] block: the reads are contiguous along E, the writes along R (Triton
+converts the layout in shared memory between the two).
 
 Forward: ``b_ENR[e, n, j] = lora_B[n, j*E + e]`` cast to ``dtype``. Backward: the same map
 transposed, ``grad_lora_B[n, j*E + e] = grad_b_ENR[e, n, j]`` cast to lora_B's dtype. Exact: a copy

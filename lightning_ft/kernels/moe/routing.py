@@ -97,10 +97,10 @@ class _TopK(torch.autograd.Function):
 def topk(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x_TE, k, dim=-1)`` (largest, sorted) for a router's [T, E] rows, in one kernel.
 
-    Why: on the H200, torch.topk of Qwen3-30B-A3B's router probabilities at 8K tokens ([8192, 128]
-    fp32, K = 8) takes ~60 µs in its radix-select kernel plus ~9 µs sorting the K results, twice per
-    layer and step (forward and recompute): ~1.6 ms of a 12-layer step. Here each program holds
-    rows in registers and selects K times.
+    Why: for a router's small rows (Qwen3-30B-A3B at 8K tokens: [8192, 128] fp32, K = 8)
+    torch.topk runs a radix-select kernel and then a separate sort of the K results, twice per layer
+    and step (forward and recompute). Here each program holds rows in registers and selects K times,
+    in one launch.
 
     The same selection as torch.topk: every value above the K-th largest, then the lowest columns
     among those equal to it (torch's gather writes them in column order and takes the first); NaN
@@ -203,7 +203,7 @@ def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> ExpertRouting
     num_tokens, top_k = topk_idx_TK.shape
     device = topk_idx_TK.device
     # the narrowest key type that holds every id: the radix sort makes one pass per key byte (uint8:
-    # 1 pass where int64 made 8, ~0.04 ms per call at 65536 pairs on the H200); same order, stable
+    # 1 pass where int64 needs 8); same order, stable
     key_dtype = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int64
     expert_of_pair = topk_idx_TK.reshape(-1).to(key_dtype)
     sorted_expert_S, pair_idx_S = torch.sort(expert_of_pair, stable=True)
@@ -241,8 +241,8 @@ def sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torch
 
     One fused gather + sum where Triton runs: it reads the S rows once and writes the T rows. The
     plain-torch way (the CPU fallback), ``index_select`` then ``sum`` over K, also writes and re-reads
-    the gathered [S, D] copy: 0.14 + 0.11 ms per call at S = 65536, D = 2048 on the H200 (profiled,
-    Qwen3-30B-A3B at 8K tokens), once per layer forward (and recompute) and once in backward.
+    the gathered [S, D] copy (S = 65536, D = 2048 for Qwen3-30B-A3B at 8K tokens), once per layer
+    forward (and recompute) and once in backward.
     """
     if not triton_can_run(y_SD) or y_SD.dtype == torch.float64:  # the kernel adds in fp32
         return y_SD.index_select(0, inv_pair_S).view(-1, top_k, y_SD.shape[-1]).sum(dim=1)
@@ -260,9 +260,8 @@ def sum_pairs(y_SD: torch.Tensor, inv_pair_S: torch.Tensor, top_k: int) -> torch
 
 def unread_output(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The [rows, cols] output of an expert block whose value nobody reads (``output_needed=False``):
-    zeros in ``like``'s dtype and device, one element expanded (no [rows, cols] fill: 10.7 µs per
-    layer at 8K tokens of Qwen3-30B-A3B on the H200, session 21's trace). Read-only: in-place ops on
-    it raise."""
+    zeros in ``like``'s dtype and device, one element expanded (no [rows, cols] fill kernel per
+    layer). Read-only: in-place ops on it raise."""
     return like.new_zeros(()).expand(rows, cols)
 
 
