@@ -26,7 +26,7 @@ import time
 import torch
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules.finetune_module import FinetuneModule, _skip_adapter_input_casts
+from lightning_ft.module import FinetuneModule, _skip_adapter_input_casts
 
 CONFIGS = {
     "llama": dict(model_type="llama", intermediate_size=128),

@@ -31,7 +31,7 @@ from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
-from lightning_ft.modules.finetune_module import FinetuneModule, check_model_switches
+from lightning_ft.module import FinetuneModule, check_model_switches
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning

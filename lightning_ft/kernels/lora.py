@@ -14,7 +14,7 @@ agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and othe
 bias and trainable base weights are not covered: `lora_linear_adapters` says for which adapters
 this is the same math as PEFT's forward.
 
-Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y, h) to ``keep``
+Kept projections (CUDA graphs, `lightning_ft.strategies.kept`): a forward offers (y, h) to ``keep``
 (a later forward, the CUDA graphs' recording and replays, computes them straight into the kept
 buffers: at 8K tokens of Qwen3-30B-A3B, 112 MiB of q/k/v/o outputs per layer not copied); the
 recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which runs no
@@ -30,7 +30,7 @@ sum rounds once per GEMM instead of once per add (fp32: ~1e-7 relative; bf16: as
 float64 sum as autograd's, tested). Measured (H200, bf16, 8K tokens of Qwen3-30B-A3B, CUDA-graph
 replay; session 21's micro): q/k/v's input gradient 452.7 → 340.5 µs, o's 283.5 → 238.2 µs. An x
 in another dtype than the products (an fp32 input under bf16 autocast) keeps autograd's sum, in x's
-dtype. Frozen base weights only: the caller (`lightning_ft.modules.patching`) keeps nothing otherwise.
+dtype. Frozen base weights only: the caller (`lightning_ft.model.patching`) keeps nothing otherwise.
 
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
 ``peft.tuners.lora.layer.Linear``.
@@ -68,7 +68,7 @@ def lora_linear(
         lora_A: [r, K] and lora_B: [N, r] adapter weights (PEFT keeps them in fp32; under autocast
             they are cast like any matmul operand).
         scaling: PEFT's ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
-        keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
+        keep: kept activations (`lightning_ft.strategies.kept.KeptActivations`, or anything with its
             ``recompute``, ``store``, ``buffers`` and ``take``), with ``weight`` and ``bias`` frozen:
             a forward offers (y, h = x Aᵀ) to ``store`` (a later forward computes them straight
             into the keep's ``buffers`` where their dtypes allow: no copy); a recompute of it on
@@ -210,7 +210,7 @@ class _KeptLoRALinear(torch.autograd.Function):
 
     each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
     PEFT keeps A and B in fp32). Saves x (cast to y's dtype), h and the weights. No gradient for the
-    base weight (frozen: `lightning_ft.modules.patching`). With a ``token`` (`_shared_input`), x's
+    base weight (frozen: `lightning_ft.model.patching`). With a ``token`` (`_shared_input`), x's
     terms go to ``input_grad`` (summed there with the other readers' of x) and the token gets an empty
     gradient; without one, dx's two paths are cast to x's dtype and summed there (as autograd sums them).
     """

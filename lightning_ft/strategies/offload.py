@@ -273,7 +273,7 @@ def offloaded_checkpoint(
     forward's autocast state and returns the gradients of ``hidden`` and ``params`` (the weights
     ``run`` reads that require grad) as this function's own, so they reach ``.grad`` (and DDP's
     hooks) as any other gradient. The RNG state is not restored: ``run`` must draw no random
-    numbers (no dropout; `lightning_ft.modules.cuda_graphs.check_cuda_graphs` refuses it).
+    numbers (no dropout; `lightning_ft.strategies.cuda_graphs.check_cuda_graphs` refuses it).
 
     Args:
         run: the layer's forward with its keyword arguments bound; ``hidden`` [batch, T, hidden].

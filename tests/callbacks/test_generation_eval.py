@@ -27,7 +27,7 @@ def test_greedy_generation_with_a_kv_cache_matches_the_packed_forward():
     import torch
 
     from lightning_ft.data.packing import collate_packed
-    from lightning_ft.modules.finetune_module import FinetuneModule
+    from lightning_ft.module import FinetuneModule
 
     config = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,

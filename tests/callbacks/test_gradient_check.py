@@ -8,7 +8,7 @@ import torch
 from lightning_ft.callbacks.gradient_check import GradientCheck
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.errors import TrainingStopped
-from lightning_ft.modules.finetune_module import FinetuneModule
+from lightning_ft.module import FinetuneModule
 
 TINY_MOE = {
     "init": "random",

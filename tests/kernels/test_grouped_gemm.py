@@ -25,7 +25,7 @@ from lightning_ft.kernels.moe import (
     sort_by_expert,
 )
 from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
-from lightning_ft.modules import kept
+from lightning_ft.strategies import kept
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"

@@ -13,8 +13,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters, lora_linear_reference
-from lightning_ft.modules import kept
-from lightning_ft.modules.patching import _fused_lora_forward, apply_kernels, revert_kernels
+from lightning_ft.strategies import kept
+from lightning_ft.model.patching import _fused_lora_forward, apply_kernels, revert_kernels
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -333,7 +333,7 @@ def _lora_layers(model):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
 def test_the_patch_computes_what_peft_computes(precision, monkeypatch):
-    import lightning_ft.modules.patching as patching
+    import lightning_ft.model.patching as patching
 
     calls = []
     monkeypatch.setattr(patching, "lora_linear", lambda *a, **kw: calls.append(1) or lora_linear(*a, **kw))

@@ -14,7 +14,7 @@ from cli_helpers import FAST, assert_first_step_grads_close, run_cli, summary
 
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.data.tokenization import load_tokenizer
-from lightning_ft.modules.finetune_module import FinetuneModule, load_causal_lm
+from lightning_ft.module import FinetuneModule, load_causal_lm
 from lightning_ft.strategies.fsdp2 import decoder_layers, gather_state_dict, mixed_precision_policy, shard_model
 
 TINY_MODEL = {

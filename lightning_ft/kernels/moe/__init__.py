@@ -3,7 +3,7 @@
 `routing` builds the expert-sorted order of one layer's (token, expert) pairs once; `grouped_gemm`
 runs the experts on it with one of three backends (``native_torch``, ``grouped_mm``, ``triton``);
 its Triton launchers (``grouped_gemm``, ``grouped_wgrad``) are imported from that module.
-Nothing here imports transformers; the model wiring is `lightning_ft.modules.moe`.
+Nothing here imports transformers; the model wiring is `lightning_ft.model.moe`.
 """
 
 from lightning_ft.kernels.moe.grouped_gemm import (

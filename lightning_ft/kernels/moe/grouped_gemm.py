@@ -1385,7 +1385,7 @@ def moe_experts(
             through it (a checkpointed layer's recompute, where the MoE output only feeds the
             layer's residual sum): ``grouped_mm`` and ``triton`` then skip the down projection and
             the un-permute, whose backward needs neither, and return zeros attached to the graph.
-        keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
+        keep: kept activations (`lightning_ft.strategies.kept.KeptActivations`, or anything with its
             ``recompute``, ``store``, ``buffers`` and ``take``), ``grouped_mm`` only: a forward
             computes into the ``buffers`` of the call, if any (with LoRA slots the SwiGLU kernel
             writes h there as it reads it: the slotted GEMM has no ``out=``), and offers the gate/up

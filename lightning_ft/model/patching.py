@@ -11,7 +11,7 @@ What gets patched, per kernel switch:
     swiglu    every instance of the table's dense MLP classes: `forward` becomes
               `down_proj(swiglu(gate_proj(x), up_proj(x)))`. The projections are called as they are,
               so PEFT's LoRA layers on gate/up/down still apply. Qwen3-MoE's experts
-              (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in modules/moe.py.
+              (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in model/moe.py.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
     lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
@@ -19,7 +19,7 @@ What gets patched, per kernel switch:
               `lora_linear` whenever that adapter alone is active, enabled and not merged, and the
               call passes nothing but the input; PEFT's own forward otherwise, call by call. Those
               the table's ``kept_linears`` names may keep their output for the CUDA graphs'
-              recompute (`lightning_ft.modules.kept`, kind ``projections``).
+              recompute (`lightning_ft.strategies.kept`, kind ``projections``).
 
 Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
 model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
@@ -43,7 +43,7 @@ from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu
-from lightning_ft.modules import kept
+from lightning_ft.strategies import kept
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
 _SILU_ACTS = ("silu", "swish")
@@ -58,7 +58,7 @@ class PatchTable:
     rms_norm: tuple[str, ...]
     mlp: tuple[str, ...]  # gated MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x))
     # LoRA linear layers (by attribute name) whose output no op of the architecture changes in place:
-    # the CUDA graphs may keep it for the recompute (`lightning_ft.modules.kept`). Not Llama's q/k:
+    # the CUDA graphs may keep it for the recompute (`lightning_ft.strategies.kept`). Not Llama's q/k:
     # its RoPE (ours) rotates them in place; Qwen3's q/k pass through q_norm/k_norm first.
     kept_linears: tuple[str, ...] = ()
 
@@ -108,7 +108,7 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
 
 
 def _output_keepable(module: torch.nn.Module) -> bool:
-    """Whether a kept output of this LoRA layer (`lightning_ft.modules.kept`) stays right, checked per call (the
+    """Whether a kept output of this LoRA layer (`lightning_ft.strategies.kept`) stays right, checked per call (the
     forward and its recompute decide alike): its base weight and bias frozen (the kept path computes no gradient
     for them) and no forward hook that could change the output in place (it is a view of the kept buffer)."""
     base = module.base_layer

@@ -58,10 +58,10 @@ from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
-from lightning_ft.modules.attention import register_packed_attention, resolve_attention_backend
-from lightning_ft.modules.cuda_graphs import apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
-from lightning_ft.modules.moe import apply_moe, augment_expert_weights
-from lightning_ft.modules.patching import apply_kernels
+from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
+from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
+from lightning_ft.model.moe import apply_moe, augment_expert_weights
+from lightning_ft.model.patching import apply_kernels
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
 log = logging.getLogger(__name__)
@@ -370,11 +370,11 @@ class FinetuneModule(L.LightningModule):
     """Fine-tunes a transformers causal LM on `PackedBatch` micro-batches.
 
     The model is built in `configure_model` (on the target device), with the packed attention
-    backend of ``model.attention`` registered (`lightning_ft.modules.attention`; ``auto`` is resolved
+    backend of ``model.attention`` registered (`lightning_ft.model.attention`; ``auto`` is resolved
     and logged), optional gradient checkpointing, then LoRA through PEFT (or every weight
     trainable with ``lora.enabled=false``), then the fused kernels switched on in ``kernels``
-    (`lightning_ft.modules.patching`), then with ``model.cuda_graphs`` each decoder layer replayed
-    from CUDA graphs (`lightning_ft.modules.cuda_graphs`); under ``strategy=fsdp2`` the finished model is then sharded
+    (`lightning_ft.model.patching`), then with ``model.cuda_graphs`` each decoder layer replayed
+    from CUDA graphs (`lightning_ft.strategies.cuda_graphs`); under ``strategy=fsdp2`` the finished model is then sharded
     and `loss_sum` becomes the root unit's forward (`lightning_ft.strategies.fsdp2`). Checkpoints
     hold only the trainable weights.
 
@@ -384,7 +384,7 @@ class FinetuneModule(L.LightningModule):
         kernels: the ``kernels`` config group: ``rms_norm``, ``rope``, ``swiglu``, ``lora``,
             ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
         moe: the ``moe`` config group: ``backend`` (``hf`` = stock transformers experts, or
-            ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.modules.moe`)
+            ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.model.moe`)
             ``train_router`` and ``lora_slots`` (grouped_mm: `augment_expert_weights`).
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
         scheduler: a partial LR scheduler taking the optimizer, or None; it gets ``num_training_steps``
@@ -541,7 +541,7 @@ class FinetuneModule(L.LightningModule):
         multiple of `GRAPH_TOKEN_MULTIPLE` (but not past the data module's ``max_tokens``, when
         there is one), and never below the largest count padded to so far, so that packed rows
         (filled to ``data.max_tokens`` but each one a little short of it) all run at one count and
-        replay one set of graphs per document-count bucket (`lightning_ft.modules.cuda_graphs`)
+        replay one set of graphs per document-count bucket (`lightning_ft.strategies.cuda_graphs`)
         instead of each length running eagerly the first time and filling the signatures. Measured
         on GSM8K packed to 4096 tokens: 926 rows had 327 layouts; padded, 7, three of them 98% of
         the rows (the padding is 0.8% of the tokens). A row of one document is left alone: it keeps

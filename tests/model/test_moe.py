@@ -14,8 +14,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from lightning_ft.kernels.moe import BACKENDS, grouped_gemm
-from lightning_ft.modules import kept
-from lightning_ft.modules.moe import apply_moe, augment_expert_weights, revert_moe
+from lightning_ft.strategies import kept
+from lightning_ft.model.moe import apply_moe, augment_expert_weights, revert_moe
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -413,7 +413,7 @@ def test_router_logits_aux_loss_and_gradient_checkpointing():
 def test_router_top_k_runs_our_kernel_and_other_torch_calls_stay(monkeypatch):
     """HF's router runs as it is, but its torch.topk is `routing.topk` (two sparse layers: two
     calls); a top-k our kernel does not compute (here: not sorted) reaches torch.topk."""
-    import lightning_ft.modules.moe as moe_module
+    import lightning_ft.model.moe as moe_module
     from lightning_ft.kernels.moe import routing
 
     calls = []
@@ -506,7 +506,7 @@ def test_adapter_round_trip_loads_in_stock_peft(tmp_path, device):
 
 def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):
     model = _peft_model()
-    with caplog.at_level(logging.INFO, logger="lightning_ft.modules.moe"):
+    with caplog.at_level(logging.INFO, logger="lightning_ft.model.moe"):
         chosen = apply_moe(model, "auto")
     revert_moe(model)
     assert any(f"backend {chosen} (requested auto)" in r.message for r in caplog.records)

@@ -3,8 +3,8 @@
 On the CPU the graphs are stand-ins that re-run the recorded functions (the same static buffers,
 autograd wiring and recording policy); the ``gpu`` cases record real CUDA graphs.
 
-    python -m pytest -q tests/modules/test_cuda_graphs.py            (CPU)
-    python -m pytest -q -m gpu tests/modules/test_cuda_graphs.py     (GPU)
+    python -m pytest -q tests/strategies/test_cuda_graphs.py            (CPU)
+    python -m pytest -q -m gpu tests/strategies/test_cuda_graphs.py     (GPU)
 """
 
 import math
@@ -14,18 +14,18 @@ import warnings
 import pytest
 import torch
 
-import lightning_ft.modules.moe
+import lightning_ft.model.moe
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.kernels.moe import moe_experts
 from lightning_ft.kernels.moe.grouped_gemm import padded_rank
-from lightning_ft.modules.cuda_graphs import (
+from lightning_ft.strategies.cuda_graphs import (
     _STATE_ATTR,
     apply_cuda_graphs,
     cuda_graph_stats,
     keep_max_bytes,
     revert_cuda_graphs,
 )
-from lightning_ft.modules.finetune_module import FinetuneModule, _use_cuda_graphs, check_model_switches
+from lightning_ft.module import FinetuneModule, _use_cuda_graphs, check_model_switches
 
 TINY = {
     "llama": dict(
@@ -142,7 +142,7 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         output_needed.append(kwargs["output_needed"])
         return moe_experts(*args, **kwargs)
 
-    monkeypatch.setattr(lightning_ft.modules.moe, "moe_experts", spy)
+    monkeypatch.setattr(lightning_ft.model.moe, "moe_experts", spy)
     layers = apply_cuda_graphs(module.model, activation_offload=offload)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     assert layers == TINY[kind]["num_hidden_layers"]
@@ -299,7 +299,7 @@ class _CountedReplay:
 def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound():
     """The graph's ``cu_seqlens`` holds the bound's count of documents: a row with fewer gets empty
     ones at the end (offsets repeating T), copied in per batch; one document keeps its own layout."""
-    from lightning_ft.modules.cuda_graphs import _copy_into, _packed_layout, _static_like
+    from lightning_ft.strategies.cuda_graphs import _copy_into, _packed_layout, _static_like
 
     a, c, one = (_batch(name, "cpu") for name in ("a", "c", "one"))
     assert _packed_layout(a, varlen=True) == _packed_layout(c, varlen=True) == ("packed", 64, 4, 64)
@@ -318,7 +318,7 @@ def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound()
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
     """One budget for every kind: what any layer keeps (attention and experts) counts against it;
     ``model.cuda_graphs_keep_max_gib`` caps it further, on every device."""
-    from lightning_ft.modules.cuda_graphs import _ModelGraphs
+    from lightning_ft.strategies.cuda_graphs import _ModelGraphs
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 100 * gib}))

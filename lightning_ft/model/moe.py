@@ -15,7 +15,7 @@ that is a ``Qwen3MoeDecoderLayer``'s ``mlp`` only feeds the layer's residual sum
 reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
 needs neither). A block used anywhere else always computes its output.
 
-Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.modules.kept`): in a recorded
+Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.strategies.kept`): in a recorded
 layer's forward the block keeps the experts' gate/up output (split LoRA added) and its thin LoRA
 product, and the recompute reuses them, skipping the gate/up GEMM (at 8K tokens on Qwen3-30B-A3B,
 65 536 routed rows × 2048 × 1536: 0.4 TFLOP per layer-step) and the gather of the tokens into
@@ -73,8 +73,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
 from lightning_ft.kernels.moe.grouped_gemm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
-from lightning_ft.modules import kept
-from lightning_ft.modules.cuda_graphs import recomputing_for_backward
+from lightning_ft.strategies import kept
+from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
 
 __all__ = ["apply_moe", "augment_expert_weights", "revert_moe"]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules.finetune_module import FinetuneModule
-from lightning_ft.modules.patching import revert_kernels
+from lightning_ft.module import FinetuneModule
+from lightning_ft.model.patching import revert_kernels
 
 TINY_MODEL = {
     "init": "random",
@@ -94,7 +94,7 @@ def test_rows_padded_for_the_graphs_give_the_same_loss_and_gradients():
     the padding document changes neither the loss sum nor any gradient; rows of several documents
     are padded to a multiple of 256 tokens, never below the largest count so far, nor past the
     data module's max_tokens; a one-document row is left alone."""
-    from lightning_ft.modules.finetune_module import GRAPH_TOKEN_MULTIPLE
+    from lightning_ft.module import GRAPH_TOKEN_MULTIPLE
 
     module = _module()
     lengths = [[30, 3], [290, 10], [17, 9, 2], [300], [600, 50]]
@@ -122,7 +122,7 @@ def test_rows_padded_for_the_graphs_give_the_same_loss_and_gradients():
 def test_exported_adapter_loads_with_peft_and_reproduces_logits(tmp_path):
     from peft import PeftModel
 
-    from lightning_ft.modules.finetune_module import load_causal_lm
+    from lightning_ft.module import load_causal_lm
 
     module = _module()
     module.model.save_pretrained(tmp_path)
@@ -161,7 +161,7 @@ def test_a_loaded_checkpoint_trains_in_training_mode(tmp_path, init_from):
 
 
 def test_kernels_all_gives_the_stock_loss_and_lora_gradients():
-    """fp32: the fused kernels compute the same math, so 1e-5 holds (bf16 tolerances: tests/modules/test_patching.py)."""
+    """fp32: the fused kernels compute the same math, so 1e-5 holds (bf16 tolerances: tests/model/test_patching.py)."""
     batch = collate_packed(_docs([9, 1, 14], 5))
     results = []
     for kernels in ({}, {"rms_norm": True, "rope": True, "swiglu": True, "lora": True, "fused_linear_cross_entropy": True}):
@@ -340,7 +340,7 @@ def test_mixed_precision_skips_peft_input_casts_with_the_same_result():
     """Under bf16 autocast PEFT's cast of each LoRA input to fp32 changes nothing but costs copies."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from lightning_ft.modules.finetune_module import _skip_adapter_input_casts
+    from lightning_ft.module import _skip_adapter_input_casts
 
     torch.manual_seed(0)
     module = FinetuneModule(model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA)  # bf16 base, fp32 adapters
@@ -460,7 +460,7 @@ def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog):
         FinetuneModule(model=model, lora=LORA).configure_model()
     # a key the class does not declare but a model may read (Qwen3-MoE's head_dim is one) is set as given
     model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "my_note": "x"}}
-    with caplog.at_level("INFO", logger="lightning_ft.modules.finetune_module"):
+    with caplog.at_level("INFO", logger="lightning_ft.module"):
         module = FinetuneModule(model=model, lora=LORA)
         module.configure_model()
     assert module.model.config.my_note == "x" and module.model.config.head_dim == 16

@@ -22,14 +22,14 @@ layer ran when recorded (our fused kernels, HF's modules, PEFT's adapters; the f
 under no_grad, as checkpointing's first forward needs nothing saved); the tests compare with the
 eager layer.
 
-Kept activations (`lightning_ft.modules.kept`, selective checkpointing): the forward graph also
+Kept activations (`lightning_ft.strategies.kept`, selective checkpointing): the forward graph also
 keeps results that are expensive to recompute, and the backward graph's recompute reuses them:
 
 - ``keep_attention`` (on by default): each layer's attention output and log-sum-exp ([T, Hq, D]
   in bf16 plus [Hq, T] fp32 per layer and token count); the recompute skips attention's forward (at
   8K tokens 0.9 of 14.5 ms per layer-step on the Qwen3-30B-A3B shape, H200).
 - ``keep_projections`` (on by default): the outputs of the projections, the GEMMs of the layer:
-  each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.modules.patching`,
+  each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.model.patching`,
   e.g. q/k/v/o; [T, N] plus the thin [T, R] x·Aᵀ) and each MoE layer's expert gate/up output with its
   split LoRA added ([T·top_k, 2·I] plus [T·top_k, R]; ``grouped_mm`` backend); the recompute skips
   those GEMMs and their LoRA products. At 8K tokens on Qwen3-30B-A3B that is 306 MiB per layer.
@@ -92,8 +92,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
-from lightning_ft.modules.kept import KINDS, KeptActivations, keeping, stored_nbytes
+from lightning_ft.model.attention import ATTENTION_NAMES, device_cu_seqlens
+from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = [
@@ -298,7 +298,7 @@ class _ModelGraphs:
         return sum(stored_nbytes(store) for (_, k), store in self.kept_shared.items() if k in kinds)
 
     def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
-        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.modules.kept`).
+        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.strategies.kept`).
 
         On CUDA: while the peak reserved so far, everything kept so far, these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have

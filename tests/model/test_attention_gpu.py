@@ -1,7 +1,7 @@
 """Packed attention on CUDA: every backend against the per-document reference in bf16, metadata built
 once per batch, flex compiled once, and a whole training step without a host-device sync.
 
-    python -m pytest -q -m gpu tests/modules/test_attention_gpu.py
+    python -m pytest -q -m gpu tests/model/test_attention_gpu.py
 """
 
 import math
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules import attention
-from lightning_ft.modules.finetune_module import FinetuneModule, load_causal_lm
+from lightning_ft.model import attention
+from lightning_ft.module import FinetuneModule, load_causal_lm
 
 pytestmark = pytest.mark.gpu
 BACKENDS = ["varlen", "flex", "sdpa"]
