@@ -157,13 +157,14 @@ def _build(shape: dict, device, dtype: str, cuda_graphs: bool):
     (with ``cuda_graphs``: gradient checkpointing and every decoder layer replayed from CUDA graphs)."""
     import torch
 
+    from lightning_ft.model.build import ModelBuilder
     from lightning_ft.module import FinetuneModule
 
     torch.manual_seed(0)
     model = {"init": "random", "config": dict(shape), "dtype": dtype, "attention": "sdpa"}
     if cuda_graphs:
         model |= {"gradient_checkpointing": True, "cuda_graphs": True}
-    module = FinetuneModule(model=model, lora=LORA)
+    module = FinetuneModule(ModelBuilder(model=model, lora=LORA))
     with device:
         module.configure_model()
     module.model.train()

@@ -248,30 +248,3 @@ class _KeptLoRALinear(torch.autograd.Function):
         return None, None, dtoken, None, dx, None, da, db, None
 
 
-def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
-    """The adapters of a PEFT ``lora.Linear`` for which `lora_linear` is PEFT's forward, whenever that adapter
-    is the only active one, adapters are enabled and not merged, and the call has no extra arguments.
-
-    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
-    ``fan_in_fan_out``, no forward hooks or replaced ``forward``: `lora_linear` reads its weight
-    directly) whose weight and bias are frozen. These do not change while a model trains; which
-    adapter is active, merging and disabling do, and are checked at every call.
-    """
-    base = module.base_layer
-    if (
-        module.fan_in_fan_out
-        or type(base) is not torch.nn.Linear
-        or base._forward_hooks
-        or base._forward_pre_hooks
-        or "forward" in base.__dict__
-        or base.weight.requires_grad
-        or (base.bias is not None and base.bias.requires_grad)
-    ):
-        return frozenset()
-    return frozenset(
-        name
-        for name in module.lora_A
-        if name not in module.lora_variant
-        and type(module.lora_dropout[name]) is torch.nn.Identity
-        and module.lora_B[name].bias is None
-    )

@@ -71,7 +71,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
-from lightning_ft.kernels.moe.grouped_gemm import augment_expert_weight, padded_rank
+from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
@@ -165,7 +165,7 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     """Lay every frozen expert weight that carries split LoRA out with LoRA slots (in place).
 
     For the ``grouped_mm`` backend: each such ``gate_up_proj``/``down_proj`` becomes a view inside an
-    [E, N + R, C + R] tensor (`lightning_ft.kernels.moe.grouped_gemm.augment_expert_weight`), so the
+    [E, N + R, C + R] tensor (`lightning_ft.kernels.moe.grouped_mm.augment_expert_weight`), so the
     LoRA term joins the base GEMM along K in the forward and in the input gradient. The backend
     falls back to adding LoRA apart (and logs nothing) wherever the layout no longer holds: another
     rank, a moved or replaced weight, the probe's "copies" mode. Call after the adapters exist

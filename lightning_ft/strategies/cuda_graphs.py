@@ -97,7 +97,7 @@ from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = [
-    "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
+    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ _INDEX_ATTR = "_lightning_ft_cuda_graphs_index"  # on each patched layer: its po
 _SCALARS = (type(None), bool, int, float, str)
 _RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
 _FORWARD_IDS = itertools.count(1)
+GRAPH_TOKEN_MULTIPLE = 256  # graphed rows are padded to a multiple of this many tokens (`FinetuneModule.pad_for_graphs`)
 
 
 def recomputing_for_backward() -> bool:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.model import attention
 from lightning_ft.strategies import kept
-from lightning_ft.module import load_causal_lm
+from lightning_ft.model.build import load_causal_lm
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

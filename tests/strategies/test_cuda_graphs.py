@@ -17,7 +17,7 @@ import torch
 import lightning_ft.model.moe
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.kernels.moe import moe_experts
-from lightning_ft.kernels.moe.grouped_gemm import padded_rank
+from lightning_ft.kernels.moe.grouped_mm import padded_rank
 from lightning_ft.strategies.cuda_graphs import (
     _STATE_ATTR,
     apply_cuda_graphs,
@@ -25,7 +25,8 @@ from lightning_ft.strategies.cuda_graphs import (
     keep_max_bytes,
     revert_cuda_graphs,
 )
-from lightning_ft.module import FinetuneModule, _use_cuda_graphs, check_model_switches
+from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs, check_model_switches
+from lightning_ft.module import FinetuneModule
 
 TINY = {
     "llama": dict(
@@ -58,15 +59,10 @@ def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_k
         lora.pop("target_parameters")
     else:  # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
         lora["target_modules"] = [t for t in lora["target_modules"] if t not in ("gate_proj", "up_proj", "down_proj")]
-    module = FinetuneModule(
-        model={
+    module = FinetuneModule(ModelBuilder(model={
             "init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16" if cuda else "float32",
             "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True,
-        },
-        lora=lora,
-        kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda},
-        moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"},
-    )
+        }, lora=lora, kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda}, moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"}))
     with torch.device(device):
         module.configure_model()
     for name, p in module.model.named_parameters():  # non-zero lora_B: every LoRA weight gets gradient
@@ -393,31 +389,25 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
         apply_cuda_graphs(module.model)
     cuda = torch.device("cuda")  # the config checks before the build (no GPU needed to construct the device)
     graphs = {"gradient_checkpointing": True, "cuda_graphs": True}
-    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, None)
+    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
-        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, None)
+        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.attention=varlen or sdpa, not flex"):
-        _use_cuda_graphs(graphs, LORA, "flex", cuda, None)
+        _use_cuda_graphs(graphs, LORA, "flex", cuda, False)
     with pytest.raises(ValueError, match="lora.dropout=0"):
-        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, None)
+        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
     with pytest.raises(ValueError, match="cannot record moe.backend=native_torch"):
-        _use_cuda_graphs(graphs, LORA, "varlen", cuda, None, "native_torch")
+        _use_cuda_graphs(graphs, LORA, "varlen", cuda, False, "native_torch")
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
-        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, None)
+        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, False)
     moe = _module("qwen3_moe", "cpu")
     moe.model.config.output_router_logits = True  # e.g. from a checkpoint's config.json
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
         apply_cuda_graphs(moe.model)
-    cpu_graphs = FinetuneModule(
-        model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True},
-        lora={**LORA, "target_parameters": None},
-    )
+    cpu_graphs = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True}, lora={**LORA, "target_parameters": None}))
     with pytest.raises(ValueError, match="model.cuda_graphs=true needs a CUDA device"):
         cpu_graphs.configure_model()
-    offload_alone = FinetuneModule(
-        model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True},
-        lora={**LORA, "target_parameters": None},
-    )
+    offload_alone = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True}, lora={**LORA, "target_parameters": None}))
     with pytest.raises(ValueError, match="model.activation_offload=true needs model.cuda_graphs=true"):
         offload_alone.configure_model()
     with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=-2: expected a number of GiB >= 0"):
