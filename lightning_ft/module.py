@@ -21,9 +21,9 @@ Where the optimizer skips a step on the device (fused torch Adam or AdamW, `_ski
 AdamW ``fused=True`` is the config's default; the ``found_inf`` contract of `torch.amp.GradScaler`) the
 flag is handed to it as ``found_inf`` and the step is queued without waiting: the host reads the
 loss and the flag (copied to pinned memory, behind a CUDA event) only after the update is queued
-(``optimizer_step``), so the GPU never idles while the host decides. Measured at 12 layers of
-Qwen3-30B-A3B, 8K tokens: the sync before the update left the GPU idle ~2.4 ms per step, the host
-launching the update (benchmarks/RESULTS.md, session 11). Other optimizers read the flag first,
+(``optimizer_step``), so the GPU never idles while the host decides (a sync before the update
+leaves the GPU idle while the host launches the update, a few ms per step on a large MoE model;
+benchmarks/RESULTS.md). Other optimizers read the flag first,
 one device sync before the update, and skip by setting the gradients to None. A skipped step
 logs ``train/loss`` as NaN (summary.json: null). Gradient clipping under bf16-mixed works with a
 fused optimizer (`configure_gradient_clipping`; Lightning refuses it, for fp16's GradScaler).
@@ -163,9 +163,9 @@ class FinetuneModule(L.LightningModule):
         there is one), and never below the largest count padded to so far, so that packed rows
         (filled to ``data.max_tokens`` but each one a little short of it) all run at one count and
         replay one set of graphs per document-count bucket (`lightning_ft.strategies.cuda_graphs`)
-        instead of each length running eagerly the first time and filling the signatures. Measured
-        on GSM8K packed to 4096 tokens: 926 rows had 327 layouts; padded, 7, three of them 98% of
-        the rows (the padding is 0.8% of the tokens). A row of one document is left alone: it keeps
+        instead of each length running eagerly the first time and filling the signatures (on GSM8K
+        packed to 4096 tokens, a few hundred layouts become a handful, for under 1% of the tokens in
+        padding). A row of one document is left alone: it keeps
         SDPA's causal kernel (cuDNN on Hopper, faster than flash-attention 2's varlen), its graphs
         per exact length. Otherwise ``batch`` itself.
         """
@@ -397,7 +397,7 @@ def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` skips a step itself where ``found_inf`` is 1, leaving its state as if the
     step had not run: fused torch Adam/AdamW (``_step_supports_amp_scaling``). Not fused SGD: its
     first step makes the momentum buffers with ``empty_like`` and, skipped, leaves them unwritten
-    (NaN weights after the next step; found by a new-user run with torch 2.13).
+    (NaN weights after the next step, with torch 2.13).
     """
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and getattr(optimizer, "_step_supports_amp_scaling", False)
 

@@ -1,7 +1,7 @@
 """CUDA graphs for checkpointed decoder layers: two graph launches per layer instead of its kernels one by one.
 
-Why: at short rows the training step is bound by the host, not the GPU. On the H200 the 8-layer
-Qwen3-MoE step at 1K tokens kept the GPU busy 31 of 232 ms (benchmarks/RESULTS.md, session 2): each
+Why: at short rows the training step is bound by the host, not the GPU: a Qwen3-MoE step at 1K
+tokens keeps the GPU busy a small fraction of its time (benchmarks/RESULTS.md): each
 layer issues ~350 kernels through Python (HF modules, PEFT, autograd, checkpointing), and does it
 three times (forward, recompute, backward). A CUDA graph replays a recorded stream of kernels with
 one host call.

@@ -38,7 +38,7 @@ layer's forward or backward at 32K tokens; at short rows the copies are small bu
 Sources: CUDA streams and events (CUDA C++ Programming Guide); the caching allocators' stream
 semantics (``torch.cuda`` memory management notes); the offloaded checkpoints of Unsloth (a side
 stream, one staging buffer plus a second when memory allows) and torchtune's ``OffloadActivations``
-(saved-tensor hooks, reload on demand), as described in ../shared/PRIOR_ART.md: ours prefetches
+(saved-tensor hooks, reload on demand): ours prefetches
 one layer ahead and skips the last layer.
 """
 

@@ -11,7 +11,7 @@
   [S, D] rows are read once, not written and read back). The other thin LoRA products (``x A_e^T``,
   ``dy B_e``, dA_e, dB_e) run on grouped_mm or our Triton
   kernels, whichever was faster for the shape when first timed on CUDA (`_thin_product`: neither
-  wins everywhere on the H200, benchmarks/RESULTS.md "Thin expert-LoRA GEMMs"). A one-time probe
+  wins everywhere, benchmarks/RESULTS.md "Thin expert-LoRA GEMMs"). A one-time probe
   per (device, dtype) checks that the view path is correct; if only the contiguous layout is, it
   copies and logs; if grouped_mm fails, or a size is not a multiple of 16 bytes, it runs
   ``native_torch`` and logs. Sync-free on CUDA only where torch has a native grouped kernel for the
@@ -149,9 +149,8 @@ def _time_ms(fn: Callable[[], torch.Tensor], repeats: int = 10) -> float:
 
     The runs are queued behind a ~5 ms device sleep, so they run back to back on the device
     whatever their launch cost on the host: the graphs replay them that way (timed without the
-    sleep, the host's launch cost of the Triton candidate showed in its time, e.g. 149 µs
-    against 56 on the device for gate_up's dyb, and the slower candidate was picked for 3 of the 8
-    products on the H200). No L2 flush between runs
+    sleep, the host's launch cost of the Triton candidate showed in its time, several times its
+    device time, and the slower candidate was picked for some products). No L2 flush between runs
     (``triton.testing.do_bench`` allocates a 256 MB buffer per call for that, in the first step's
     backward: a higher memory peak); each product reads an [S, C] or [S, N] operand far larger
     than the L2 cache at the sizes where the choice matters.
@@ -177,13 +176,11 @@ def _thin_product(
     x as [T, C] tokens through the routing, `_KeptGroupedMMLinear`) on grouped_mm or our Triton
     kernels, whichever ran faster the first time this shape was seen on this device.
 
-    Why: which is faster depends on the shape and on how it runs. On the H200 at 65 536 rows, 128
-    experts, R = 16, bf16 (Qwen3-30B-A3B's experts), one call at a time with L2 flushed
-    (``do_bench``) Triton led for gate_up's four products and down's dB and grouped_mm for down's
-    xa, dyb and dA (session 11); back to back on the device, as the graphs replay them, Triton led
-    all eight (session 12: gate_up xa 72 µs against 98, dyb 56 against 88; down xa 30 against 49,
-    dB 71 against 124; results/2026-12-01-h200-s12/thin_choices.txt). So it is timed per shape, not
-    fixed. Both compute the same products with fp32 accumulation, in the inputs' dtype.
+    Why: which is faster depends on the shape and on how it runs. On an H200 at Qwen3-30B-A3B's
+    expert shapes (65 536 rows, 128 experts, R = 16, bf16), one call at a time with L2 flushed
+    (``do_bench``) each kernel led for some of the products; back to back on the device, as the
+    graphs replay them, Triton led all eight. So it is timed per shape, not fixed. Both compute the
+    same products with fp32 accumulation, in the inputs' dtype.
 
     The key is the product, the wide size of ``rows_S`` ([S, C] or [S, N]), E and R from ``a_ERC``,
     dtype, device, and S rounded up to a power of two (packed batches vary S; one timing per bucket).
@@ -223,9 +220,8 @@ class _PermuteThin(torch.autograd.Function):
     """`permute_tokens` with the projection's thin LoRA middle: x_SD = x_TD[token_idx_S] and
     xa_SR = s x_SD A_e^T [S, R] from one Triton pass (`grouped_gemm(gathered_out=...)`).
 
-    Apart, the gather writes the [S, D] copy and the thin GEMM reads it back (H200, 65 536 rows of
-    2048 bf16, Qwen3-30B-A3B at 8K tokens: 134 + 86 µs per layer in the forward graph, session 19's
-    profile). xa_SR is not differentiable here: `_GroupedMMLinear`, given it, differentiates A
+    Apart, the gather writes the [S, D] copy and the thin GEMM reads it back (two passes over the
+    [S, D] rows, where this reads them once). xa_SR is not differentiable here: `_GroupedMMLinear`, given it, differentiates A
     itself. The backward is `permute_tokens`'s (each token's K pair gradients summed).
     """
 
@@ -277,8 +273,7 @@ class _UnpermuteThin(torch.autograd.Function):
     """`unpermute_tokens` whose backward (the gather of the output gradient into expert-sorted rows)
     also computes the down projection's thin s dy B_e [S, R] from the rows it loads, one Triton pass
     (`grouped_gemm(gathered_out=...)`), and leaves it in ``handoff`` for that projection's backward:
-    at 8K tokens of Qwen3-30B-A3B the gather and the thin GEMM apart cost 137 + 87 µs per layer
-    (session 19's profile), each reading or writing the [S, D] rows."""
+    the gather and the thin GEMM apart each read or write the [S, D] rows."""
 
     @staticmethod
     def forward(ctx, y_SD, b_ENR, scaling, token_idx_S, inv_pair_S, offsets_E, top_k, output_needed, grad_pad, handoff):
@@ -486,10 +481,9 @@ def augment_expert_weight(weight_ENC: torch.nn.Parameter, rank: int) -> bool:
     middle written into spare columns of x's rows) and the input gradient one GEMM
     ``[dy | s dy B] [W ; A]``, where otherwise a Triton pass reads and writes the [S, N] output (the
     [S, C] input gradient) to add the LoRA term.
-    B·A is never formed, and the sum is rounded once instead of twice. Measured on the H200 at
-    65 536 rows, 128 experts, R = 16 (Qwen3-30B-A3B at 8K tokens, µs per layer, the GEMMs alone):
-    gate/up forward 833 → 732, its input gradient 954 → 840; down 590 → 442 and 513 → 482; the
-    12-layer step 1–2% faster (benchmarks/RESULTS.md, session 16). Costs R·(N + C) elements per
+    B·A is never formed, and the sum is rounded once instead of twice. At Qwen3-30B-A3B's expert
+    shapes each expert GEMM and its input gradient get faster and the training step a little
+    (benchmarks/RESULTS.md). Costs R·(N + C) elements per
     expert: 26 MB per Qwen3-30B-A3B layer in bf16 (``moe.lora_slots=false`` for the least memory).
 
     Args:
