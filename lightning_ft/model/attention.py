@@ -436,11 +436,7 @@ def _cudnn_runs(q: torch.Tensor) -> bool:
 
 
 def varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    batch: PackedBatch,
-    scaling: float | None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Flash-attention varlen over the documents of ``batch``; query [1, Hq, T, D] → output [1, T, Hq, D].
@@ -486,11 +482,7 @@ def varlen_attention(
 
 
 def flex_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    batch: PackedBatch,
-    scaling: float | None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """FlexAttention with the batch's document-causal BlockMask; query [1, Hq, T, D] → output [1, T, Hq, D]."""

@@ -73,6 +73,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
 from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
+from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
 
@@ -147,13 +148,9 @@ def revert_moe(model: torch.nn.Module) -> int:
     reverted = 0
     for module in model.modules():
         if hasattr(module, _BACKEND_ATTR):
-            previous_forward = getattr(module, _PREVIOUS_FORWARD_ATTR)
-            del module.forward
-            if previous_forward is not None:
-                module.forward = previous_forward
-            delattr(module, _BACKEND_ATTR)
-            delattr(module, _PREVIOUS_FORWARD_ATTR)
-            delattr(module, _FEEDS_RESIDUAL_ATTR)
+            restore_instance_attr(module, "forward", getattr(module, _PREVIOUS_FORWARD_ATTR))
+            for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR):
+                delattr(module, name)
             reverted += 1
         if hasattr(module, _ROUTER_GRAD_ATTR):
             module.weight.requires_grad_(getattr(module, _ROUTER_GRAD_ATTR))

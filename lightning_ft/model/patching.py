@@ -132,6 +132,14 @@ def _restore_forward(module: torch.nn.Module, previous: object) -> None:
         module.forward = previous
 
 
+def restore_instance_attr(module: torch.nn.Module, name: str, previous: object | None) -> None:
+    """Remove the instance attribute ``name`` a patch set on ``module`` and put back ``previous``, the
+    instance attribute it replaced (None: there was none, so the class's shows again)."""
+    delattr(module, name)
+    if previous is not None:
+        setattr(module, name, previous)
+
+
 def _patch_forwards(
     model: torch.nn.Module, classes: tuple[type, ...], fused: Callable, undo: list[Callable[[], None]]
 ) -> int:

@@ -93,6 +93,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.model.attention import ATTENTION_NAMES, device_cu_seqlens
+from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
@@ -707,12 +708,8 @@ def revert_cuda_graphs(model: torch.nn.Module) -> int:
     for layer in model.modules():
         if hasattr(layer, _STATE_ATTR):
             del layer.forward
-            previous = getattr(layer, _CHECKPOINTING_ATTR)
-            del layer.gradient_checkpointing
-            if previous is not None:
-                layer.gradient_checkpointing = previous
-            delattr(layer, _STATE_ATTR)
-            delattr(layer, _CHECKPOINTING_ATTR)
-            delattr(layer, _INDEX_ATTR)
+            restore_instance_attr(layer, "gradient_checkpointing", getattr(layer, _CHECKPOINTING_ATTR))
+            for name in (_STATE_ATTR, _CHECKPOINTING_ATTR, _INDEX_ATTR):
+                delattr(layer, name)
             reverted += 1
     return reverted

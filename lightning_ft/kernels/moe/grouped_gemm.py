@@ -71,6 +71,35 @@ _AUTOTUNE_KW = {"cache_results": True} if "cache_results" in inspect.signature(t
 
 
 @triton.jit
+def _load_tile(ptr, rows, cols, stride_row, stride_col, row_mask, col_mask):
+    """The [rows, cols] tile at ``ptr + rows * stride_row + cols * stride_col``, zeros outside the masks."""
+    return tl.load(
+        ptr + rows[:, None] * stride_row + cols[None, :] * stride_col,
+        mask=row_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _row_index(idx_ptr, rows, mask, GATHER: tl.constexpr):
+    """The int64 rows to address: ``idx[rows]`` (0 outside ``mask``) with GATHER, else ``rows``."""
+    if GATHER:
+        index = tl.load(idx_ptr + rows, mask=mask, other=0).to(tl.int64)
+    else:
+        index = rows.to(tl.int64)
+    return index
+
+
+@triton.jit
+def _dot_operands(a, b, DOT_UPCAST: tl.constexpr):
+    """``a`` and ``b`` as ``tl.dot`` takes them: upcast to fp32 where `_dot_options` says so."""
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
     gathered_ptr,
@@ -115,10 +144,7 @@ def _grouped_gemm_body(
 
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
-    if GATHER:
-        src_rows = tl.load(src_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    else:
-        src_rows = rows.to(tl.int64)
+    src_rows = _row_index(src_idx_ptr, rows, row_mask, GATHER)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_C)
@@ -129,11 +155,7 @@ def _grouped_gemm_body(
     for k_tile in range(0, num_k_tiles):
         k = k_tile * BLOCK_C + ks
         k_mask = k < C
-        a = tl.load(
-            src_ptr + src_rows[:, None] * stride_src_m + k[None, :] * stride_src_c,
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
+        a = _load_tile(src_ptr, src_rows, k, stride_src_m, stride_src_c, row_mask, k_mask)
         if STORE_GATHERED:
             if pid_n == 0:
                 tl.store(
@@ -141,42 +163,23 @@ def _grouped_gemm_body(
                     a,
                     mask=row_mask[:, None] & k_mask[None, :],
                 )
-        b = tl.load(
-            w_base + k[:, None] * stride_w_c + cols[None, :] * stride_w_n,
-            mask=k_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if DOT_UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
+        a, b = _dot_operands(a, b, DOT_UPCAST)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     if HAS_LORA:
         r = tl.arange(0, BLOCK_R)
         r_mask = r < R
-        mid = tl.load(
-            mid_ptr + rows.to(tl.int64)[:, None] * stride_mid_m + r[None, :] * stride_mid_r,
-            mask=row_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        lora_b = tl.load(
-            lora_b_ptr + expert * stride_lb_e + r[:, None] * stride_lb_r + cols[None, :] * stride_lb_n,
-            mask=r_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if DOT_UPCAST:
-            mid = mid.to(tl.float32)
-            lora_b = lora_b.to(tl.float32)
+        mid = _load_tile(mid_ptr, rows.to(tl.int64), r, stride_mid_m, stride_mid_r, row_mask, r_mask)
+        lora_b = _load_tile(lora_b_ptr + expert * stride_lb_e, r, cols, stride_lb_r, stride_lb_n, r_mask, col_mask)
+        mid, lora_b = _dot_operands(mid, lora_b, DOT_UPCAST)
         acc += scaling * tl.dot(mid, lora_b, input_precision=INPUT_PRECISION)
 
     if ROW_SCALE:
         scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
     acc = acc * alpha
-    if SCATTER:
-        out_rows = tl.load(out_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    else:
-        out_rows = rows.to(tl.int64)
+    out_rows = _row_index(out_idx_ptr, rows, row_mask, SCATTER)
     out_ptrs = out_ptr + out_rows[:, None] * stride_out_m + cols[None, :] * stride_out_n
     out_mask = row_mask[:, None] & col_mask[None, :]
     if ACCUMULATE:
@@ -188,12 +191,7 @@ def _grouped_gemm_body(
 _GEMM_AUTOTUNE = dict(
     configs=_configs(
         ("BLOCK_M", "BLOCK_N", "BLOCK_C"),
-        gpu=[
-            (64, 128, 64, 4, 3),
-            (128, 64, 64, 4, 4),
-            (128, 128, 64, 8, 3),
-            (64, 64, 64, 4, 4),
-        ],
+        gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4)],
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "ACCUMULATE", "STORE_GATHERED"],
@@ -213,11 +211,7 @@ _grouped_gemm_accumulate_kernel = triton.autotune(**_GEMM_AUTOTUNE, restore_valu
 @triton.autotune(
     configs=_configs(
         ("BLOCK_M", "BLOCK_N", "BLOCK_S"),
-        gpu=[
-            (64, 64, 64, 4, 3),
-            (128, 64, 32, 4, 3),
-            (64, 128, 32, 4, 3),
-        ],
+        gpu=[(64, 64, 64, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)],
         interpret=(16, 64, 64),
     ),
     key=["M", "N", "L_GATHER", "R_GATHER", "ROW_SCALE"],
@@ -256,30 +250,14 @@ def _grouped_wgrad_kernel(
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         s_mask = s < end
-        if L_GATHER:
-            l_rows = tl.load(l_idx_ptr + s, mask=s_mask, other=0).to(tl.int64)
-        else:
-            l_rows = s.to(tl.int64)
-        if R_GATHER:
-            r_rows = tl.load(r_idx_ptr + s, mask=s_mask, other=0).to(tl.int64)
-        else:
-            r_rows = s.to(tl.int64)
-        lhs = tl.load(
-            l_ptr + l_rows[:, None] * stride_l_s + ms[None, :] * stride_l_m,
-            mask=s_mask[:, None] & m_mask[None, :],
-            other=0.0,
-        )
+        l_rows = _row_index(l_idx_ptr, s, s_mask, L_GATHER)
+        r_rows = _row_index(r_idx_ptr, s, s_mask, R_GATHER)
+        lhs = _load_tile(l_ptr, l_rows, ms, stride_l_s, stride_l_m, s_mask, m_mask)
         if ROW_SCALE:
             scale = tl.load(row_scale_ptr + s, mask=s_mask, other=0.0).to(tl.float32)
             lhs = (lhs.to(tl.float32) * scale[:, None]).to(l_ptr.dtype.element_ty)
-        rhs = tl.load(
-            r_ptr + r_rows[:, None] * stride_r_s + ns[None, :] * stride_r_n,
-            mask=s_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        if DOT_UPCAST:
-            lhs = lhs.to(tl.float32)
-            rhs = rhs.to(tl.float32)
+        rhs = _load_tile(r_ptr, r_rows, ns, stride_r_s, stride_r_n, s_mask, n_mask)
+        lhs, rhs = _dot_operands(lhs, rhs, DOT_UPCAST)
         acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=INPUT_PRECISION)
     tl.store(
         out_ptr + expert * stride_out_e + ms[:, None] * stride_out_m + ns[None, :] * stride_out_n,
