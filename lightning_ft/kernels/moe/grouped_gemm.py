@@ -13,7 +13,8 @@
 
 `grouped_gemm` and `grouped_wgrad` are also the thin LoRA products of the ``grouped_mm`` backend
 (`lightning_ft.kernels.moe.grouped_mm`) and its fused gathers. Math, shapes and split LoRA:
-`lightning_ft.kernels.moe._common`; the plain-torch reference of the backend is ``native_torch``.
+`lightning_ft.kernels.moe._common`; the plain-torch reference of the backend is ``native_torch``, those of
+the two launchers `grouped_gemm_reference` and `grouped_wgrad_reference`.
 
 Sources: the Triton matmul tutorial for tiling.
 """
@@ -29,7 +30,7 @@ import triton.language as tl
 from lightning_ft.kernels.moe._common import _INTERPRET, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
 
-__all__ = ["grouped_gemm", "grouped_wgrad"]
+__all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_wgrad", "grouped_wgrad_reference"]
 
 
 def _clamped(configs, caps: dict[str, int]) -> list:
@@ -426,6 +427,63 @@ def grouped_wgrad(
         **_dot_options(lhs_SM.dtype),
     )
     return out
+
+
+def grouped_gemm_reference(
+    src: torch.Tensor,
+    w_ECN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    num_rows: int,
+    *,
+    src_idx_S: torch.Tensor | None = None,
+    out_idx_S: torch.Tensor | None = None,
+    row_scale_S: torch.Tensor | None = None,
+    lora_mid_SR: torch.Tensor | None = None,
+    lora_b_ERN: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    accumulate_into: torch.Tensor | None = None,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """Plain-torch reference of `grouped_gemm` (same arguments but ``out`` and ``gathered_out``):
+    each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype."""
+    ends = offsets_E.long().cpu()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    expert_S = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(src.device)
+    rows_SC = (src[src_idx_S] if src_idx_S is not None else src[:num_rows]).float()
+    per_row = torch.einsum("sc,scn->sn", rows_SC, w_ECN.float()[expert_S])
+    if lora_mid_SR is not None:
+        per_row = per_row + scaling * torch.einsum("sr,srn->sn", lora_mid_SR.float(), lora_b_ERN.float()[expert_S])
+    if row_scale_S is not None:
+        per_row = per_row * row_scale_S.float()[:, None]
+    out = torch.empty_like(per_row)
+    out[out_idx_S if out_idx_S is not None else slice(None)] = per_row * alpha
+    if accumulate_into is not None:
+        out = out + accumulate_into.float()
+    return out.to(src.dtype)
+
+
+def grouped_wgrad_reference(
+    lhs_SM: torch.Tensor,
+    rhs_SN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    lhs_idx_S: torch.Tensor | None = None,
+    rhs_idx_S: torch.Tensor | None = None,
+    row_scale_S: torch.Tensor | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """Plain-torch reference of `grouped_wgrad`: per expert, ``scaling * Σ scale[p] lhs[lrow(p)]^T
+    rhs[rrow(p)]`` over its rows, in fp32, returned in ``lhs_SM``'s dtype ([E, M, N]; zeros for an
+    expert with no rows)."""
+    ends = offsets_E.long().cpu().tolist()
+    out = []
+    for start, end in zip([0, *ends[:-1]], ends):
+        rows = torch.arange(start, end, device=lhs_SM.device)
+        lhs = lhs_SM[lhs_idx_S[rows] if lhs_idx_S is not None else rows].float()
+        if row_scale_S is not None:
+            lhs = lhs * row_scale_S[rows].float()[:, None]
+        out.append(scaling * lhs.T @ rhs_SN[rhs_idx_S[rows] if rhs_idx_S is not None else rows].float())
+    return torch.stack(out).to(lhs_SM.dtype)
 
 
 class _GatherGroupedLinear(torch.autograd.Function):

@@ -4,7 +4,12 @@ against their plain-torch references."""
 import pytest
 import torch
 
-from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
+from lightning_ft.kernels.moe.grouped_gemm import (
+    grouped_gemm,
+    grouped_gemm_reference,
+    grouped_wgrad,
+    grouped_wgrad_reference,
+)
 from moe_cases import DEVICES, TOL, _assert_close, _skip_unless_runnable
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -33,6 +38,11 @@ def test_triton_grouped_gemm_gather_scatter_lora(device):
     expected = torch.empty_like(out)
     expected[out_idx] = per_row * scale[:, None]
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    reference = grouped_gemm_reference(
+        src, w_ECN, offsets, rows, src_idx_S=src_idx, out_idx_S=out_idx, row_scale_S=scale,
+        lora_mid_SR=mid, lora_b_ERN=lora_b, scaling=0.5,
+    )
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -57,6 +67,7 @@ def test_triton_grouped_gemm_accumulates_in_place(device, dtype):
     assert grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out, out=dest) is dest
     torch.testing.assert_close(dest.float(), expected, **tolerance)
     assert torch.equal(out, before)
+    torch.testing.assert_close(grouped_gemm_reference(mid, b_ERN, offsets, rows, accumulate_into=before).float(), expected, **tolerance)
     result = grouped_gemm(mid, b_ERN, offsets, rows, accumulate_into=out)
     assert result is out
     torch.testing.assert_close(out.float(), expected, **tolerance)
@@ -109,3 +120,5 @@ def test_triton_grouped_wgrad_ragged_with_empty_expert(device):
     expected = torch.stack([2.0 * (lhs[s:e] * scale[s:e, None]).T @ rhs[rhs_idx[s:e]] for s, e in bounds])
     assert torch.all(out[0] == 0)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    reference = grouped_wgrad_reference(lhs, rhs, offsets, rhs_idx_S=rhs_idx, row_scale_S=scale, scaling=2.0)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
