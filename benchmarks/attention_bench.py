@@ -157,13 +157,14 @@ def _build(shape: dict, device, dtype: str, cuda_graphs: bool):
     (with ``cuda_graphs``: gradient checkpointing and every decoder layer replayed from CUDA graphs)."""
     import torch
 
-    from lightning_ft.modules.finetune_module import FinetuneModule
+    from lightning_ft.model.build import ModelBuilder
+    from lightning_ft.module import FinetuneModule
 
     torch.manual_seed(0)
     model = {"init": "random", "config": dict(shape), "dtype": dtype, "attention": "sdpa"}
     if cuda_graphs:
         model |= {"gradient_checkpointing": True, "cuda_graphs": True}
-    module = FinetuneModule(model=model, lora=LORA)
+    module = FinetuneModule(ModelBuilder(model=model, lora=LORA))
     with device:
         module.configure_model()
     module.model.train()
@@ -220,7 +221,7 @@ def run(args, device, auto: str) -> tuple[list[Row], str]:
     where the document lengths came from."""
     import torch
 
-    from lightning_ft.modules import attention
+    from lightning_ft.model import attention
 
     start = time.perf_counter()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -281,7 +282,7 @@ def run(args, device, auto: str) -> tuple[list[Row], str]:
 
 
 def _graph_calls(module) -> tuple[int, int] | None:
-    from lightning_ft.modules.cuda_graphs import cuda_graph_stats
+    from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
 
     stats = cuda_graph_stats(module.model)
     return None if stats is None else (stats["replayed_layer_calls"], stats["eager_layer_calls"])
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from lightning_ft.modules import attention
+    from lightning_ft.model import attention
 
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs CUDA (or --smoke for the CPU check)")

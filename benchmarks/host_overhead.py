@@ -26,7 +26,9 @@ import time
 import torch
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules.finetune_module import FinetuneModule, _skip_adapter_input_casts
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.model.lora import _skip_adapter_input_casts
+from lightning_ft.module import FinetuneModule
 
 CONFIGS = {
     "llama": dict(model_type="llama", intermediate_size=128),
@@ -45,12 +47,12 @@ def measure(model: str, layers: int, moe: str, kernels: dict[str, bool], timed_s
     torch.manual_seed(0)
     config = dict(CONFIGS[model], hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, vocab_size=256, tie_word_embeddings=False)
-    module = FinetuneModule(
+    module = FinetuneModule(ModelBuilder(
         model={"init": "random", "config": config, "gradient_checkpointing": True, "dtype": "bfloat16"},
         lora={"rank": 4, "alpha": 8, "dropout": 0.0, **TARGETS[model]},
         kernels=kernels,
         moe={"backend": moe},
-    )
+    ))
     module.configure_model()
     _skip_adapter_input_casts(module.model)  # as under Lightning's bf16-mixed precision
     tokens = list(range(1, 128))

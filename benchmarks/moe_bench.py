@@ -6,7 +6,7 @@ expert intermediate 768, 128 experts, top-8, LoRA r16 alpha 32 on ``gate_up_proj
 
 * ``hf_peft``: transformers' ``grouped_mm`` experts implementation with PEFT ``target_parameters``
   LoRA (PEFT adds the materialised B·A to every expert weight each forward);
-* ``native_torch``, ``grouped_mm``, ``triton``: `lightning_ft.modules.moe.apply_moe` on the same
+* ``native_torch``, ``grouped_mm``, ``triton``: `lightning_ft.model.moe.apply_moe` on the same
   block (split LoRA on PEFT's own tensors);
 * ``routing_sort`` / ``routing_where``: routing alone (top-k, then dispatch to expert order and the
   weighted combine back, no expert math) with our stable sort + searchsorted offsets against the
@@ -128,7 +128,7 @@ def run(smoke: bool, token_counts: list[int] | None = None) -> dict:
     import transformers
     import triton
 
-    from lightning_ft.modules.moe import apply_moe, revert_moe
+    from lightning_ft.model.moe import apply_moe, revert_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not smoke and device != "cuda":

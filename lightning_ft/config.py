@@ -82,7 +82,7 @@ class KernelsConfig:
 class MoeConfig:
     """``moe=``: how Mixture-of-Experts layers run (``hf``: stock transformers experts)."""
 
-    backend: str = "hf"  # hf | auto | native_torch | grouped_mm | triton (lightning_ft.modules.moe)
+    backend: str = "hf"  # hf | auto | native_torch | grouped_mm | triton (lightning_ft.model.moe)
     train_router: bool = False
     # grouped_mm: frozen expert weights hold their LoRA factors in spare rows and columns, so LoRA
     # joins the expert GEMMs (faster steps for R*(N+C) more elements per expert)

@@ -31,7 +31,8 @@ from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
-from lightning_ft.modules.finetune_module import FinetuneModule, check_model_switches
+from lightning_ft.model.build import ModelBuilder, check_model_switches
+from lightning_ft.module import FinetuneModule
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
@@ -181,7 +182,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
             ``optimizer.lr`` that is negative or not a number, an unknown ``moe.backend``, or
             ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
     """
-    from lightning_ft.kernels.moe.grouped_gemm import BACKENDS
+    from lightning_ft.kernels.moe.experts import BACKENDS
 
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
@@ -295,14 +296,17 @@ def _train(
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data, resolve=True),
     )
-    module = FinetuneModule(
+    builder = ModelBuilder(
         model=OmegaConf.to_container(cfg.model, resolve=True),
         lora=OmegaConf.to_container(cfg.lora, resolve=True),
         kernels=OmegaConf.to_container(cfg.kernels, resolve=True),
         moe=OmegaConf.to_container(cfg.moe, resolve=True),
+        vocab_size=len(tokenizer),
+    )
+    module = FinetuneModule(
+        builder,
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.scheduler else None,
-        vocab_size=len(tokenizer),
         on_nonfinite=cfg.train.on_nonfinite,
     )
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]

@@ -124,7 +124,7 @@ def test_adapter_trained_elsewhere_with_peft_continues_training(tmp_path):
     from safetensors.torch import load_file
     from test_cli import _compose
 
-    from lightning_ft.modules.finetune_module import load_causal_lm
+    from lightning_ft.model.build import load_causal_lm
 
     cfg = _compose([f"run_dir={tmp_path}"])  # the default model: the tiny Qwen3-MoE
     base = load_causal_lm(None, "random", OmegaConf.to_container(cfg.model.config), vocab_size=512)

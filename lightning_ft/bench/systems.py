@@ -108,7 +108,7 @@ def hf_peft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int,
             raise ImportError(f"liger-kernel not importable: {type(err).__name__}: {err}{_INSTALL_HINT}") from err
 
         getattr(lk, _LIGER_PATCHES[spec["model_config"]["model_type"]])()
-    from lightning_ft.modules.finetune_module import add_lora
+    from lightning_ft.model.lora import add_lora
 
     return _train(add_lora(_hf_model(spec), spec["lora"]), spec, input_ids, num_steps)
 
@@ -219,8 +219,9 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     import lightning as L
 
     from lightning_ft.data.packing import collate_packed
-    from lightning_ft.modules.cuda_graphs import cuda_graph_stats
-    from lightning_ft.modules.finetune_module import FinetuneModule
+    from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
+    from lightning_ft.model.build import ModelBuilder
+    from lightning_ft.module import FinetuneModule
 
     class StepTimerCallback(StepTimer, L.Callback):
         """`StepTimer` as a Lightning callback (its hooks take Lightning's arguments)."""
@@ -228,7 +229,7 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     ids = input_ids[0].tolist()
     batch = collate_packed([(ids, ids)])
     timer = StepTimerCallback(spec)
-    module = FinetuneModule(
+    builder = ModelBuilder(
         model={
             "init": "random",
             "config": dict(spec["model_config"]),
@@ -239,8 +240,8 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
         lora=spec["lora"],
         kernels=spec["kernels"],
         moe=spec["moe"],
-        optimizer=lambda params: adamw(params, spec),
     )
+    module = FinetuneModule(builder, optimizer=lambda params: adamw(params, spec))
     cuda = spec["device"].startswith("cuda")
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_ft.callbacks.throughput import TokenThroughput
 from lightning_ft.errors import TrainingStopped
-from lightning_ft.modules.cuda_graphs import cuda_graph_stats
+from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
 from lightning_ft.strategies.fsdp2 import gather_state_dict
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class RunSummary(L.Callback):
       ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``), the data
       statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``cuda_graphs``
       (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
-      recorded, attention and projection outputs kept; `lightning_ft.modules.cuda_graphs.cuda_graph_stats`),
+      recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.
     - ``loss_curve.png``.

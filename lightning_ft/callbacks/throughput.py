@@ -9,7 +9,7 @@ import lightning as L
 from typing_extensions import override
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.modules.finetune_module import host_scalar
+from lightning_ft.module import host_scalar
 
 
 class TokenThroughput(L.Callback):

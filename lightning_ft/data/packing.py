@@ -98,7 +98,7 @@ class PackedBatch:
         targets: the loss, ``num_target_tokens`` and the step counts are the batch's. Tensors stay on
         their device (the new ones are made there); ``cu_seqlens`` stays on the host; the cache is fresh.
 
-        Why: CUDA graphs are recorded per token count (`lightning_ft.modules.cuda_graphs`), and packed
+        Why: CUDA graphs are recorded per token count (`lightning_ft.strategies.cuda_graphs`), and packed
         rows each have their own; padded to one count, every row replays the same graphs.
 
         Raises:

@@ -1,6 +1,6 @@
 """Fused Triton ops of the training hot path, one module per op: the kernels, their launchers, one
 torch.autograd.Function and a plain-torch reference of the same math. Nothing here imports
-transformers; the HF wiring lives in `lightning_ft.modules.patching`.
+transformers; the HF wiring lives in `lightning_ft.model.patching`.
 
     rms_norm.rms_norm(x, weight, eps)                            RMSNorm (HF Llama/Qwen3 math)
     rope.apply_rope(q, k, cos, sin)                               RoPE on q and k, in place

@@ -51,6 +51,6 @@ def persistent_programs(device: torch.device) -> int:
 def row_padded(num_rows: int, num_cols: int, pad: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised [rows, cols] tensor like ``like``; with ``pad`` > 0 a view of [rows, cols +
     pad] rows, whose spare columns a LoRA-augmented expert GEMM writes its thin LoRA middle into
-    (`lightning_ft.kernels.moe.grouped_gemm.augment_expert_weight`). index_select writes such rows
+    (`lightning_ft.kernels.moe.grouped_mm.augment_expert_weight`). index_select writes such rows
     about as fast as contiguous ones on Hopper, so the padding costs no bandwidth."""
     return like.new_empty(num_rows, num_cols + pad)[:, :num_cols] if pad else like.new_empty(num_rows, num_cols)

@@ -14,7 +14,7 @@ agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and othe
 bias and trainable base weights are not covered: `lora_linear_adapters` says for which adapters
 this is the same math as PEFT's forward.
 
-Kept projections (CUDA graphs, `lightning_ft.modules.kept`): a forward offers (y, h) to ``keep``
+Kept projections (CUDA graphs, `lightning_ft.strategies.kept`): a forward offers (y, h) to ``keep``
 (a later forward, the CUDA graphs' recording and replays, computes them straight into the kept
 buffers: at 8K tokens of Qwen3-30B-A3B, 112 MiB of q/k/v/o outputs per layer not copied); the
 recompute of that forward takes them back and returns y through `_KeptLoRALinear`, which runs no
@@ -27,10 +27,10 @@ for each layer inside the base GEMM (its epilogue reads dx: ``addmm_``). Autogra
 each product, adds base and LoRA per layer, then adds the layers' sums: per layer one [T, K] pass
 to write the LoRA product and one add, and an add per extra reader. The products are the same; the
 sum rounds once per GEMM instead of once per add (fp32: ~1e-7 relative; bf16: as close to the
-float64 sum as autograd's, tested). Measured (H200, bf16, 8K tokens of Qwen3-30B-A3B, CUDA-graph
-replay; session 21's micro): q/k/v's input gradient 452.7 → 340.5 µs, o's 283.5 → 238.2 µs. An x
+float64 sum as autograd's, tested). On an H200 under CUDA-graph replay (bf16, Qwen3-30B-A3B shapes)
+the input gradient of q/k/v takes about a quarter less time, o's about a sixth less. An x
 in another dtype than the products (an fp32 input under bf16 autocast) keeps autograd's sum, in x's
-dtype. Frozen base weights only: the caller (`lightning_ft.modules.patching`) keeps nothing otherwise.
+dtype. Frozen base weights only: the caller (`lightning_ft.model.patching`) keeps nothing otherwise.
 
 Source of the method: LoRA, Hu et al. 2021 (arXiv:2106.09685); the layer layout is PEFT 0.21's
 ``peft.tuners.lora.layer.Linear``.
@@ -68,7 +68,7 @@ def lora_linear(
         lora_A: [r, K] and lora_B: [N, r] adapter weights (PEFT keeps them in fp32; under autocast
             they are cast like any matmul operand).
         scaling: PEFT's ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
-        keep: kept activations (`lightning_ft.modules.kept.KeptActivations`, or anything with its
+        keep: kept activations (`lightning_ft.strategies.kept.KeptActivations`, or anything with its
             ``recompute``, ``store``, ``buffers`` and ``take``), with ``weight`` and ``bias`` frozen:
             a forward offers (y, h = x Aᵀ) to ``store`` (a later forward computes them straight
             into the keep's ``buffers`` where their dtypes allow: no copy); a recompute of it on
@@ -210,7 +210,7 @@ class _KeptLoRALinear(torch.autograd.Function):
 
     each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
     PEFT keeps A and B in fp32). Saves x (cast to y's dtype), h and the weights. No gradient for the
-    base weight (frozen: `lightning_ft.modules.patching`). With a ``token`` (`_shared_input`), x's
+    base weight (frozen: `lightning_ft.model.patching`). With a ``token`` (`_shared_input`), x's
     terms go to ``input_grad`` (summed there with the other readers' of x) and the token gets an empty
     gradient; without one, dx's two paths are cast to x's dtype and summed there (as autograd sums them).
     """
@@ -248,30 +248,3 @@ class _KeptLoRALinear(torch.autograd.Function):
         return None, None, dtoken, None, dx, None, da, db, None
 
 
-def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
-    """The adapters of a PEFT ``lora.Linear`` for which `lora_linear` is PEFT's forward, whenever that adapter
-    is the only active one, adapters are enabled and not merged, and the call has no extra arguments.
-
-    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
-    ``fan_in_fan_out``, no forward hooks or replaced ``forward``: `lora_linear` reads its weight
-    directly) whose weight and bias are frozen. These do not change while a model trains; which
-    adapter is active, merging and disabling do, and are checked at every call.
-    """
-    base = module.base_layer
-    if (
-        module.fan_in_fan_out
-        or type(base) is not torch.nn.Linear
-        or base._forward_hooks
-        or base._forward_pre_hooks
-        or "forward" in base.__dict__
-        or base.weight.requires_grad
-        or (base.bias is not None and base.bias.requires_grad)
-    ):
-        return frozenset()
-    return frozenset(
-        name
-        for name in module.lora_A
-        if name not in module.lora_variant
-        and type(module.lora_dropout[name]) is torch.nn.Identity
-        and module.lora_B[name].bias is None
-    )

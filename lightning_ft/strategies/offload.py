@@ -38,7 +38,7 @@ layer's forward or backward at 32K tokens; at short rows the copies are small bu
 Sources: CUDA streams and events (CUDA C++ Programming Guide); the caching allocators' stream
 semantics (``torch.cuda`` memory management notes); the offloaded checkpoints of Unsloth (a side
 stream, one staging buffer plus a second when memory allows) and torchtune's ``OffloadActivations``
-(saved-tensor hooks, reload on demand), as described in ../shared/PRIOR_ART.md: ours prefetches
+(saved-tensor hooks, reload on demand): ours prefetches
 one layer ahead and skips the last layer.
 """
 
@@ -273,7 +273,7 @@ def offloaded_checkpoint(
     forward's autocast state and returns the gradients of ``hidden`` and ``params`` (the weights
     ``run`` reads that require grad) as this function's own, so they reach ``.grad`` (and DDP's
     hooks) as any other gradient. The RNG state is not restored: ``run`` must draw no random
-    numbers (no dropout; `lightning_ft.modules.cuda_graphs.check_cuda_graphs` refuses it).
+    numbers (no dropout; `lightning_ft.strategies.cuda_graphs.check_cuda_graphs` refuses it).
 
     Args:
         run: the layer's forward with its keyword arguments bound; ``hidden`` [batch, T, hidden].

@@ -27,14 +27,14 @@ def test_greedy_generation_with_a_kv_cache_matches_the_packed_forward():
     import torch
 
     from lightning_ft.data.packing import collate_packed
-    from lightning_ft.modules.finetune_module import FinetuneModule
+    from lightning_ft.model.build import ModelBuilder
+    from lightning_ft.module import FinetuneModule
 
     config = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
                   num_experts_per_tok=2, norm_topk_prob=True, vocab_size=64, initializer_range=0.5)
     torch.manual_seed(0)
-    module = FinetuneModule(model={"init": "random", "config": config},
-                            lora={"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]})
+    module = FinetuneModule(ModelBuilder(model={"init": "random", "config": config}, lora={"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}))
     module.configure_model()
     module.model.eval()
     prompt = [1, 5, 9, 3, 7, 2]

@@ -8,7 +8,8 @@ import torch
 from lightning_ft.callbacks.gradient_check import GradientCheck
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.errors import TrainingStopped
-from lightning_ft.modules.finetune_module import FinetuneModule
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.module import FinetuneModule
 
 TINY_MOE = {
     "init": "random",
@@ -37,7 +38,7 @@ def _train(module, check, lrs):
 
 def _module():
     torch.manual_seed(0)
-    module = FinetuneModule(model=TINY_MOE, lora=LORA)
+    module = FinetuneModule(ModelBuilder(model=TINY_MOE, lora=LORA))
     module.configure_model()
     return module
 

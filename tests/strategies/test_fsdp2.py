@@ -14,7 +14,8 @@ from cli_helpers import FAST, assert_first_step_grads_close, run_cli, summary
 
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.data.tokenization import load_tokenizer
-from lightning_ft.modules.finetune_module import FinetuneModule, load_causal_lm
+from lightning_ft.model.build import ModelBuilder, load_causal_lm
+from lightning_ft.module import FinetuneModule
 from lightning_ft.strategies.fsdp2 import decoder_layers, gather_state_dict, mixed_precision_policy, shard_model
 
 TINY_MODEL = {
@@ -48,7 +49,9 @@ def one_process_group(tmp_path):
 def _module(tie_word_embeddings=False, lora=LORA, **kwargs):
     torch.manual_seed(0)
     model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "tie_word_embeddings": tie_word_embeddings}}
-    module = FinetuneModule(model=model, lora=lora, **kwargs)
+    builder_keys = ("kernels", "moe", "vocab_size")
+    builder = ModelBuilder(model=model, lora=lora, **{k: kwargs.pop(k) for k in builder_keys if k in kwargs})
+    module = FinetuneModule(builder, **kwargs)
     module.configure_model()
     for i, (name, p) in enumerate(module.model.named_parameters()):  # lora_B non-zero: every LoRA weight gets gradient
         if "lora_B" in name:
@@ -116,7 +119,7 @@ def test_the_unsharded_weights_are_freed_as_each_layer_is_sharded(one_process_gr
 
 
 def test_a_unit_whose_trainable_weights_mix_dtypes_is_refused_before_sharding(one_process_group):
-    module = FinetuneModule(model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA, moe={"backend": "native_torch", "train_router": True})
+    module = FinetuneModule(ModelBuilder(model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA, moe={"backend": "native_torch", "train_router": True}))
     module.configure_model()  # bf16 router trained beside PEFT's fp32 LoRA weights in the same decoder layer
     with pytest.raises(ValueError, match=r"decoder layer 0 have more than one dtype .*moe.train_router=false"):
         shard_model(module, module.model, one_process_group, "bf16-mixed")
@@ -186,11 +189,11 @@ def test_fsdp2_trains_exports_a_peft_adapter_and_resumes_a_killed_run_exactly(tm
     # the trained model, unsharded in this process: its weights gathered at the end of training
     dumped = torch.load(full / "trained.pt")
     config = result["config"]
-    module = FinetuneModule(model=config["model"], lora=config["lora"], vocab_size=len(load_tokenizer("builtin")))
+    module = FinetuneModule(ModelBuilder(model=config["model"], lora=config["lora"], vocab_size=len(load_tokenizer("builtin"))))
     module.configure_model()
     module.model.load_state_dict(dumped["weights"])
     batch = collate_packed(dumped["docs"])
-    base = load_causal_lm(None, "random", dict(config["model"]["config"]), vocab_size=module.vocab_size, attn_implementation="sdpa")
+    base = load_causal_lm(None, "random", dict(config["model"]["config"]), vocab_size=module.builder.vocab_size, attn_implementation="sdpa")
     base.load_state_dict({
         k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in dumped["weights"].items() if "lora_" not in k
     })

@@ -1,18 +1,16 @@
 """Mixture-of-Experts hot path: sync-free routing and grouped expert GEMMs with split LoRA.
 
-`routing` builds the expert-sorted order of one layer's (token, expert) pairs once; `grouped_gemm`
-runs the experts on it with one of three backends (``native_torch``, ``grouped_mm``, ``triton``);
-its Triton launchers (``grouped_gemm``, ``grouped_wgrad``) are imported from that module.
-Nothing here imports transformers; the model wiring is `lightning_ft.modules.moe`.
+`routing` builds the expert-sorted order of one layer's (token, expert) pairs once; `experts`
+(`moe_experts`) runs the experts on it with one of three backends, one module each:
+`native_torch`, `grouped_mm`, `grouped_gemm` (``moe.backend=triton``: our Triton grouped GEMM,
+whose launchers ``grouped_gemm`` and ``grouped_wgrad`` are imported from that module); `_common`
+holds what they share (`ExpertLoRA`, the SwiGLU step).
+Nothing here imports transformers; the model wiring is `lightning_ft.model.moe`.
 """
 
-from lightning_ft.kernels.moe.grouped_gemm import (
-    BACKENDS,
-    ExpertLoRA,
-    grouped_mm_mode,
-    moe_experts,
-    select_backend,
-)
+from lightning_ft.kernels.moe._common import ExpertLoRA
+from lightning_ft.kernels.moe.experts import BACKENDS, moe_experts, select_backend
+from lightning_ft.kernels.moe.grouped_mm import grouped_mm_mode
 from lightning_ft.kernels.moe.routing import (
     ExpertRouting,
     permute_tokens,

@@ -1,7 +1,7 @@
 """Packed attention: same loss as running each document alone; metadata built once per batch.
 
 The backends that run on the CPU (sdpa: forward and backward; flex: forward, torch's unfused
-reference) are checked here; varlen and the compiled flex kernel in tests/modules/test_attention_gpu.py.
+reference) are checked here; varlen and the compiled flex kernel in tests/model/test_attention_gpu.py.
 """
 
 import itertools
@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules import attention, kept
-from lightning_ft.modules.finetune_module import load_causal_lm
+from lightning_ft.model import attention
+from lightning_ft.strategies import kept
+from lightning_ft.model.build import load_causal_lm
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -102,7 +103,7 @@ MIXED = [1, 37, 1, 150, 1, 129, 64, 1]
     ids=["cpu-mixed-fp32", "cpu-one-fp32", "cpu-one-bf16", "cuda-mixed-bf16", "cuda-one-bf16"],
 )
 def test_kept_attention_reuses_the_forward_output_and_gives_the_same_gradients(device, lengths, dtype):
-    """What the CUDA graphs do with kept ``attention`` (`lightning_ft.modules.kept`): a forward (no grad) keeps attention's output and
+    """What the CUDA graphs do with kept ``attention`` (`lightning_ft.strategies.kept`): a forward (no grad) keeps attention's output and
     log-sum-exp; the recompute returns that output and differentiates through the kernel's backward
     op. Against the backend run plainly with autograd: the same output, gradients equal on the CPU
     (the same kernel) and within bf16 rounding on CUDA (flash's dq is accumulated with atomics)."""

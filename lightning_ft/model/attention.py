@@ -37,11 +37,11 @@ waits on the device:
     flex    the BlockMask: its block structure computed on the host, copied; document ids [T] on the device
     sdpa    the [1, 1, T, T] bool mask
 
-Kept attention (with CUDA graphs, `lightning_ft.modules.cuda_graphs`): inside `kept.keeping`
+Kept attention (with CUDA graphs, `lightning_ft.strategies.cuda_graphs`): inside `kept.keeping`
 the varlen backend (and sdpa on the CPU) calls its kernel's forward and backward ops directly
 (`AttentionKernel`: cuDNN for a one-document row on Hopper, flash-attention 2 for several
 documents, the CPU's flash kernel), so a layer's forward can keep attention's output and
-log-sum-exp (`lightning_ft.modules.kept`, kind ``attention``) and the backward's recompute returns
+log-sum-exp (`lightning_ft.strategies.kept`, kind ``attention``) and the backward's recompute returns
 them instead of running attention's forward again; its backward calls the same backward op
 autograd would.
 
@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.modules import kept
+from lightning_ft.strategies import kept
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -399,7 +399,7 @@ class _KeptAttentionOutput(torch.autograd.Function):
 
 
 def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """``kernel``'s output through the active kept ``attention`` (`lightning_ft.modules.kept`), or None where
+    """``kernel``'s output through the active kept ``attention`` (`lightning_ft.strategies.kept`), or None where
     none is active or this layer keeps nothing.
 
     In the forward (no grad) the call runs the kernel's forward and keeps (out, aux); in the
@@ -436,11 +436,7 @@ def _cudnn_runs(q: torch.Tensor) -> bool:
 
 
 def varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    batch: PackedBatch,
-    scaling: float | None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Flash-attention varlen over the documents of ``batch``; query [1, Hq, T, D] → output [1, T, Hq, D].
@@ -486,11 +482,7 @@ def varlen_attention(
 
 
 def flex_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    batch: PackedBatch,
-    scaling: float | None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """FlexAttention with the batch's document-causal BlockMask; query [1, Hq, T, D] → output [1, T, Hq, D]."""

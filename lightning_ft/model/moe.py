@@ -15,7 +15,7 @@ that is a ``Qwen3MoeDecoderLayer``'s ``mlp`` only feeds the layer's residual sum
 reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
 needs neither). A block used anywhere else always computes its output.
 
-Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.modules.kept`): in a recorded
+Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.strategies.kept`): in a recorded
 layer's forward the block keeps the experts' gate/up output (split LoRA added) and its thin LoRA
 product, and the recompute reuses them, skipping the gate/up GEMM (at 8K tokens on Qwen3-30B-A3B,
 65 536 routed rows × 2048 × 1536: 0.4 TFLOP per layer-step) and the gather of the tokens into
@@ -71,10 +71,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
-from lightning_ft.kernels.moe.grouped_gemm import augment_expert_weight, padded_rank
+from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
-from lightning_ft.modules import kept
-from lightning_ft.modules.cuda_graphs import recomputing_for_backward
+from lightning_ft.model.patching import restore_instance_attr
+from lightning_ft.strategies import kept
+from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
 
 __all__ = ["apply_moe", "augment_expert_weights", "revert_moe"]
 
@@ -147,13 +148,9 @@ def revert_moe(model: torch.nn.Module) -> int:
     reverted = 0
     for module in model.modules():
         if hasattr(module, _BACKEND_ATTR):
-            previous_forward = getattr(module, _PREVIOUS_FORWARD_ATTR)
-            del module.forward
-            if previous_forward is not None:
-                module.forward = previous_forward
-            delattr(module, _BACKEND_ATTR)
-            delattr(module, _PREVIOUS_FORWARD_ATTR)
-            delattr(module, _FEEDS_RESIDUAL_ATTR)
+            restore_instance_attr(module, "forward", getattr(module, _PREVIOUS_FORWARD_ATTR))
+            for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR):
+                delattr(module, name)
             reverted += 1
         if hasattr(module, _ROUTER_GRAD_ATTR):
             module.weight.requires_grad_(getattr(module, _ROUTER_GRAD_ATTR))
@@ -165,7 +162,7 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     """Lay every frozen expert weight that carries split LoRA out with LoRA slots (in place).
 
     For the ``grouped_mm`` backend: each such ``gate_up_proj``/``down_proj`` becomes a view inside an
-    [E, N + R, C + R] tensor (`lightning_ft.kernels.moe.grouped_gemm.augment_expert_weight`), so the
+    [E, N + R, C + R] tensor (`lightning_ft.kernels.moe.grouped_mm.augment_expert_weight`), so the
     LoRA term joins the base GEMM along K in the forward and in the input gradient. The backend
     falls back to adding LoRA apart (and logs nothing) wherever the layout no longer holds: another
     rank, a moved or replaced weight, the probe's "copies" mode. Call after the adapters exist

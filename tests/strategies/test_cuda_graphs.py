@@ -3,8 +3,8 @@
 On the CPU the graphs are stand-ins that re-run the recorded functions (the same static buffers,
 autograd wiring and recording policy); the ``gpu`` cases record real CUDA graphs.
 
-    python -m pytest -q tests/modules/test_cuda_graphs.py            (CPU)
-    python -m pytest -q -m gpu tests/modules/test_cuda_graphs.py     (GPU)
+    python -m pytest -q tests/strategies/test_cuda_graphs.py            (CPU)
+    python -m pytest -q -m gpu tests/strategies/test_cuda_graphs.py     (GPU)
 """
 
 import math
@@ -14,18 +14,19 @@ import warnings
 import pytest
 import torch
 
-import lightning_ft.modules.moe
+import lightning_ft.model.moe
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.kernels.moe import moe_experts
-from lightning_ft.kernels.moe.grouped_gemm import padded_rank
-from lightning_ft.modules.cuda_graphs import (
+from lightning_ft.kernels.moe.grouped_mm import padded_rank
+from lightning_ft.strategies.cuda_graphs import (
     _STATE_ATTR,
     apply_cuda_graphs,
     cuda_graph_stats,
     keep_max_bytes,
     revert_cuda_graphs,
 )
-from lightning_ft.modules.finetune_module import FinetuneModule, _use_cuda_graphs, check_model_switches
+from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs, check_model_switches
+from lightning_ft.module import FinetuneModule
 
 TINY = {
     "llama": dict(
@@ -58,15 +59,10 @@ def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_k
         lora.pop("target_parameters")
     else:  # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
         lora["target_modules"] = [t for t in lora["target_modules"] if t not in ("gate_proj", "up_proj", "down_proj")]
-    module = FinetuneModule(
-        model={
+    module = FinetuneModule(ModelBuilder(model={
             "init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16" if cuda else "float32",
             "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True,
-        },
-        lora=lora,
-        kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda},
-        moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"},
-    )
+        }, lora=lora, kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda}, moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"}))
     with torch.device(device):
         module.configure_model()
     for name, p in module.model.named_parameters():  # non-zero lora_B: every LoRA weight gets gradient
@@ -142,7 +138,7 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         output_needed.append(kwargs["output_needed"])
         return moe_experts(*args, **kwargs)
 
-    monkeypatch.setattr(lightning_ft.modules.moe, "moe_experts", spy)
+    monkeypatch.setattr(lightning_ft.model.moe, "moe_experts", spy)
     layers = apply_cuda_graphs(module.model, activation_offload=offload)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     assert layers == TINY[kind]["num_hidden_layers"]
@@ -299,7 +295,7 @@ class _CountedReplay:
 def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound():
     """The graph's ``cu_seqlens`` holds the bound's count of documents: a row with fewer gets empty
     ones at the end (offsets repeating T), copied in per batch; one document keeps its own layout."""
-    from lightning_ft.modules.cuda_graphs import _copy_into, _packed_layout, _static_like
+    from lightning_ft.strategies.cuda_graphs import _copy_into, _packed_layout, _static_like
 
     a, c, one = (_batch(name, "cpu") for name in ("a", "c", "one"))
     assert _packed_layout(a, varlen=True) == _packed_layout(c, varlen=True) == ("packed", 64, 4, 64)
@@ -318,7 +314,7 @@ def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound()
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
     """One budget for every kind: what any layer keeps (attention and experts) counts against it;
     ``model.cuda_graphs_keep_max_gib`` caps it further, on every device."""
-    from lightning_ft.modules.cuda_graphs import _ModelGraphs
+    from lightning_ft.strategies.cuda_graphs import _ModelGraphs
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 100 * gib}))
@@ -393,31 +389,25 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
         apply_cuda_graphs(module.model)
     cuda = torch.device("cuda")  # the config checks before the build (no GPU needed to construct the device)
     graphs = {"gradient_checkpointing": True, "cuda_graphs": True}
-    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, None)
+    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
-        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, None)
+        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.attention=varlen or sdpa, not flex"):
-        _use_cuda_graphs(graphs, LORA, "flex", cuda, None)
+        _use_cuda_graphs(graphs, LORA, "flex", cuda, False)
     with pytest.raises(ValueError, match="lora.dropout=0"):
-        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, None)
+        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
     with pytest.raises(ValueError, match="cannot record moe.backend=native_torch"):
-        _use_cuda_graphs(graphs, LORA, "varlen", cuda, None, "native_torch")
+        _use_cuda_graphs(graphs, LORA, "varlen", cuda, False, "native_torch")
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
-        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, None)
+        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, False)
     moe = _module("qwen3_moe", "cpu")
     moe.model.config.output_router_logits = True  # e.g. from a checkpoint's config.json
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
         apply_cuda_graphs(moe.model)
-    cpu_graphs = FinetuneModule(
-        model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True},
-        lora={**LORA, "target_parameters": None},
-    )
+    cpu_graphs = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True}, lora={**LORA, "target_parameters": None}))
     with pytest.raises(ValueError, match="model.cuda_graphs=true needs a CUDA device"):
         cpu_graphs.configure_model()
-    offload_alone = FinetuneModule(
-        model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True},
-        lora={**LORA, "target_parameters": None},
-    )
+    offload_alone = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True}, lora={**LORA, "target_parameters": None}))
     with pytest.raises(ValueError, match="model.activation_offload=true needs model.cuda_graphs=true"):
         offload_alone.configure_model()
     with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=-2: expected a number of GiB >= 0"):

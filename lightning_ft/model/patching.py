@@ -11,15 +11,16 @@ What gets patched, per kernel switch:
     swiglu    every instance of the table's dense MLP classes: `forward` becomes
               `down_proj(swiglu(gate_proj(x), up_proj(x)))`. The projections are called as they are,
               so PEFT's LoRA layers on gate/up/down still apply. Qwen3-MoE's experts
-              (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in modules/moe.py.
+              (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in model/moe.py.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
     lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
               exactly (`lora_linear_adapters`: no dropout, no DoRA, ...): `forward` becomes
               `lora_linear` whenever that adapter alone is active, enabled and not merged, and the
-              call passes nothing but the input; PEFT's own forward otherwise, call by call. Those
+              call passes nothing but the input; PEFT's own forward otherwise, call by call
+              (`lightning_ft.model.lora`). Those
               the table's ``kept_linears`` names may keep their output for the CUDA graphs'
-              recompute (`lightning_ft.modules.kept`, kind ``projections``).
+              recompute (`lightning_ft.strategies.kept`, kind ``projections``).
 
 Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
 model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
@@ -39,11 +40,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lightning_ft.kernels.lora import lora_linear, lora_linear_adapters
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu
-from lightning_ft.modules import kept
+from lightning_ft.model.lora import _fused_lora_forward, lora_linear_adapters
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
 _SILU_ACTS = ("silu", "swish")
@@ -58,7 +58,7 @@ class PatchTable:
     rms_norm: tuple[str, ...]
     mlp: tuple[str, ...]  # gated MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x))
     # LoRA linear layers (by attribute name) whose output no op of the architecture changes in place:
-    # the CUDA graphs may keep it for the recompute (`lightning_ft.modules.kept`). Not Llama's q/k:
+    # the CUDA graphs may keep it for the recompute (`lightning_ft.strategies.kept`). Not Llama's q/k:
     # its RoPE (ours) rotates them in place; Qwen3's q/k pass through q_norm/k_norm first.
     kept_linears: tuple[str, ...] = ()
 
@@ -85,35 +85,6 @@ def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) 
 
 def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    active = self.active_adapters
-    if args or kwargs or len(active) != 1 or self.disable_adapters or self.merged:
-        return type(self).forward(self, x, *args, **kwargs)
-    (name,) = active
-    lora_A = self.lora_A[name]
-    scaling = self.scaling[name]
-    # an adapter checked at patch time (re-created under its name: a new lora_A module), a non-zero
-    # scaling (PEFT's 0 · NaN stays NaN), and, without autocast, PEFT's dtype (it computes the
-    # adapter in the adapter's dtype)
-    ours = self._lightning_ft_lora.get(name) is lora_A and scaling != 0
-    if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
-        return type(self).forward(self, x, *args, **kwargs)
-    base = self.base_layer
-    keep = kept.active("projections") if self._lightning_ft_keep else None
-    if keep is not None and not _output_keepable(self):
-        keep = None
-    return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep)
-
-
-def _output_keepable(module: torch.nn.Module) -> bool:
-    """Whether a kept output of this LoRA layer (`lightning_ft.modules.kept`) stays right, checked per call (the
-    forward and its recompute decide alike): its base weight and bias frozen (the kept path computes no gradient
-    for them) and no forward hook that could change the output in place (it is a view of the kept buffer)."""
-    base = module.base_layer
-    frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-    return frozen and not module._forward_hooks and not torch.nn.modules.module._global_forward_hooks
 
 
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:
@@ -159,6 +130,14 @@ def _restore_forward(module: torch.nn.Module, previous: object) -> None:
         del module.forward
     else:
         module.forward = previous
+
+
+def restore_instance_attr(module: torch.nn.Module, name: str, previous: object | None) -> None:
+    """Remove the instance attribute ``name`` a patch set on ``module`` and put back ``previous``, the
+    instance attribute it replaced (None: there was none, so the class's shows again)."""
+    delattr(module, name)
+    if previous is not None:
+        setattr(module, name, previous)
 
 
 def _patch_forwards(

@@ -1,7 +1,7 @@
 """CUDA graphs for checkpointed decoder layers: two graph launches per layer instead of its kernels one by one.
 
-Why: at short rows the training step is bound by the host, not the GPU. On the H200 the 8-layer
-Qwen3-MoE step at 1K tokens kept the GPU busy 31 of 232 ms (benchmarks/RESULTS.md, session 2): each
+Why: at short rows the training step is bound by the host, not the GPU: a Qwen3-MoE step at 1K
+tokens keeps the GPU busy a small fraction of its time (benchmarks/RESULTS.md): each
 layer issues ~350 kernels through Python (HF modules, PEFT, autograd, checkpointing), and does it
 three times (forward, recompute, backward). A CUDA graph replays a recorded stream of kernels with
 one host call.
@@ -22,14 +22,14 @@ layer ran when recorded (our fused kernels, HF's modules, PEFT's adapters; the f
 under no_grad, as checkpointing's first forward needs nothing saved); the tests compare with the
 eager layer.
 
-Kept activations (`lightning_ft.modules.kept`, selective checkpointing): the forward graph also
+Kept activations (`lightning_ft.strategies.kept`, selective checkpointing): the forward graph also
 keeps results that are expensive to recompute, and the backward graph's recompute reuses them:
 
 - ``keep_attention`` (on by default): each layer's attention output and log-sum-exp ([T, Hq, D]
   in bf16 plus [Hq, T] fp32 per layer and token count); the recompute skips attention's forward (at
   8K tokens 0.9 of 14.5 ms per layer-step on the Qwen3-30B-A3B shape, H200).
 - ``keep_projections`` (on by default): the outputs of the projections, the GEMMs of the layer:
-  each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.modules.patching`,
+  each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.model.patching`,
   e.g. q/k/v/o; [T, N] plus the thin [T, R] x·Aᵀ) and each MoE layer's expert gate/up output with its
   split LoRA added ([T·top_k, 2·I] plus [T·top_k, R]; ``grouped_mm`` backend); the recompute skips
   those GEMMs and their LoRA products. At 8K tokens on Qwen3-30B-A3B that is 306 MiB per layer.
@@ -92,12 +92,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.modules.attention import ATTENTION_NAMES, device_cu_seqlens
-from lightning_ft.modules.kept import KINDS, KeptActivations, keeping, stored_nbytes
+from lightning_ft.model.attention import ATTENTION_NAMES, device_cu_seqlens
+from lightning_ft.model.patching import restore_instance_attr
+from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 
 __all__ = [
-    "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
+    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ _INDEX_ATTR = "_lightning_ft_cuda_graphs_index"  # on each patched layer: its po
 _SCALARS = (type(None), bool, int, float, str)
 _RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
 _FORWARD_IDS = itertools.count(1)
+GRAPH_TOKEN_MULTIPLE = 256  # graphed rows are padded to a multiple of this many tokens (`FinetuneModule.pad_for_graphs`)
 
 
 def recomputing_for_backward() -> bool:
@@ -298,7 +300,7 @@ class _ModelGraphs:
         return sum(stored_nbytes(store) for (_, k), store in self.kept_shared.items() if k in kinds)
 
     def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
-        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.modules.kept`).
+        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.strategies.kept`).
 
         On CUDA: while the peak reserved so far, everything kept so far, these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
@@ -706,12 +708,8 @@ def revert_cuda_graphs(model: torch.nn.Module) -> int:
     for layer in model.modules():
         if hasattr(layer, _STATE_ATTR):
             del layer.forward
-            previous = getattr(layer, _CHECKPOINTING_ATTR)
-            del layer.gradient_checkpointing
-            if previous is not None:
-                layer.gradient_checkpointing = previous
-            delattr(layer, _STATE_ATTR)
-            delattr(layer, _CHECKPOINTING_ATTR)
-            delattr(layer, _INDEX_ATTR)
+            restore_instance_attr(layer, "gradient_checkpointing", getattr(layer, _CHECKPOINTING_ATTR))
+            for name in (_STATE_ATTR, _CHECKPOINTING_ATTR, _INDEX_ATTR):
+                delattr(layer, name)
             reverted += 1
     return reverted

@@ -2,7 +2,7 @@
 
 A checkpointed layer recomputes its forward in backward to rebuild the autograd graph. Some of that
 recompute is expensive and its values are the forward's exactly (the same kernels on the same
-inputs): attention's output, the outputs of the projections (GEMMs). `lightning_ft.modules.cuda_graphs`
+inputs): attention's output, the outputs of the projections (GEMMs). `lightning_ft.strategies.cuda_graphs`
 gives each recorded layer one `KeptActivations` per kind; inside `keeping`, every call of that kind
 in the forward offers its results (`KeptActivations.store`) and the recompute's same call takes
 them back (`KeptActivations.take`) instead of computing them. This is selective activation
@@ -12,9 +12,9 @@ al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), unde
 
 Kinds and the calls that keep:
 
-    attention     `lightning_ft.modules.attention`: the attention output and log-sum-exp
-    projections   `lightning_ft.kernels.lora` (through `lightning_ft.modules.patching`): a LoRA linear
-                  layer's output and its thin x·Aᵀ; `lightning_ft.modules.moe`: the experts' gate/up
+    attention     `lightning_ft.model.attention`: the attention output and log-sum-exp
+    projections   `lightning_ft.kernels.lora` (through `lightning_ft.model.patching`): a LoRA linear
+                  layer's output and its thin x·Aᵀ; `lightning_ft.model.moe`: the experts' gate/up
                   output (split LoRA added) and its thin s·x·Aᵀ (scaled by the LoRA scaling)
 
 Budget: the layer's first forward asks ``allow`` with each call's bytes, until it refuses once; the
@@ -29,7 +29,7 @@ signature, e.g. per packed-batch layout) may share one ``shared`` store. A first
 whose results have the shapes and dtypes a call at the same position already kept there copies
 into those buffers and asks no budget, so a layer keeps one set of buffers for all its signatures
 of one token count instead of one per signature. Whoever replays must then know which input the
-buffers hold (`lightning_ft.modules.cuda_graphs` tracks it per buffer set).
+buffers hold (`lightning_ft.strategies.cuda_graphs` tracks it per buffer set).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 from lightning_ft.kernels._utils import INTERPRETER
-from lightning_ft.modules.patching import (
+from lightning_ft.model.lora import _fused_lora_forward
+from lightning_ft.model.patching import (
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
-    _fused_lora_forward,
     _fused_rms_norm_forward,
     _fused_swiglu_mlp_forward,
     apply_kernels,

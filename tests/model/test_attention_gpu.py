@@ -1,7 +1,7 @@
 """Packed attention on CUDA: every backend against the per-document reference in bf16, metadata built
 once per batch, flex compiled once, and a whole training step without a host-device sync.
 
-    python -m pytest -q -m gpu tests/modules/test_attention_gpu.py
+    python -m pytest -q -m gpu tests/model/test_attention_gpu.py
 """
 
 import math
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.modules import attention
-from lightning_ft.modules.finetune_module import FinetuneModule, load_causal_lm
+from lightning_ft.model import attention
+from lightning_ft.model.build import ModelBuilder, load_causal_lm
+from lightning_ft.module import FinetuneModule
 
 pytestmark = pytest.mark.gpu
 BACKENDS = ["varlen", "flex", "sdpa"]
@@ -123,12 +124,7 @@ def test_flex_compiles_once_for_any_packed_length():
 
 def _module(kind, backend, moe):
     torch.manual_seed(0)
-    module = FinetuneModule(
-        model={"init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16", "attention": backend},
-        # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
-        lora=LORA if kind == "llama" else {**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        moe={"backend": moe},
-    )
+    module = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16", "attention": backend}, lora=LORA if kind == "llama" else {**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}, moe={"backend": moe}))
     with CUDA:
         module.configure_model()
     for name, p in module.model.named_parameters():  # non-zero lora_B: every LoRA weight gets gradient

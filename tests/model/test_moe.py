@@ -13,9 +13,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from lightning_ft.kernels.moe import BACKENDS, grouped_gemm
-from lightning_ft.modules import kept
-from lightning_ft.modules.moe import apply_moe, augment_expert_weights, revert_moe
+from lightning_ft.kernels.moe import BACKENDS, grouped_mm
+from lightning_ft.strategies import kept
+from lightning_ft.model.moe import apply_moe, augment_expert_weights, revert_moe
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -259,12 +259,12 @@ def test_lora_slots_join_lora_to_the_expert_gemms(dtype, device, monkeypatch):
         weight = getattr(experts, name)
         assert not weight.is_contiguous() and torch.equal(weight, value), name
     weights = []
-    real = grouped_gemm._GROUPED_MM
-    monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
+    real = grouped_mm._GROUPED_MM
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
     got_out, got_dx, got_grads = _block_step(block, x, grad)
-    pad, ran = grouped_gemm.padded_rank(4, dtype), set(weights)
+    pad, ran = grouped_mm.padded_rank(4, dtype), set(weights)
     # the SwiGLU kernel pads its output's and gradient's rows; its plain-torch fallback does not
-    joined = {"gate_up forward", "down dx"} | ({"gate_up dx", "down forward"} if grouped_gemm.triton_can_run(x) else set())
+    joined = {"gate_up forward", "down dx"} | ({"gate_up dx", "down forward"} if grouped_mm.triton_can_run(x) else set())
     for name, shape in _augmented_shapes(pad).items():
         assert (shape in ran) == (name in joined), (name, shape, sorted(ran))
     assert _augmented_shapes(0)["gate_up forward"] not in ran
@@ -357,9 +357,9 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(augmented, dtype, d
     assert h_SF.shape == (3 * 10 * 2, 2 * 24) and xa_SR.shape[0] == 60  # S = T * top_k rows, [gate | up]
     assert keep.nbytes == h_SF.nbytes + xa_SR.nbytes
     weights, permuted = [], []
-    real, real_permute = grouped_gemm._GROUPED_MM, grouped_gemm.permute_tokens
-    monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
-    monkeypatch.setattr(grouped_gemm, "permute_tokens", lambda *args, **kw: permuted.append(args) or real_permute(*args, **kw))
+    real, real_permute = grouped_mm._GROUPED_MM, grouped_mm.permute_tokens
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
+    monkeypatch.setattr(grouped_mm, "permute_tokens", lambda *args, **kw: permuted.append(args) or real_permute(*args, **kw))
     with kept.keeping(keep, recompute=True):
         got_out, got_dx, got_grads = _block_step(block, x, grad)
     # no gate/up GEMM ([E, D (+ slots), 2I]); down's ran
@@ -413,7 +413,7 @@ def test_router_logits_aux_loss_and_gradient_checkpointing():
 def test_router_top_k_runs_our_kernel_and_other_torch_calls_stay(monkeypatch):
     """HF's router runs as it is, but its torch.topk is `routing.topk` (two sparse layers: two
     calls); a top-k our kernel does not compute (here: not sorted) reaches torch.topk."""
-    import lightning_ft.modules.moe as moe_module
+    import lightning_ft.model.moe as moe_module
     from lightning_ft.kernels.moe import routing
 
     calls = []
@@ -506,7 +506,7 @@ def test_adapter_round_trip_loads_in_stock_peft(tmp_path, device):
 
 def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):
     model = _peft_model()
-    with caplog.at_level(logging.INFO, logger="lightning_ft.modules.moe"):
+    with caplog.at_level(logging.INFO, logger="lightning_ft.model.moe"):
         chosen = apply_moe(model, "auto")
     revert_moe(model)
     assert any(f"backend {chosen} (requested auto)" in r.message for r in caplog.records)

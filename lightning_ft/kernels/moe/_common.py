@@ -1,0 +1,124 @@
+"""What the MoE expert backends share: the math, PEFT's split LoRA factors, the SwiGLU step.
+
+Shape suffixes: T tokens, K top_k, E experts, S = T*K routed (token, expert) pairs in expert-sorted
+order (see `routing.py`), D hidden size, I expert intermediate size, F = 2*I (gate and up rows
+stacked, transformers' ``is_concatenated`` layout), R LoRA rank; for a single projection C is the
+contracted (input) size and N the output size. Weights follow transformers v5: ``gate_up_proj``
+w_gate_up_EFD [E, F, D] and ``down_proj`` w_down_EDI [E, D, I], i.e. [E, N, C] (``nn.Linear``-like).
+
+Math of one expert e on its rows x_e (all backends; act is the experts' ``act_fn``, SiLU here):
+
+    h_e   = x_e W1_e^T + s1 (x_e A1_e^T) B1_e^T          [n_e, F]   (gate_up, + split LoRA)
+    a_e   = act(h_e[:, :I]) * h_e[:, I:]                  [n_e, I]
+    y_e   = a_e W2_e^T + s2 (a_e A2_e^T) B2_e^T           [n_e, D]   (down, + split LoRA)
+    out_t = sum_k topk_weight[t, k] * y[(t, k)]           [T, D]
+
+The down projection and its LoRA are linear, so ``native_torch`` and ``grouped_mm`` scale a_e by
+the routing weight inside the SwiGLU kernel (one pass over [S, I]) instead of y by it (two passes
+over the larger [S, D] forward, more backward); the ``triton`` backend scales in its epilogue.
+
+Split LoRA never forms B·A: the two thin GEMMs per projection reuse the base GEMM's grouping
+(offsets). A_e [R, C] and B_e [N, R] are read straight from PEFT's ``target_parameters`` tensors
+(`ExpertLoRA`), so gradients land in PEFT's parameters and the adapter file stays PEFT's.
+
+Gradients (every backend; the triton backend computes them in its own kernels), per projection
+with input X and output gradient dH; the routing weights are folded into the down projection's dH
+(``triton``) or, equivalently, into its input X (``native_torch``, ``grouped_mm``):
+
+    dX_e = dH_e W_e + s (dH_e B_e) A_e          dW_e = dH_e^T X_e       (full fine-tuning only)
+    dA_e = s (dH_e B_e)^T X_e                   dB_e = s dH_e^T (X_e A_e^T)
+    d topk_weight[(t, k)] = <dOut_t, y_(t,k)> = <dOut_t (W2_e + s B2_e A2_e), a_(t,k)>   (router input)
+
+Every backend runs with autocast off, in the expert weights' dtype (inputs and LoRA factors are cast
+to it): train with bf16 weights (``bf16-true``) to avoid casting the [E, ...] weights each step.
+
+Sources: transformers ``integrations/moe.py`` (``grouped_mm_experts_forward``, the eager experts
+loop) and ``models/qwen3_moe``; PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper`` layout).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from lightning_ft.kernels._utils import triton_can_run
+from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
+from lightning_ft.kernels.swiglu import swiglu_concat
+
+__all__ = ["ExpertLoRA"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class ExpertLoRA(NamedTuple):
+    """PEFT's LoRA on one 3-D expert weight [E, N, C] (``LoraConfig(target_parameters=...)``).
+
+    PEFT 0.21's ``ParamWrapper`` keeps two ``nn.Linear`` layers for all experts at once; expert e's
+    factors are A_e [R, C] and B_e [N, R], and its weight delta is ``scaling * B_e @ A_e``:
+
+    Attributes:
+        lora_A: [E*R, C] (``lora_A[adapter].weight``); row ``e*R + j`` is row j of A_e.
+        lora_B: [N, R*E] (``lora_B[adapter].weight``); column ``j*E + e`` is column j of B_e.
+        scaling: ``alpha / R`` (``alpha / sqrt(R)`` with rsLoRA), PEFT's ``scaling[adapter]``.
+        num_experts: E.
+    """
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+    num_experts: int
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(a_ERC, b_ENR, scaling)`` in ``dtype``, both contiguous, differentiable w.r.t. PEFT's tensors.
+
+        a_ERC is a view of ``lora_A`` (a cast copy when dtype differs). PEFT's B interleaves the
+        experts (column ``j*E + e``), so b_ENR is always one copy that casts and lays each expert's
+        [N, R] out contiguously (`expert_major_lora_b`, one Triton pass): the grouped GEMMs then
+        read it, or its transposed view, coalesced, with no further copy.
+        """
+        num_experts = self.num_experts
+        a_ERC = self.lora_A.view(num_experts, -1, self.lora_A.shape[-1])
+        return a_ERC.to(dtype), expert_major_lora_b(self.lora_B, num_experts, dtype), self.scaling
+
+
+_LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _lora_args(lora: _LoRAFactors | None) -> tuple:
+    return (None, None, 1.0) if lora is None else lora
+
+
+# torch's SiLU module and transformers' ``SiLUActivation`` (its ACT2FN["silu"] in v5.2x; nn.SiLU before)
+_SILU_NAMES = {"SiLU", "SiLUActivation"}
+
+
+def _swiglu(
+    h_SF: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    weight_S: torch.Tensor | None = None,
+    pad_out: int = 0,
+    pad_grad: int = 0,
+    h_copy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(gate) * up (* routing weight per row) of h = [gate | up]; SiLU (every Qwen3-MoE) takes the
+    fused `swiglu_concat` kernel, which folds the weight in (see its docstring for why), pads the
+    output's and the gradient's rows as asked (other activations: contiguous) and writes h into
+    ``h_copy`` as it reads it (other activations: a copy)."""
+    if type(act_fn).__name__ in _SILU_NAMES and triton_can_run(h_SF):
+        return swiglu_concat(h_SF, weight_S, pad_out=pad_out, pad_grad=pad_grad, h_copy=h_copy)
+    if h_copy is not None:
+        h_copy.copy_(h_SF)
+    gate_SI, up_SI = h_SF.chunk(2, dim=-1)
+    y_SI = act_fn(gate_SI) * up_SI
+    return y_SI if weight_S is None else y_SI * weight_S[:, None]
+
+
+def _refuse_host_sync_in_capture(x: torch.Tensor, why: str) -> None:
+    """Raise a clear error where a CUDA graph is being recorded and the path about to run syncs."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"the MoE experts cannot be recorded in a CUDA graph: {why}; "
+            "set moe.backend=triton (sync-free for every dtype and size) or model.cuda_graphs=false"
+        )

@@ -1,0 +1,344 @@
+"""Build the model a run trains, from the ``model``, ``lora``, ``kernels`` and ``moe`` config groups.
+
+`ModelBuilder` is what `lightning_ft.module.FinetuneModule` receives and calls in Lightning's
+``configure_model`` (on the target device, before a strategy shards the model). In order:
+
+1. the packed attention backend of ``model.attention`` registered with transformers
+   (`lightning_ft.model.attention`; ``auto`` resolved and logged);
+2. the transformers causal LM (`load_causal_lm`: ``from_pretrained``, or random weights from a
+   config), ``use_cache`` off, optional gradient checkpointing;
+3. LoRA through PEFT (`lightning_ft.model.lora.add_lora`), or every weight trainable with
+   ``lora.enabled=false``;
+4. with ``moe.backend`` other than ``hf``, the MoE patch (`lightning_ft.model.moe`) and, for
+   ``grouped_mm``, the LoRA slots in the expert weights;
+5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
+6. with ``model.cuda_graphs``, each decoder layer replayed from CUDA graphs
+   (`lightning_ft.strategies.cuda_graphs`), checked against the config first, before any weight loads;
+7. the model in training mode.
+
+With every kernel off and ``moe.backend=hf`` the result is stock transformers + PEFT.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_ft.errors import check_local_path
+from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
+from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
+from lightning_ft.model.moe import apply_moe, augment_expert_weights
+from lightning_ft.model.patching import apply_kernels
+from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
+
+__all__ = ["BuiltModel", "ModelBuilder", "check_model_switches", "load_causal_lm"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_causal_lm(
+    name_or_path: str | None,
+    init: str = "pretrained",
+    config: dict[str, Any] | None = None,
+    dtype: str = "float32",
+    vocab_size: int | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """Build a transformers causal LM from a checkpoint or, with random weights, from a config.
+
+    Args:
+        name_or_path: a local checkpoint folder or hub name; optional with ``init="random"`` when
+            ``config`` names a ``model_type``.
+        init: ``pretrained`` (``from_pretrained``) or ``random`` (``from_config``: random weights,
+            created on the current default device, e.g. the GPU inside Lightning's
+            ``configure_model``).
+        config: config values that override the checkpoint's (or, with ``model_type``, the whole
+            config for a random init).
+        dtype: ``float32``, ``bfloat16`` or ``float16``: the dtype of the weights.
+        vocab_size: the tokenizer's size; a random-init config without ``vocab_size`` gets it
+            rounded up to a multiple of 64.
+        attn_implementation: passed to transformers (packed attention: a name from `register_packed_attention`).
+
+    Raises:
+        ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
+            not a causal LM, a ``config`` value of the wrong type for transformers (naming
+            ``model.config.<key>`` and the type expected), a ``config`` key that is a near miss of a
+            field (``num_hidden_layer``), or an embedding table smaller than the tokenizer.
+        FileNotFoundError: ``name_or_path`` is neither a local checkpoint (a folder with a
+            ``config.json``) nor a reachable hub name.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if init not in ("pretrained", "random"):
+        raise ValueError(f"model.init={init!r}: expected 'pretrained' or 'random'")
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype={dtype!r}: expected one of {list(_DTYPES)}")
+    overrides = dict(config or {})
+    check_local_path("model.name_or_path", name_or_path)
+    if name_or_path:
+        folder = Path(name_or_path).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no config.json in that folder, so not a model checkpoint")
+        try:
+            hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
+        except OSError as err:
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: not a model checkpoint ({err})") from err
+        except ValueError as err:  # e.g. a config.json without a model_type transformers knows
+            raise ValueError(f"model.name_or_path={name_or_path!r}: transformers cannot read its config ({err})") from err
+        except StrictDataclassError as err:
+            raise _config_value_error(err, overrides, name_or_path) from err
+    elif init == "random" and "model_type" in overrides:
+        try:
+            hf_config = AutoConfig.for_model(overrides.pop("model_type"), **overrides)
+        except StrictDataclassError as err:
+            raise _config_value_error(err, overrides, None) from err
+    else:
+        raise ValueError("set model.name_or_path, or model.init=random with model.config.model_type")
+    _check_config_keys(hf_config, overrides)
+    if hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
+        raise ValueError(
+            f"model {name_or_path or hf_config.model_type!r}: a {hf_config.model_type!r} config is not a causal LM "
+            f"(transformers has no AutoModelForCausalLM class for it)"
+        )
+    if vocab_size is not None:
+        if init == "random" and "vocab_size" not in overrides and not name_or_path:
+            hf_config.vocab_size = -(-vocab_size // 64) * 64
+        elif hf_config.vocab_size < vocab_size:
+            raise ValueError(
+                f"the model's vocab_size {hf_config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
+            )
+    kwargs = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
+    if init == "random":
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
+    device = torch.get_default_device()
+    if device.type != "cpu":
+        kwargs["device_map"] = str(device)
+    return AutoModelForCausalLM.from_pretrained(
+        name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
+    )
+
+
+def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
+    """Refuse a ``model.config`` key that is a near miss of a field of the model's config class (a typo:
+    transformers stores any extra key as an attribute that nothing reads); log the other keys the class
+    does not declare (a model may read them with a default, as Qwen3-MoE reads ``head_dim``).
+
+    Raises:
+        ValueError: a key within a character or two of a declared field (``num_hidden_layer``).
+    """
+    import difflib
+
+    cls = type(hf_config)
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    for key in overrides:
+        if key in known or key == "model_type":
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"model.config.{key}: {cls.__name__} has no such field; did you mean model.config.{close[0]}?")
+        log.info("model.config.%s: not a declared field of %s; set on the config as given", key, cls.__name__)
+
+
+def _config_value_error(err: Exception, overrides: dict[str, Any], name_or_path: str | None) -> ValueError:
+    """A transformers config's field validation error (huggingface_hub's strict dataclasses, e.g.
+    ``num_hidden_layers='abc'``: expected int) as one line naming the config key: ``model.config.<field>``
+    when the run's config sets that field, else the checkpoint's config.json."""
+    match = re.match(r"Validation error for field '([^']+)'", str(err))
+    field = match.group(1) if match else None
+    why = " ".join(str(err.__cause__ or err).split())
+    why = re.sub(r"^Field '[^']*' ", "", why)  # "expected int, got str (value: 'abc')"
+    if field in overrides:
+        return ValueError(f"model.config.{field}={overrides[field]!r}: {why}")
+    source = f"model.name_or_path={name_or_path!r}: its config.json"
+    if field is None:  # a check across fields (a class validator); its message names them
+        return ValueError(f"{'model.config' if overrides else source}: transformers refuses the model config: {why}")
+    return ValueError(f"{source} field {field!r}: {why}")
+
+
+def check_model_switches(model: dict[str, Any], no_cuda: str | None = None, hint: str = "") -> None:
+    """The model switches that need each other or CUDA, from the config (`fit` checks them before writing anything).
+
+    Args:
+        model: the ``model`` config.
+        no_cuda: why no CUDA device will run the model (e.g. ``"trainer.accelerator=cpu"``), or None.
+        hint: appended to the no-CUDA error.
+
+    Raises:
+        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, ``model.cuda_graphs``
+            where ``no_cuda`` says why it cannot run, naming every key to change, or a
+            ``model.cuda_graphs_keep_max_gib`` that is not a number of GiB >= 0.
+    """
+    keep_max_bytes(model.get("cuda_graphs_keep_max_gib"))
+    offload = bool(model.get("activation_offload"))
+    if offload and not model.get("cuda_graphs"):
+        raise ValueError("model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)")
+    if model.get("cuda_graphs") and no_cuda:
+        keys = "model.cuda_graphs=false" + (" model.activation_offload=false" if offload else "")
+        raise ValueError(f"model.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
+
+
+def _use_cuda_graphs(
+    model: dict[str, Any],
+    lora: dict[str, Any],
+    attention: str,
+    device: torch.device,
+    sharded: bool = False,
+    moe_backend: str | None = None,
+) -> bool:
+    """Whether ``model.cuda_graphs=true`` applies, checked from the config before the model is built.
+
+    Skipped (with a warning) when ``sharded`` (FSDP2). `check_cuda_graphs`, which `apply_cuda_graphs` runs again
+    on the built model, runs here on the config first, so a bad combination fails before 60 GB of
+    weights are loaded.
+
+    Raises:
+        ValueError: off CUDA, or what `check_cuda_graphs` refuses.
+    """
+    if sharded:
+        rank_zero_warn(
+            "model.cuda_graphs=true (and with it model.activation_offload) is skipped under strategy=fsdp2 (FSDP2 "
+            "gathers each layer's weights at new addresses every step); set model.cuda_graphs=false to silence this"
+        )
+        return False
+    check_model_switches(model, no_cuda=None if device.type == "cuda" else f"the model is on {device}")
+    dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
+    router_logits = bool((model.get("config") or {}).get("output_router_logits", False))
+    check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits)
+    return True
+
+
+@dataclass
+class BuiltModel:
+    """What `ModelBuilder` returns to the LightningModule.
+
+    Attributes:
+        model: the model to train (a PEFT model around a transformers causal LM, or the causal LM
+            itself without LoRA), patched and in training mode.
+        fused_linear_cross_entropy: ``kernels.fused_linear_cross_entropy``: compute the loss without
+            materialising the logits (`lightning_ft.kernels.linear_cross_entropy`).
+        pad_for_graphs: the decoder layers replay CUDA graphs with varlen attention: packed rows are
+            padded to shared token counts (`lightning_ft.module.FinetuneModule.pad_for_graphs`).
+    """
+
+    model: torch.nn.Module
+    fused_linear_cross_entropy: bool = False
+    pad_for_graphs: bool = False
+
+
+class ModelBuilder:
+    """Builds the model from the config groups (the steps in the module docstring), when called.
+
+    Args:
+        model: the ``model`` config group (see `lightning_ft.config.ModelConfig`).
+        lora: the ``lora`` config group.
+        kernels: the ``kernels`` config group: ``rms_norm``, ``rope``, ``swiglu``, ``lora``,
+            ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
+        moe: the ``moe`` config group: ``backend`` (``hf`` = stock transformers experts, or
+            ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.model.moe`)
+            ``train_router`` and ``lora_slots`` (grouped_mm: `augment_expert_weights`).
+        vocab_size: the tokenizer's size (for random-init models).
+    """
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        lora: dict[str, Any],
+        kernels: dict[str, bool] | None = None,
+        moe: dict[str, Any] | None = None,
+        vocab_size: int | None = None,
+    ):
+        self.model_cfg = dict(model)
+        self.lora_cfg = dict(lora)
+        self.kernels_cfg = dict(kernels or {})
+        self.moe_cfg = dict(moe or {})
+        self.vocab_size = vocab_size
+
+    def __call__(self, device: torch.device, precision: str | None = None, sharded: bool = False) -> BuiltModel:
+        """Build the model on ``device`` (the current default device for a random init).
+
+        Args:
+            device: where the model will run (Lightning's ``strategy.root_device``).
+            precision: Lightning's precision setting (e.g. ``bf16-mixed``), or None without a trainer;
+                under mixed precision PEFT's casts of the adapter inputs are skipped
+                (`lightning_ft.model.lora._skip_adapter_input_casts`).
+            sharded: the strategy shards the model afterwards (FSDP2): no CUDA graphs (warned) and no
+                LoRA slots in the expert weights.
+
+        Raises:
+            ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
+                `check_model_switches`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs` and the
+                patches refuse.
+        """
+        cfg = self.model_cfg
+        dtype = _DTYPES.get(cfg.get("dtype", "float32"))
+        attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
+        moe_backend = self.moe_cfg.get("backend", "hf")
+        check_model_switches(cfg)
+        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(cfg, self.lora_cfg, attention, device, sharded, moe_backend)
+        rank_zero_info(f"attention: {attention} ({why})")
+        model = load_causal_lm(
+            cfg.get("name_or_path"),
+            init=cfg.get("init", "pretrained"),
+            config=cfg.get("config"),
+            dtype=cfg.get("dtype", "float32"),
+            vocab_size=self.vocab_size,
+            attn_implementation=register_packed_attention(attention),
+            trust_remote_code=cfg.get("trust_remote_code", False),
+        )
+        model.config.use_cache = False
+        if cfg.get("gradient_checkpointing"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora_cfg.get("enabled", True):
+            model = add_lora(model, self.lora_cfg)
+            if precision is not None and "mixed" in precision:
+                _skip_adapter_input_casts(model)
+        if moe_backend != "hf":
+            backend = apply_moe(model, backend=moe_backend, train_router=self.moe_cfg.get("train_router", False))
+            rank_zero_info(f"moe: {backend} experts backend")
+            lora_slots = backend == "grouped_mm" and self.moe_cfg.get("lora_slots", True) and not sharded
+            if lora_slots and (augmented := augment_expert_weights(model)):
+                rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
+            if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
+                _use_cuda_graphs(cfg, self.lora_cfg, attention, device, sharded, backend)
+        for line in apply_kernels(model, self.kernels_cfg):
+            rank_zero_info(f"kernel {line}")
+        pad_for_graphs = False
+        if cuda_graphs:
+            offload = bool(cfg.get("activation_offload", False))
+            layers = apply_cuda_graphs(
+                model,
+                keep_attention=cfg.get("cuda_graphs_keep_attention", True),
+                activation_offload=offload,
+                keep_projections=cfg.get("cuda_graphs_keep_projections", True),
+                keep_max_gib=cfg.get("cuda_graphs_keep_max_gib"),
+            )
+            rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
+            if attention == "varlen":
+                pad_for_graphs = True
+                rank_zero_info(
+                    f"cuda graphs: packed rows of several documents are padded to a multiple of {GRAPH_TOKEN_MULTIPLE} "
+                    "tokens (at least the longest row so far, at most data.max_tokens) by a document of ignored tokens, "
+                    "so that rows share graphs"
+                )
+            if offload:
+                rank_zero_info("activation offloading: each decoder layer's input (but the last's) waits in host memory for the backward")
+        # training mode throughout, as a transformers Trainer sets it: from_pretrained (and PEFT's, for
+        # lora.init_from) return the model in eval mode, and Lightning keeps each submodule's mode, so a
+        # loaded checkpoint would train without gradient checkpointing (transformers checkpoints only in
+        # training mode), CUDA graphs (replayed only then) or LoRA dropout
+        model.train()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        rank_zero_info(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable")
+        return BuiltModel(model, bool(self.kernels_cfg.get("fused_linear_cross_entropy")), pad_for_graphs)

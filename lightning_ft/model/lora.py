@@ -1,0 +1,207 @@
+"""PEFT LoRA in the model: the adapters wrapped around it, and the fused forward of PEFT's ``lora.Linear``.
+
+`add_lora` wraps a transformers model with PEFT LoRA (``get_peft_model``) or loads an adapter to train
+further (``PeftModel.from_pretrained``), refusing target names that match nothing before PEFT would
+drop them silently. `lora_linear_adapters` says for which adapters of a PEFT ``lora.Linear`` the
+fused op `lightning_ft.kernels.lora.lora_linear` computes PEFT's forward; `_fused_lora_forward` is the
+forward the patch tables (`lightning_ft.model.patching`, kernel switch ``lora``) install on those
+layers: the fused op whenever that adapter alone is active, enabled and not merged, PEFT's own
+forward otherwise, call by call. The LoRA parameters and the adapter file stay PEFT's.
+
+Sources: PEFT 0.21 ``peft.tuners.lora.layer.Linear``, ``LoraConfig``, ``check_target_module_exists``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from lightning_ft.kernels.lora import lora_linear
+from lightning_ft.strategies import kept
+
+__all__ = ["add_lora", "lora_linear_adapters"]
+
+
+def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
+    """Wrap ``model`` with PEFT LoRA adapters (or load an existing adapter to train further).
+
+    ``lora`` keys: ``rank``, ``alpha``, ``dropout``, ``target_modules`` (a list of module names,
+    ``all-linear``, or, as PEFT reads any other string, a regular expression that must match a
+    module's whole name), ``target_parameters`` (a list of names of 3-D expert parameters, e.g.
+    ``mlp.experts.gate_up_proj``; optional), ``init_from`` (a PEFT adapter folder; optional).
+    With ``init_from`` the adapter's own configuration (rank, alpha, targets) is used and the other
+    keys are ignored.
+
+    Raises:
+        FileNotFoundError: ``init_from`` is not a folder holding a PEFT ``adapter_config.json``.
+        ValueError: a name in ``target_modules`` or ``target_parameters`` matches nothing in
+            ``model`` (PEFT would drop it silently, or only warn, and train without that adapter), a
+            ``target_modules`` string that is no regular expression or matches no module name (PEFT
+            would raise only after loading), or a ``target_parameters`` string.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if lora.get("init_from"):
+        init_from = Path(lora["init_from"]).expanduser()
+        if not (init_from / "adapter_config.json").is_file():
+            raise FileNotFoundError(
+                f"lora.init_from={lora['init_from']!r}: no adapter_config.json there; expected a folder written by "
+                "PEFT's save_pretrained (such as <run_dir>/adapter)"
+            )
+        model = PeftModel.from_pretrained(model, str(init_from), is_trainable=True)
+        loaded = model.peft_config["default"]
+        modules = loaded.target_modules  # a list, or one regular expression
+        targets = [modules] if isinstance(modules, str) else sorted(modules or [])
+        rank_zero_info(
+            f"lora.init_from={str(init_from)!r}: rank {loaded.r}, alpha {loaded.lora_alpha}, targets "
+            f"{targets + list(loaded.target_parameters or [])} (lora.rank/alpha/targets ignored)"
+        )
+        return model
+    target_modules = lora["target_modules"]
+    leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+    if not isinstance(target_modules, str):
+        _check_lora_targets("lora.target_modules", target_modules, leaves)
+    elif target_modules.lower() != "all-linear":  # PEFT's shorthand, any case
+        _check_lora_regex("lora.target_modules", target_modules, [name for name, _ in model.named_modules() if name], leaves)
+    if isinstance(lora.get("target_parameters"), str):  # PEFT takes a list only (TypeError for a str)
+        name = lora["target_parameters"]
+        raise ValueError(f"lora.target_parameters={name!r}: expected a list of parameter names, such as lora.target_parameters=[{name}]")
+    _check_lora_targets("lora.target_parameters", lora.get("target_parameters") or [], [
+        name for name, p in model.named_parameters() if p.dim() == 3
+    ])
+    config = LoraConfig(
+        r=lora["rank"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        target_parameters=list(lora["target_parameters"]) if lora.get("target_parameters") else None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def _check_lora_targets(key: str, targets: list[str], names: list[str]) -> None:
+    """Refuse a LoRA target that matches none of ``names`` as PEFT matches a list: the whole name,
+    or its dotted suffix (``q_proj`` matches ``model.layers.0.self_attn.q_proj``).
+
+    Raises:
+        ValueError: naming ``key``, the unmatched targets and the model's own suffixes to choose from.
+    """
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(f"{key}: {unmatched} match nothing in the model; its layers have: {_layer_suffixes(names)}")
+
+
+def _check_lora_regex(key: str, pattern: str, names: list[str], leaves: list[str]) -> None:
+    """Refuse a LoRA target string that matches none of ``names`` as PEFT matches a string: a regular
+    expression that must match a module's whole name (``re.fullmatch``, PEFT 0.21
+    ``check_target_module_exists``), so ``q_proj`` matches nothing where the list ``[q_proj]`` matches
+    every ``...self_attn.q_proj``. PEFT would raise its ``NoMatchingPeftModuleError`` after loading.
+
+    Args:
+        key: the config key, for the message.
+        pattern: the string, not ``all-linear``.
+        names: the module names PEFT tries (every named module but the root).
+        leaves: the leaf module names, for the suggested list form.
+
+    Raises:
+        ValueError: naming ``key``: ``pattern`` is not a regular expression, or it matches no name;
+            then the list form to use and the layers' own suffixes.
+    """
+    try:
+        if any(re.fullmatch(pattern, n) for n in names):
+            return
+    except re.error as err:
+        raise ValueError(f"{key}={pattern!r}: a string is a regular expression over full module names, and this one is not valid ({err})") from err
+    as_name = [n for n in leaves if n == pattern or n.endswith("." + pattern)]
+    example = (as_name or [n for n in leaves if re.search(r"\.\d+\.", n)] or leaves or ["none"])[0]
+    listed = pattern if as_name else re.sub(r"^.*\.\d+\.", "", example)
+    raise ValueError(
+        f"{key}={pattern!r} matches no module: a string is a regular expression over full module names "
+        f"(such as {example}); for module names use a list, such as {key}=[{listed}]; its layers have: {_layer_suffixes(leaves)}"
+    )
+
+
+def _layer_suffixes(names: list[str]) -> str:
+    """The names without their layer prefix (``model.layers.3.``), what a target list holds, comma-separated."""
+    choices = sorted({re.sub(r"^.*\.\d+\.", "", n) for n in names if re.search(r"\.\d+\.", n)}) or sorted(names)
+    return ", ".join(choices) or "none"
+
+
+def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
+    """Stop PEFT casting each LoRA layer's input to the adapter dtype (fp32) under mixed precision.
+
+    Autocast casts both operands of every adapter matmul to the autocast dtype anyway, so the cast
+    to fp32 and back costs a copy of the layer input each way per LoRA layer and pass (forward,
+    recompute, and the cast's backward) for the same result (with LoRA dropout, the dropout mask
+    is applied in the input's dtype instead of fp32). Tested to give bit-identical loss and
+    gradients under bf16 autocast.
+    Source: PEFT 0.21 ``LoraLayer.cast_input_dtype_enabled`` (``peft.helpers.disable_input_dtype_casting``).
+    """
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+
+
+def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
+    """The adapters of a PEFT ``lora.Linear`` for which `lora_linear` is PEFT's forward, whenever that adapter
+    is the only active one, adapters are enabled and not merged, and the call has no extra arguments.
+
+    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
+    ``fan_in_fan_out``, no forward hooks or replaced ``forward``: `lora_linear` reads its weight
+    directly) whose weight and bias are frozen. These do not change while a model trains; which
+    adapter is active, merging and disabling do, and are checked at every call.
+    """
+    base = module.base_layer
+    if (
+        module.fan_in_fan_out
+        or type(base) is not torch.nn.Linear
+        or base._forward_hooks
+        or base._forward_pre_hooks
+        or "forward" in base.__dict__
+        or base.weight.requires_grad
+        or (base.bias is not None and base.bias.requires_grad)
+    ):
+        return frozenset()
+    return frozenset(
+        name
+        for name in module.lora_A
+        if name not in module.lora_variant
+        and type(module.lora_dropout[name]) is torch.nn.Identity
+        and module.lora_B[name].bias is None
+    )
+
+
+def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    active = self.active_adapters
+    if args or kwargs or len(active) != 1 or self.disable_adapters or self.merged:
+        return type(self).forward(self, x, *args, **kwargs)
+    (name,) = active
+    lora_A = self.lora_A[name]
+    scaling = self.scaling[name]
+    # an adapter checked at patch time (re-created under its name: a new lora_A module), a non-zero
+    # scaling (PEFT's 0 · NaN stays NaN), and, without autocast, PEFT's dtype (it computes the
+    # adapter in the adapter's dtype)
+    ours = self._lightning_ft_lora.get(name) is lora_A and scaling != 0
+    if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.base_layer
+    keep = kept.active("projections") if self._lightning_ft_keep else None
+    if keep is not None and not _output_keepable(self):
+        keep = None
+    return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep)
+
+
+def _output_keepable(module: torch.nn.Module) -> bool:
+    """Whether a kept output of this LoRA layer (`lightning_ft.strategies.kept`) stays right, checked per call (the
+    forward and its recompute decide alike): its base weight and bias frozen (the kept path computes no gradient
+    for them) and no forward hook that could change the output in place (it is a view of the kept buffer)."""
+    base = module.base_layer
+    frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+    return frozen and not module._forward_hooks and not torch.nn.modules.module._global_forward_hooks

@@ -1,0 +1,455 @@
+"""`FinetuneModule`: the LightningModule that trains a Hugging Face causal LM made by a `ModelBuilder`.
+
+Loss (exact normalisation): an optimizer step covers ``k`` micro-batches on each of ``W`` ranks.
+Its loss is the sum of all token losses of the step divided by ``N``, the number of target tokens
+in the whole step (``PackedBatch.step_target_tokens``, counted on the host by the data module):
+
+    loss_step = Σ_ranks Σ_micro Σ_tokens ce(token) / N
+
+Lightning divides each micro-batch's returned loss by ``k`` before backward and DDP (or FSDP2)
+averages gradients over ``W`` ranks, so each micro-batch returns ``loss_sum · k · W / N``. This
+equals one big batch holding every micro-batch of the step (not the mean of per-micro-batch means).
+
+Before every optimizer step (``on_before_optimizer_step``) the step's loss and a non-finite flag
+(loss or any gradient NaN/Inf) are summed over ranks. A step without target tokens, or a
+non-finite one with ``train.on_nonfinite=skip``, is skipped: the optimizer leaves the weights and
+its moments alone (the LR schedule still advances); both are counted in ``skipped_steps``. With
+``train.on_nonfinite=stop`` a non-finite step raises `TrainingStopped` without updating the
+weights, so the last checkpoint written is the last good one.
+
+Where the optimizer skips a step on the device (fused torch Adam or AdamW, `_skips_on_device`;
+AdamW ``fused=True`` is the config's default; the ``found_inf`` contract of `torch.amp.GradScaler`) the
+flag is handed to it as ``found_inf`` and the step is queued without waiting: the host reads the
+loss and the flag (copied to pinned memory, behind a CUDA event) only after the update is queued
+(``optimizer_step``), so the GPU never idles while the host decides (a sync before the update
+leaves the GPU idle while the host launches the update, a few ms per step on a large MoE model;
+benchmarks/RESULTS.md). Other optimizers read the flag first,
+one device sync before the update, and skip by setting the gradients to None. A skipped step
+logs ``train/loss`` as NaN (summary.json: null). Gradient clipping under bf16-mixed works with a
+fused optimizer (`configure_gradient_clipping`; Lightning refuses it, for fp16's GradScaler).
+
+Checkpoints also hold every rank's RNG states (restored at ``on_train_start``), the per-step
+losses and the skip counters, so a resumed run replays an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from functools import partial
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import SumMetric
+from typing_extensions import override
+
+from lightning_ft.data.packing import PackedBatch
+from lightning_ft.data.tokenization import IGNORE_INDEX
+from lightning_ft.errors import TrainingStopped
+from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE
+from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
+
+
+
+class FinetuneModule(L.LightningModule):
+    """Fine-tunes a transformers causal LM on `PackedBatch` micro-batches.
+
+    The model is made in `configure_model` (on the target device) by the `ModelBuilder` given
+    (`lightning_ft.model.build`); under ``strategy=fsdp2`` the finished model is then sharded and
+    `loss_sum` becomes the root unit's forward (`lightning_ft.strategies.fsdp2`). Checkpoints hold
+    only the trainable weights.
+
+    Args:
+        model: the `ModelBuilder` that makes the model to train (called once, in `configure_model`).
+        optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
+        scheduler: a partial LR scheduler taking the optimizer, or None; it gets ``num_training_steps``
+            (Lightning's ``estimated_stepping_batches``) only where its signature has that argument
+            (`scheduler_kwargs`): ``transformers.get_constant_schedule_with_warmup`` needs none.
+        on_nonfinite: ``stop`` or ``skip`` (``train.on_nonfinite``): what a NaN/Inf loss or gradient does.
+
+    Raises:
+        ValueError: an unknown ``on_nonfinite``, or a ``scheduler`` that needs arguments it is not
+            given (`scheduler_kwargs`), before the model is built.
+    """
+
+    def __init__(
+        self,
+        model: ModelBuilder,
+        optimizer: Callable[..., torch.optim.Optimizer] = partial(torch.optim.AdamW, lr=2e-4),
+        scheduler: Callable[..., Any] | None = None,
+        on_nonfinite: str = "stop",
+    ):
+        super().__init__()
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={on_nonfinite!r}: expected 'stop' or 'skip'")
+        self.builder = model
+        if scheduler is not None:
+            scheduler_kwargs(scheduler, 1)  # refuse missing arguments now, not after the model loads
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.on_nonfinite = on_nonfinite
+        self.model: torch.nn.Module | None = None
+        self.fused_linear_cross_entropy = False  # set from the built model (`BuiltModel`)
+        self.strict_loading = False  # checkpoints hold the trainable weights only
+        self.step_losses: list[float | None] = []  # per optimizer step; None for a skipped step
+        self.skipped_steps = {"no_target_tokens": 0, "nonfinite": 0}
+        self._step_loss_sum = torch.zeros(())
+        self._step_target_tokens = 0
+        self._pending_step: _PendingStep | None = None
+        self._graph_tokens: int | None = None  # with graphed varlen layers: the token count rows are padded to
+        self._rng_states_to_restore: dict[str, Any] | None = None
+        self.val_loss_sum = SumMetric()
+        self.val_tokens = SumMetric()
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        trainer = self._trainer
+        sharded = trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
+        built = self.builder(
+            trainer.strategy.root_device if trainer is not None else torch.get_default_device(),
+            precision=str(trainer.precision) if trainer is not None else None,
+            sharded=sharded,
+        )
+        self.model = built.model
+        self.fused_linear_cross_entropy = built.fused_linear_cross_entropy
+        if built.pad_for_graphs:
+            self._graph_tokens = 0
+        if sharded:
+            # last: fully_shard sees the finished model (patched forwards, checkpointed layers)
+            shard_model(self, self.model, trainer.strategy.device_mesh, trainer.precision)
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The transformers model under the PEFT wrapper (the model itself without LoRA)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def loss_sum(self, batch: PackedBatch) -> torch.Tensor:
+        """Sum of the next-token cross-entropy over the target tokens of ``batch`` (fp32 scalar).
+
+        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head) the logits are
+        never materialised (`lightning_ft.kernels.linear_cross_entropy`).
+        """
+        hf = self.hf_model
+        backbone = getattr(hf, hf.base_model_prefix)
+        hidden_1TH = backbone(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
+        ).last_hidden_state
+        head = hf.get_output_embeddings()
+        if self.fused_linear_cross_entropy and type(head) is torch.nn.Linear and head.bias is None:
+            # targets of position t are labels[t + 1]; the last position has none
+            targets_1T = F.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            loss_sum, _ = fused_linear_cross_entropy(hidden_1TH.flatten(0, 1), head.weight, targets_1T.flatten())
+            return loss_sum
+        logits = head(hidden_1TH[:, :-1]).float()
+        return F.cross_entropy(
+            logits.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+    def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
+        """``batch`` padded (`PackedBatch.padded`) to the token count its CUDA graphs are recorded for.
+
+        With graphed layers and varlen attention, a row of several documents: T rounded up to a
+        multiple of `GRAPH_TOKEN_MULTIPLE` (but not past the data module's ``max_tokens``, when
+        there is one), and never below the largest count padded to so far, so that packed rows
+        (filled to ``data.max_tokens`` but each one a little short of it) all run at one count and
+        replay one set of graphs per document-count bucket (`lightning_ft.strategies.cuda_graphs`)
+        instead of each length running eagerly the first time and filling the signatures (on GSM8K
+        packed to 4096 tokens, a few hundred layouts become a handful, for under 1% of the tokens in
+        padding). A row of one document is left alone: it keeps
+        SDPA's causal kernel (cuDNN on Hopper, faster than flash-attention 2's varlen), its graphs
+        per exact length. Otherwise ``batch`` itself.
+        """
+        if self._graph_tokens is None or batch.num_docs == 1:
+            return batch
+        multiple = GRAPH_TOKEN_MULTIPLE
+        tokens = max(self._graph_tokens, -(-batch.num_tokens // multiple) * multiple)
+        limit = getattr(getattr(self._trainer, "datamodule", None), "max_tokens", None)
+        if isinstance(limit, int) and batch.num_tokens <= limit:
+            tokens = min(tokens, limit)
+        self._graph_tokens = tokens
+        return batch.padded(tokens)
+
+    @override
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
+        loss_sum = self.loss_sum(self.pad_for_graphs(batch))
+        self._step_loss_sum = self._step_loss_sum.to(loss_sum.device) + loss_sum.detach()
+        self._step_target_tokens = batch.step_target_tokens
+        if batch.step_target_tokens == 0:  # every label of the step is masked: contributes zero (and is skipped)
+            return loss_sum * 0.0
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / batch.step_target_tokens
+        return loss_sum * scale
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # every micro-batch of the step has run backward (and DDP has averaged the gradients)
+        step = self.trainer.global_step + 1
+        nonfinite = ~torch.isfinite(self._step_loss_sum)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        # fp16 mixed precision: a GradScaler already skips steps whose gradients overflowed
+        if scaler is None:
+            # under FSDP2 each rank checks its own shards; the flag is summed over ranks below
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                nonfinite = nonfinite | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float()).all()
+        totals = torch.stack([self._step_loss_sum.float(), nonfinite.float()])
+        if self.trainer.world_size > 1:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        self._step_loss_sum = torch.zeros((), device=self._step_loss_sum.device)
+        self._pending_step = None
+        if scaler is None and self._step_target_tokens and _skips_on_device(optimizer):
+            # the optimizer skips the update itself where found_inf == 1 (weights, moments and step count)
+            optimizer.found_inf = (totals[1] > 0).float()
+            self._pending_step = _PendingStep(step, optimizer, totals)
+            return
+        self._finish_step(step, *totals.tolist(), optimizer)  # one host sync, before the update
+
+    def _finish_step(self, step: int, loss_sum: float, nonfinite_ranks: float, optimizer: Any, queued: bool = False) -> None:
+        """Stop, skip or log the step from its host values; ``queued``: the update is already queued
+        on the device, which skips it where the step was non-finite (``found_inf``)."""
+        if nonfinite_ranks:
+            if self.on_nonfinite == "stop":
+                raise TrainingStopped(self._nonfinite_message(step))
+            rank_zero_warn(f"optimizer step {step}: non-finite loss or gradient; the step is skipped (train.on_nonfinite=skip)")
+            self.skipped_steps["nonfinite"] += 1
+            if not queued:
+                optimizer.zero_grad(set_to_none=True)
+            self._log_skipped()
+            return
+        if self._step_target_tokens == 0:
+            self.skipped_steps["no_target_tokens"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            self._log_skipped()
+            return
+        loss = loss_sum / self._step_target_tokens
+        self.log("train/loss", host_scalar(loss), prog_bar=True)
+        self.step_losses.append(loss)
+
+    def _log_skipped(self) -> None:
+        # NaN, not nothing: the loggers would otherwise write the previous step's loss for this step
+        self.log("train/loss", host_scalar(float("nan")), prog_bar=True)
+        self.step_losses.append(None)
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and gradient_clip_val:
+            # bf16-mixed has no GradScaler, so nothing is unscaled inside a fused optimizer, but
+            # Lightning's MixedPrecision.clip_gradients refuses every fused optimizer (fp16's case):
+            # clip as its base class does (torch's clip_grad_norm_ / clip_grad_value_)
+            algorithm = GradClipAlgorithmType((gradient_clip_algorithm or "norm").lower())
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _nonfinite_message(self, step: int) -> str:
+        # every rank gets here together (the flag was summed over ranks): gathering FSDP2 shards is safe
+        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(full_tensor(p.grad)).all()]
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        ckpt = self.trainer.checkpoint_callback
+        last = (ckpt.last_model_path or ckpt.best_model_path) if ckpt is not None else ""
+        kept = f"the last good checkpoint is {last} (resume with ckpt_path=last)" if last else "no checkpoint was written yet"
+        if bad:
+            where = f"{len(bad)} tensors with non-finite gradients: {shown}"
+        elif self.trainer.world_size > 1:
+            where = "no non-finite gradient on this rank: the loss or another rank's gradients"
+        else:
+            where = "the loss; no gradient is non-finite"
+        return (
+            f"non-finite loss or gradient at optimizer step {step} ({where}); training stopped without "
+            f"updating the weights (train.on_nonfinite=stop), {kept}. Lower optimizer.lr, check the data, or set "
+            "train.on_nonfinite=skip to skip such steps"
+        )
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        pending, self._pending_step = self._pending_step, None
+        if pending is not None:  # the update is queued: now read what on_before_optimizer_step flagged
+            self._finish_step(pending.step, *pending.read(), optimizer, queued=True)
+        # Free the gradients now. Lightning zeroes them in the next step's closure, after its
+        # training_step and before its backward, so they would sit through that forward: one copy of
+        # every trainable tensor (measured 0.6 GiB on 12 layers of Qwen3-30B-A3B with LoRA on the experts).
+        optimizer.zero_grad(set_to_none=True)
+
+    @override
+    def on_train_start(self) -> None:
+        if self._rng_states_to_restore is not None:
+            _set_rng_states(self._rng_states_to_restore)
+            self._rng_states_to_restore = None
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: PackedBatch, batch_idx: int) -> None:
+        max_steps = self.trainer.max_steps
+        if max_steps > 0 and self.trainer.global_step >= max_steps:
+            # ask the loop to stop now: Lightning then runs validation once more (if there is any)
+            self.trainer.should_stop = True
+
+    @override
+    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
+        self.val_loss_sum.update(self.loss_sum(batch))
+        self.val_tokens.update(batch.num_target_tokens)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss_sum.compute() / self.val_tokens.compute().clamp(min=1)
+        self.log_dict({"val/loss": loss, "val/perplexity": loss.exp()}, prog_bar=True)
+        self.val_loss_sum.reset()
+        self.val_tokens.reset()
+
+    @override
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        kwargs = scheduler_kwargs(self.scheduler_factory, self.trainer.estimated_stepping_batches)
+        scheduler = self.scheduler_factory(optimizer, **kwargs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trainable = {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["step_losses"] = self.step_losses
+        checkpoint["skipped_steps"] = dict(self.skipped_steps)
+        # every rank's RNG states (dropout draws differ per rank); a collective: all ranks save together
+        states = _rng_states()
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, states)
+            checkpoint["rng_states"] = gathered
+        else:
+            checkpoint["rng_states"] = [states]
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.step_losses = list(checkpoint.get("step_losses", []))
+        self.skipped_steps.update(checkpoint.get("skipped_steps", {}))
+        states = checkpoint.get("rng_states")
+        if states is None:
+            return
+        if len(states) != self.trainer.world_size:
+            rank_zero_warn(
+                f"the checkpoint holds RNG states of {len(states)} ranks, this run has {self.trainer.world_size}: "
+                "random draws (dropout) will differ from the interrupted run; resume with the same trainer.devices to replay it"
+            )
+            return
+        self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+def scheduler_kwargs(scheduler: Callable[..., Any], num_training_steps: int) -> dict[str, Any]:
+    """The keyword arguments `FinetuneModule.configure_optimizers` passes ``scheduler`` besides the
+    optimizer: ``num_training_steps`` where its signature takes it (by name or ``**kwargs``), else
+    none. A schedule that does not depend on the run's length (``get_constant_schedule_with_warmup``,
+    torch's ``StepLR``) gets no ``num_training_steps``; one that does (the cosine default) gets it.
+
+    Raises:
+        ValueError: naming ``scheduler._target_`` and the arguments it still lacks (set them under
+            ``scheduler.``).
+    """
+    func = getattr(scheduler, "func", scheduler)  # Hydra's _partial_: a functools.partial
+    target = f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', func)}".lstrip(".")
+    try:
+        signature = inspect.signature(scheduler)
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass it as before
+        return {"num_training_steps": num_training_steps}
+    params = signature.parameters.values()
+    takes = any(p.name == "num_training_steps" or p.kind is p.VAR_KEYWORD for p in params)
+    kwargs = {"num_training_steps": num_training_steps} if takes else {}
+    try:
+        signature.bind(object(), **kwargs)  # the optimizer
+    except TypeError as err:
+        missing = [p.name for p in list(params)[1:] if p.default is p.empty and p.name not in kwargs
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not missing:  # e.g. it takes no optimizer
+            raise ValueError(f"scheduler._target_={target}: cannot be called with the optimizer ({err})") from None
+        hint = " ".join(f"+scheduler.{name}=..." for name in missing)
+        raise ValueError(f"scheduler._target_={target}: needs {', '.join(missing)}, which nothing sets: add {hint}") from None
+    return kwargs
+
+
+def host_scalar(value: float) -> torch.Tensor:
+    """``value`` as a float32 tensor on the host, for ``self.log``.
+
+    Why: Lightning turns a logged Python number into a tensor on the module's device, a blocking
+    copy (the host waits for every kernel queued before it, on the H200 the optimizer's update), and
+    its progress bar and loggers read it back with ``.item()``: two host syncs per logged value and
+    step. A host tensor stays on the host (Lightning moves a logged tensor nowhere). Not for
+    ``sync_dist=True`` under NCCL, whose all-reduce needs the tensor on the GPU (these values need no
+    reduction: the loss is summed over ranks before it is logged, tokens/s counts all ranks' tokens).
+    """
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips a step itself where ``found_inf`` is 1, leaving its state as if the
+    step had not run: fused torch Adam/AdamW (``_step_supports_amp_scaling``). Not fused SGD: its
+    first step makes the momentum buffers with ``empty_like`` and, skipped, leaves them unwritten
+    (NaN weights after the next step, with torch 2.13).
+    """
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+class _PendingStep:
+    """An optimizer step queued before its loss and non-finite flag were read on the host.
+
+    ``totals`` ([2] float32: the loss sum and the number of ranks that saw a non-finite value) is
+    copied to pinned host memory without blocking, behind a CUDA event: `read` waits for that
+    event only, not for the update queued after it. The optimizer's ``found_inf`` is removed once
+    read (a later step sets its own).
+    """
+
+    def __init__(self, step: int, optimizer: torch.optim.Optimizer, totals: torch.Tensor):
+        self.step, self.optimizer = step, optimizer
+        self.totals = totals.to("cpu", non_blocking=True)  # pinned when copied from CUDA
+        self.copied = None
+        if totals.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def read(self) -> list[float]:
+        """[loss sum, non-finite ranks] on the host."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        del self.optimizer.found_inf
+        return self.totals.tolist()
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states a training step can draw from: Python, NumPy, torch CPU and CUDA (all devices).
+
+    Only tuples, lists, ints, floats, strings and tensors, so that checkpoints load with
+    ``torch.load(weights_only=True)``.
+    """
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached_gaussian = states["numpy"]
+    random.setstate(states["python"])
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

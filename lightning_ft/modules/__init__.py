@@ -1,1 +1,0 @@
-"""The LightningModule and the model-side hot path (attention, patching)."""

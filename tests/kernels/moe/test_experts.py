@@ -1,0 +1,139 @@
+"""Every MoE expert backend (`lightning_ft.kernels.moe.experts.moe_experts`) against the dense
+float64 reference with materialised LoRA, forward and backward, and the backend selection."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lightning_ft.kernels.moe.experts as experts
+from lightning_ft.kernels.moe import BACKENDS, ExpertLoRA, moe_experts, select_backend
+from moe_cases import CASES, DEVICES, Case, _assert_close, _make, _reference_run, _run, _skip_unless_runnable
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case_name", list(CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_materialised_reference(backend, case_name, dtype, device):
+    _skip_unless_runnable(backend, device)
+    case = CASES[case_name]
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    ref_out, ref_grads = _reference_run(case, topk_idx, tensors, grad_out)
+    out, grads = _run(backend, case, topk_idx, tensors, dtype, grad_out)
+
+    assert out.dtype == dtype and out.shape == (case.tokens, case.hidden)
+    _assert_close(out, ref_out, dtype, "output")
+    for name, ref_grad in ref_grads.items():
+        assert grads[name] is not None, f"{name} got no gradient"
+        assert grads[name].dtype == dtype
+        _assert_close(grads[name], ref_grad, dtype, f"grad of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["native_torch", "grouped_mm"])
+def test_plain_activation_path_equals_the_fused_one(backend, device):
+    """An act_fn that is not SiLU runs act(gate) * up * weight in plain torch: same output and grads."""
+    case = CASES["base"]
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    fused = _run(backend, case, topk_idx, tensors, torch.float32, grad_out)
+    plain = _run(backend, case, topk_idx, tensors, torch.float32, grad_out, act_fn=lambda h: F.silu(h))
+    torch.testing.assert_close(plain[0], fused[0], rtol=1e-5, atol=1e-5)
+    for name, grad in fused[1].items():
+        torch.testing.assert_close(plain[1][name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("trainable", [("x",), ("topk_weight", "gate_up_B"), ("gate_up_A", "down_B"), ("down_A",)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_what_requires_grad_gets_the_reference_gradient(backend, trainable, device):
+    """Frozen inputs or LoRA factors: each backend's hand-written backward skips them, the rest is exact."""
+    _skip_unless_runnable(backend, device)
+    case = CASES["e6_top1_empty"]
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    _, expected = _reference_run(case, topk_idx, tensors, grad_out)
+    _, grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out, trainable=trainable)
+    for name in trainable:
+        _assert_close(grads[name], expected[name], torch.float32, f"{backend} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unneeded_output_is_zeros_with_the_same_gradients(backend, device):
+    """``output_needed=False`` (a recompute that only differentiates): grouped_mm and triton skip the
+    down projection and return zeros, native_torch computes it; every gradient is unchanged."""
+    _skip_unless_runnable(backend, device)
+    case = CASES["odd_sizes"] if backend != "grouped_mm" else CASES["base"]  # grouped_mm: aligned sizes
+    topk_idx, tensors = _make(case, device)
+    grad_out = torch.randn(case.tokens, case.hidden).to(device)
+    out, grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out)
+    skipped, skipped_grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out, output_needed=False)
+    if backend == "native_torch":
+        torch.testing.assert_close(skipped, out, rtol=0, atol=0)
+    else:
+        assert skipped.shape == out.shape and not skipped.any()
+    for name, grad in grads.items():
+        torch.testing.assert_close(skipped_grads[name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_gives_an_empty_output_that_backpropagates(backend, device):
+    _skip_unless_runnable(backend, device)
+    case = Case(tokens=0, hidden=32, intermediate=16, experts=4, top_k=2, rank=4)
+    topk_idx, tensors = _make(case, device)
+    out, grads = _run(backend, case, topk_idx, tensors, torch.float32, torch.zeros(0, case.hidden, device=device))
+    assert out.shape == (0, case.hidden) and out.requires_grad  # and its backward ran in _run
+    for name, grad in grads.items():  # None where a backend never touched the tensor, else zero-sized or zeros
+        assert grad is None or not grad.any(), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_expert_lora_tensor_gets_gradient(backend, device):
+    _skip_unless_runnable(backend, device)
+    case = Case(tokens=12, hidden=32, intermediate=16, experts=6, top_k=2, rank=4)
+    _, tensors = _make(case, device)
+    topk_idx = (torch.arange(case.tokens)[:, None] + torch.arange(case.top_k)) % case.experts  # every expert
+    grad_out = torch.randn(case.tokens, case.hidden).to(device)
+    _, grads = _run(backend, case, topk_idx.to(device), tensors, torch.float32, grad_out)
+    for name in ("gate_up", "down"):
+        lora_grad = ExpertLoRA(grads[f"{name}_A"], grads[f"{name}_B"], 1.0, case.experts)
+        a_ERC, b_ENR, _ = lora_grad.factors(torch.float32)
+        assert torch.all(a_ERC.abs().sum(dim=(1, 2)) > 0), f"{backend}: an expert's {name} lora_A got no gradient"
+        assert torch.all(b_ENR.abs().sum(dim=(1, 2)) > 0), f"{backend}: an expert's {name} lora_B got no gradient"
+
+
+def test_select_backend(monkeypatch):
+    if not torch.cuda.is_available():
+        assert select_backend("auto") == "native_torch"
+    assert select_backend("native_torch") == "native_torch"
+    with pytest.raises(ValueError, match="unknown MoE backend"):
+        select_backend("megablocks")
+    with pytest.raises(ValueError, match="unknown MoE backend"):
+        moe_experts(None, None, None, None, None, None, backend="auto")
+    monkeypatch.setattr(experts, "_INTERPRET", False)
+    case = CASES["base"]
+    topk_idx, tensors = _make(case, "cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _run("triton", case, topk_idx, tensors, torch.float32, torch.zeros(case.tokens, case.hidden))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        select_backend("triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_backend_has_no_host_sync(backend):
+    """The per-layer hot path (routing + experts, forward and backward) never waits for the GPU."""
+    case = Case(tokens=2048, hidden=256, intermediate=128, experts=16, top_k=4, rank=16, empty=(3,))
+    topk_idx, tensors = _make(case, "cuda")
+    grad_out = torch.randn(case.tokens, case.hidden, device="cuda")
+    _run(backend, case, topk_idx, tensors, torch.bfloat16, grad_out)  # probe, autotune, compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(backend, case, topk_idx, tensors, torch.bfloat16, grad_out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
