@@ -430,19 +430,11 @@ def grouped_wgrad(
 
 
 def grouped_gemm_reference(
-    src: torch.Tensor,
-    w_ECN: torch.Tensor,
-    offsets_E: torch.Tensor,
-    num_rows: int,
-    *,
-    src_idx_S: torch.Tensor | None = None,
-    out_idx_S: torch.Tensor | None = None,
-    row_scale_S: torch.Tensor | None = None,
-    lora_mid_SR: torch.Tensor | None = None,
-    lora_b_ERN: torch.Tensor | None = None,
-    scaling: float = 1.0,
-    accumulate_into: torch.Tensor | None = None,
-    alpha: float = 1.0,
+    src: torch.Tensor, w_ECN: torch.Tensor, offsets_E: torch.Tensor, num_rows: int, *,
+    src_idx_S: torch.Tensor | None = None, out_idx_S: torch.Tensor | None = None,
+    row_scale_S: torch.Tensor | None = None, lora_mid_SR: torch.Tensor | None = None,
+    lora_b_ERN: torch.Tensor | None = None, scaling: float = 1.0,
+    accumulate_into: torch.Tensor | None = None, alpha: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch reference of `grouped_gemm` (same arguments but ``out`` and ``gathered_out``):
     each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype."""
@@ -463,14 +455,9 @@ def grouped_gemm_reference(
 
 
 def grouped_wgrad_reference(
-    lhs_SM: torch.Tensor,
-    rhs_SN: torch.Tensor,
-    offsets_E: torch.Tensor,
-    *,
-    lhs_idx_S: torch.Tensor | None = None,
-    rhs_idx_S: torch.Tensor | None = None,
-    row_scale_S: torch.Tensor | None = None,
-    scaling: float = 1.0,
+    lhs_SM: torch.Tensor, rhs_SN: torch.Tensor, offsets_E: torch.Tensor, *,
+    lhs_idx_S: torch.Tensor | None = None, rhs_idx_S: torch.Tensor | None = None,
+    row_scale_S: torch.Tensor | None = None, scaling: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch reference of `grouped_wgrad`: per expert, ``scaling * Σ scale[p] lhs[lrow(p)]^T
     rhs[rrow(p)]`` over its rows, in fp32, returned in ``lhs_SM``'s dtype ([E, M, N]; zeros for an
