@@ -1,0 +1,91 @@
+"""Building the model from the config: LoRA targets and model config values refused by key, before PEFT or
+transformers would drop or reject them."""
+
+import pytest
+import torch
+
+from lightning_ft.model.build import ModelBuilder
+
+CPU = torch.device("cpu")
+TINY_MODEL = {
+    "init": "random",
+    "config": dict(
+        model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, vocab_size=64,
+    ),
+}
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+
+
+@pytest.mark.parametrize(
+    ("key", "targets", "message"),
+    [
+        ("target_modules", ["q_proj", "vv_proj"], r"lora.target_modules: \['vv_proj'\] match nothing in the model; its layers have: .*self_attn.q_proj"),
+        ("target_parameters", ["mlp.experts.foo"], r"lora.target_parameters: \['mlp.experts.foo'\] match nothing .*: mlp.experts.down_proj, mlp.experts.gate_up_proj$"),
+    ],
+)
+def test_a_lora_target_that_matches_nothing_is_refused_by_key(key, targets, message):
+    """PEFT drops an unmatched name of a target list (or only warns, for target_parameters) and trains without it."""
+    with pytest.raises(ValueError, match=message):
+        ModelBuilder(model=TINY_MODEL, lora={**LORA, key: targets})(CPU)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # PEFT reads a str as a regex that must match a whole module name: "q_proj" matches nothing
+        ("target_modules", "q_proj", r"^lora.target_modules='q_proj' matches no module: a string is a regular expression over "
+         r"full module names \(such as model.layers.0.self_attn.q_proj\); for module names use a list, such as "
+         r"lora.target_modules=\[q_proj\]; its layers have: .*self_attn.q_proj"),
+        ("target_modules", r"layers\.\d+\.self_attn\.q_proj", r"matches no module: .* such as lora.target_modules=\[self_attn.q_proj\];"),
+        ("target_modules", "q_proj[", r"^lora.target_modules='q_proj\[': a string is a regular expression .* not valid"),
+        # PEFT takes no str here (TypeError); list() would have split it into characters
+        ("target_parameters", "mlp.experts.gate_up_proj", r"^lora.target_parameters='mlp.experts.gate_up_proj': expected a list "
+         r"of parameter names, such as lora.target_parameters=\[mlp.experts.gate_up_proj\]$"),
+    ],
+)
+def test_a_lora_target_string_that_matches_no_module_name_is_refused_by_key(key, value, message):
+    """Before the model would reach PEFT, which raises NoMatchingPeftModuleError (or a TypeError, or re.error)."""
+    with pytest.raises(ValueError, match=message):
+        ModelBuilder(model=TINY_MODEL, lora={**LORA, key: value})(CPU)
+
+
+def test_a_lora_target_string_is_a_regex_over_full_names_as_peft_reads_it():
+    """A regex that matches (anchored or not) and ``all-linear`` still reach PEFT: the same adapters as the list."""
+    def adapted(target_modules):
+        model = ModelBuilder(model=TINY_MODEL, lora={**LORA, "target_modules": target_modules})(CPU).model
+        return sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+    listed = adapted(LORA["target_modules"])
+    assert listed and adapted(r".*\.(q_proj|v_proj|o_proj)") == listed
+    assert adapted(r"model\.layers\.\d+\.self_attn\.(q|v|o)_proj") == listed
+    assert set(listed) < set(adapted("all-linear"))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"num_hidden_layers": "abc"}, r"^model.config.num_hidden_layers='abc': expected int, got str \(value: 'abc'\)$"),
+        ({"norm_topk_prob": "yes"}, r"^model.config.norm_topk_prob='yes': expected bool, got str"),
+        ({"hidden_size": 2.5}, r"^model.config.hidden_size=2.5: expected int, got float"),
+    ],
+)
+def test_a_model_config_value_of_the_wrong_type_is_refused_by_key(config, message):
+    """transformers' configs are strict dataclasses: huggingface_hub raised StrictDataclassFieldValidationError."""
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], **config}}
+    with pytest.raises(ValueError, match=message):
+        ModelBuilder(model=model, lora=LORA)(CPU)
+
+
+def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog):
+    """transformers keeps any extra key as an attribute nothing reads: num_hidden_layer built the default depth."""
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "num_hidden_layer": 1}}
+    with pytest.raises(ValueError, match=r"^model.config.num_hidden_layer: Qwen3MoeConfig has no such field; did you mean model.config.num_hidden_layers\?$"):
+        ModelBuilder(model=model, lora=LORA)(CPU)
+    # a key the class does not declare but a model may read (Qwen3-MoE's head_dim is one) is set as given
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "my_note": "x"}}
+    with caplog.at_level("INFO", logger="lightning_ft.model.build"):
+        built = ModelBuilder(model=model, lora=LORA)(CPU).model
+    assert built.config.my_note == "x" and built.config.head_dim == 16
+    assert "model.config.my_note: not a declared field of Qwen3MoeConfig" in caplog.text
