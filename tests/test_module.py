@@ -14,15 +14,7 @@ from lightning_ft.model.build import ModelBuilder
 from lightning_ft.module import FinetuneModule
 from lightning_ft.model.patching import revert_kernels
 
-TINY_MODEL = {
-    "init": "random",
-    "config": dict(
-        model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, vocab_size=64,
-    ),
-}
-LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+from tiny_model import LORA, TINY_MODEL
 
 
 class _FakeTrainer:
@@ -130,8 +122,8 @@ def test_exported_adapter_loads_with_peft_and_reproduces_logits(tmp_path):
 
 @pytest.mark.parametrize("init_from", [False, True])
 def test_a_loaded_checkpoint_trains_in_training_mode(tmp_path, init_from):
-    # from_pretrained returns eval mode and Lightning keeps submodule modes: a checkpoint trained with
-    # gradient checkpointing silently off (a review found 2250 against 1255 MiB for random weights)
+    # from_pretrained returns eval mode and Lightning keeps submodule modes: a module left in eval mode
+    # trains with gradient checkpointing silently off (transformers checkpoints only in training mode)
     torch.manual_seed(0)
     random_model = FinetuneModule(ModelBuilder(model=TINY_MODEL, lora=LORA))
     random_model.configure_model()

@@ -18,15 +18,9 @@ from lightning_ft.model.build import ModelBuilder, load_causal_lm
 from lightning_ft.module import FinetuneModule
 from lightning_ft.strategies.fsdp2 import decoder_layers, gather_state_dict, mixed_precision_policy, shard_model
 
-TINY_MODEL = {
-    "init": "random",
-    "config": dict(
-        model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, vocab_size=64, tie_word_embeddings=False,
-    ),
-}
-LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+from tiny_model import LORA, TINY_MODEL as _TINY
+
+TINY_MODEL = {**_TINY, "config": {**_TINY["config"], "tie_word_embeddings": False}}
 
 
 def _docs(lengths, seed, vocab=64):
