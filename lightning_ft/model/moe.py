@@ -1,7 +1,8 @@
 """Patch transformers' Qwen3-MoE sparse blocks with sync-free routing, grouped experts and split LoRA.
 
-`apply_moe` replaces, per instance and reversibly (`revert_moe`), the forward of every
-``Qwen3MoeSparseMoeBlock``; the classes, the router and the weights are untouched. Shape suffixes as
+`apply_moe` replaces, per instance and reversibly (`revert_moe`), the forward of every sparse MoE
+block that a patch table names (`lightning_ft.model.patching.MoEClasses`; Qwen3-MoE:
+``Qwen3MoeSparseMoeBlock``); the classes, the router and the weights are untouched. Shape suffixes as
 in `lightning_ft.kernels.moe`: T tokens, K top_k, E experts, D hidden.
 
 Patched block forward, once per layer:
@@ -11,7 +12,7 @@ Patched block forward, once per layer:
     out_TD  = moe_experts(x_TD, topk_weight_TK, routing, W_gate_up, W_down, act, LoRA..., backend)
 
 In the CUDA graphs' recompute of a decoder layer (`recomputing_for_backward`) the output of a block
-that is a ``Qwen3MoeDecoderLayer``'s ``mlp`` only feeds the layer's residual sum, whose value nobody
+that is its decoder layer's ``mlp`` (``Qwen3MoeDecoderLayer``) only feeds the layer's residual sum, whose value nobody
 reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
 needs neither). A block used anywhere else always computes its output.
 
@@ -64,16 +65,11 @@ import types
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 from peft.tuners.tuners_utils import BaseTunerLayer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-    Qwen3MoeDecoderLayer,
-    Qwen3MoeSparseMoeBlock,
-    Qwen3MoeTopKRouter,
-)
 
 from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
 from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
-from lightning_ft.model.patching import restore_instance_attr
+from lightning_ft.model.patching import moe_classes, restore_instance_attr
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
 
@@ -106,11 +102,13 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
             layout other than transformers' default (concatenated gate/up, not transposed, no bias).
         RuntimeError: the backend cannot run here (see `select_backend`).
     """
-    blocks = [m for m in model.modules() if isinstance(m, Qwen3MoeSparseMoeBlock)]
+    sparse_blocks = moe_classes("sparse_block")
+    blocks = [m for m in model.modules() if isinstance(m, sparse_blocks)]
     if not blocks:
+        names = ", ".join(c.__name__ for c in sparse_blocks)
         raise ValueError(
-            f"{type(model).__name__} has no Qwen3MoeSparseMoeBlock; apply_moe patches Qwen3-MoE models only "
-            "(leave the MoE patch off for other architectures)"
+            f"{type(model).__name__} has no sparse MoE block ({names}); apply_moe patches the MoE architectures "
+            "of lightning_ft.model.patching.PATCH_TABLES only (moe=hf leaves the MoE path stock)"
         )
     for block in blocks:
         experts, _ = _experts_and_lora(block.experts)
@@ -126,14 +124,14 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
         setattr(block, _FEEDS_RESIDUAL_ATTR, False)
         block.forward = types.MethodType(_sparse_moe_block_forward, block)
     for layer in model.modules():
-        if isinstance(layer, Qwen3MoeDecoderLayer) and hasattr(layer.mlp, _FEEDS_RESIDUAL_ATTR):
+        if isinstance(layer, moe_classes("decoder_layer")) and hasattr(layer.mlp, _FEEDS_RESIDUAL_ATTR):
             setattr(layer.mlp, _FEEDS_RESIDUAL_ATTR, True)  # its output only enters `residual + mlp(...)`
-    for router in (m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)):
+    for router in (m for m in model.modules() if isinstance(m, moe_classes("router"))):
         if not hasattr(router, _ROUTER_GRAD_ATTR):
             setattr(router, _ROUTER_GRAD_ATTR, router.weight.requires_grad)
         router.weight.requires_grad_(train_router)
     logger.info(
-        "MoE: %d Qwen3-MoE blocks use backend %s (requested %s), router %s",
+        "MoE: %d sparse MoE blocks use backend %s (requested %s), router %s",
         len(blocks), chosen, backend, "trained" if train_router else "frozen",
     )
     return chosen
@@ -173,7 +171,7 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
         The number of weights laid out (already laid-out weights of the same rank are skipped).
     """
     count = 0
-    for block in (m for m in model.modules() if isinstance(m, Qwen3MoeSparseMoeBlock)):
+    for block in (m for m in model.modules() if isinstance(m, moe_classes("sparse_block"))):
         experts, loras = _experts_and_lora(block.experts)
         for name, lora in loras.items():
             weight = getattr(experts, name)
@@ -183,7 +181,7 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     return count
 
 
-def _sparse_moe_block_forward(self: Qwen3MoeSparseMoeBlock, hidden_states: torch.Tensor) -> torch.Tensor:
+def _sparse_moe_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Routed experts on [..., D] hidden states; same output as ``Qwen3MoeSparseMoeBlock.forward``."""
     hidden_dim = hidden_states.shape[-1]
     x_TD = hidden_states.reshape(-1, hidden_dim)

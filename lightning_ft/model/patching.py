@@ -22,6 +22,12 @@ What gets patched, per kernel switch:
               the table's ``kept_linears`` names may keep their output for the CUDA graphs'
               recompute (`lightning_ft.strategies.kept`, kind ``projections``).
 
+    moe       (the ``moe`` config group, `lightning_ft.model.moe.apply_moe`) every instance of the
+              table's `MoEClasses` sparse block: routed once, experts through the chosen backend.
+
+Attention needs no entry: it goes through transformers' attention-function registry for every
+architecture (`lightning_ft.model.attention`).
+
 Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
 model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
 `revert_kernels`. The RoPE patch is process-wide for that architecture (a module attribute):
@@ -51,8 +57,17 @@ _RECORD_ATTR = "_lightning_ft_kernel_undo"
 
 
 @dataclass(frozen=True)
+class MoEClasses:
+    """An architecture's sparse MoE classes, whose blocks `lightning_ft.model.moe.apply_moe` patches."""
+
+    sparse_block: str  # forward([..., D]) -> [..., D]; holds ``gate`` (the router) and ``experts``
+    router: str  # the top-k router: its weight is frozen unless ``moe.train_router``
+    decoder_layer: str  # returns ``residual + mlp(...)``: its ``mlp`` output feeds only that sum
+
+
+@dataclass(frozen=True)
 class PatchTable:
-    """Where one architecture keeps the pieces the kernels replace."""
+    """Where one architecture keeps the pieces the kernels (and, for an MoE model, the MoE backends) replace."""
 
     modeling_module: str  # defines the classes below and `apply_rotary_pos_emb`
     rms_norm: tuple[str, ...]
@@ -61,6 +76,7 @@ class PatchTable:
     # the CUDA graphs may keep it for the recompute (`lightning_ft.strategies.kept`). Not Llama's q/k:
     # its RoPE (ours) rotates them in place; Qwen3's q/k pass through q_norm/k_norm first.
     kept_linears: tuple[str, ...] = ()
+    moe: MoEClasses | None = None  # the MoE block's classes (`lightning_ft.model.moe`); None: a dense model
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -75,8 +91,18 @@ PATCH_TABLES: dict[str, PatchTable] = {
     "qwen3_moe": PatchTable(
         "transformers.models.qwen3_moe.modeling_qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeMLP",),
         ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS),
+        moe=MoEClasses("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeDecoderLayer"),
     ),
 }  # fmt: skip
+
+
+def moe_classes(role: str) -> tuple[type, ...]:
+    """The classes of every table's `MoEClasses` in ``role`` (``sparse_block``, ``router`` or ``decoder_layer``)."""
+    return tuple(
+        getattr(importlib.import_module(table.modeling_module), getattr(table.moe, role))
+        for table in PATCH_TABLES.values()
+        if table.moe is not None
+    )
 
 
 def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -514,7 +514,7 @@ def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):
         assert chosen == "native_torch"
     with pytest.raises(ValueError, match="unknown MoE backend"):
         apply_moe(model, "megablocks")
-    with pytest.raises(ValueError, match="no Qwen3MoeSparseMoeBlock"):
+    with pytest.raises(ValueError, match=r"has no sparse MoE block \(Qwen3MoeSparseMoeBlock\)"):
         apply_moe(torch.nn.Linear(2, 2), "auto")
 
 

@@ -29,6 +29,7 @@ from lightning_ft.model.patching import (
     _fused_rms_norm_forward,
     _fused_swiglu_mlp_forward,
     apply_kernels,
+    moe_classes,
     revert_kernels,
 )
 
@@ -182,3 +183,16 @@ def test_rejects_unknown_switches_and_architectures():
     with pytest.raises(ValueError, match="no kernel patch table"):
         apply_kernels(model, {"rms_norm": True})
     assert apply_kernels(model, ALL_OFF) == []  # kernels=none works for any architecture
+
+
+@pytest.mark.parametrize("model_type", sorted(PATCH_TABLES))
+def test_every_class_a_patch_table_names_exists_in_its_modeling_module(model_type):
+    """A renamed transformers class fails here, by name, rather than as an unpatched (stock, slower) model."""
+    table = PATCH_TABLES[model_type]
+    modeling = importlib.import_module(table.modeling_module)
+    names = [*table.rms_norm, *table.mlp, "apply_rotary_pos_emb"]
+    if table.moe is not None:
+        names += [table.moe.sparse_block, table.moe.router, table.moe.decoder_layer]
+    assert [n for n in names if not hasattr(modeling, n)] == []
+    if table.moe is not None:
+        assert getattr(modeling, table.moe.sparse_block) in moe_classes("sparse_block")
