@@ -471,6 +471,9 @@ def test_graphed_layers_under_ddp_give_the_eager_gradients(tmp_path):
             assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want), f"step {step}"
         assert state.captures == 3
     finally:
+        # gloo's worker thread frees each finished allreduce, whose thread-local state holds Python objects
+        # (it needs the GIL); a barrier lets it do so before the group's destructor joins it holding the GIL
+        dist.barrier()
         dist.destroy_process_group()
 
 
