@@ -35,8 +35,8 @@ MFU counts the step's matmul and attention FLOPs (`lightning_ft/bench/flops.py`)
 matmul rate measured at the start of the run. Peak memory is the device's peak allocated memory of
 the row (reserved: what the CUDA allocator held). Ratios are taken within one run on one machine:
 against the peer's row of the same run and length. Each row names its run's date and commit; a
-commit ending in `?` is the last commit before a run recorded before the table existed (its tree
-may have held uncommitted changes).
+commit ending in `?` is the last commit before the run's date, for a row recorded without its
+commit (its tree may have held uncommitted changes).
 
 This file is generated: `python -m lightning_ft bench report` rebuilds it and the plots from
 [results.csv](results.csv), to which every GPU bench run appends its rows (see [README.md](README.md))."""

@@ -7,7 +7,7 @@
 - ``liger``: the same after Liger Kernel's ``apply_liger_kernel_to_<arch>()``.
 - ``unsloth``: Unsloth's ``FastLanguageModel`` (16-bit LoRA, ``use_gradient_checkpointing=
   "unsloth"``) loaded from a checkpoint folder of the same random weights, then the same loop as
-  ``hf_peft``. Its first step compiles every layer (30–75 s), so give it ≥ 2 warm-up steps.
+  ``hf_peft``. Its first step compiles every layer, so give it ≥ 2 warm-up steps.
 - ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config and the model
   config's ``attention`` and ``cuda_graphs``, trained by a Lightning `Trainer` exactly as ``fit``
   does (the step time includes Lightning's loop; with CUDA graphs, give it >= 2 warm-up steps:

@@ -29,8 +29,9 @@ COLUMNS: tuple[tuple[str, type, str], ...] = (
     ("table", str, "the RESULTS.md table the row belongs to (a preset's name); empty: kept as history only"),
     ("run", str, "the run's id (its UTC start time); rows of one run share it, ratios are taken within a run"),
     ("date", str, "the run's UTC start, YYYY-MM-DD HH:MM"),
-    ("commit", str, "git commit of the code measured (`-dirty`: with uncommitted changes; `?`: the last commit before the "
-                    "run's date, the tree possibly changed since; unknown outside git)"),
+    ("commit", str, "git commit of the code measured (`-dirty`: with uncommitted changes; `?`: a row recorded without its "
+                    "commit, named by the last commit before the run's date, the tree possibly changed since; "
+                    "unknown outside git)"),
     ("gpu", str, "the device's name (the CPU's on a CPU run)"),
     ("system", str, "hf_peft | liger | unsloth | lightning_ft"),
     ("model", str, "the shape's name (the model config option, e.g. qwen3_moe_30b_a3b)"),
@@ -248,7 +249,7 @@ def settings_text(config: dict[str, Any], system: str) -> str:
 
     Every system: dtype, gradient checkpointing, LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
     MoE backend (MoE shapes), attention, CUDA graphs and what they keep, activation offload. A key the config lacks
-    is left out (configs recorded by earlier versions have fewer)."""
+    is left out."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
         parts.append("ckpt")
@@ -307,14 +308,6 @@ def command_text(command: str) -> str:
         elif not item.lstrip("+").startswith(_OUTPUT_KEYS) and not item.startswith(tuple(f"{f}=" for f in _OUTPUT_FLAGS)):
             out.append(item)
     return " ".join(out)
-
-
-def preset_of(command: str) -> str | None:
-    """The ``+bench=PRESET`` of a bench command line, else None."""
-    for item in command.split():
-        if item.startswith("+bench="):
-            return item.split("=", 1)[1]
-    return None
 
 
 def table_rows(env: dict[str, Any], config: dict[str, Any], rows: list[dict[str, Any]], table: str, commit: str,

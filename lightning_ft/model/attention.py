@@ -14,8 +14,8 @@ through SDPA alone):
     varlen  `torch.nn.attention.varlen.varlen_attn` (flash-attention 2 inside PyTorch) on the packed
             [T, H, D] tensors with ``cu_seqlens``/``max_seqlen``: no mask, no padding, work ∝ Σ len².
             A row that holds one document (no window) runs SDPA's causal kernel instead, which is
-            cuDNN's fused attention on Hopper: 1.8× flash-attention 2 at 8K tokens, 2.1–2.7× at 2K
-            (forward+backward, H200; benchmarks/RESULTS.md).
+            cuDNN's fused attention on Hopper, faster than flash-attention 2 at these lengths
+            (forward+backward; see benchmarks/RESULTS.md).
             CUDA (sm80+), bf16/fp16 (fp32 inputs under autocast are cast to the autocast dtype, as
             SDPA's autocast does). GQA without repeating k/v: torch >= 2.12 takes
             ``enable_gqa=True``; torch 2.11 has no such argument and passes k/v with fewer heads
@@ -213,8 +213,7 @@ def compile_flex_attention(backend: str = "inductor") -> Callable:
 
     The setting is read when a trace makes its symbols (the backward's too: it reuses the forward's),
     so each call runs inside a patch of it: one patch object per thread, reused (a new one per call
-    leaks an entry in torch >= 2.12's thread-local config stack: +44 MiB per 200k calls measured;
-    reused, ~8 µs a call on the CPU).
+    leaks an entry in torch >= 2.12's thread-local config stack, so memory grows with every call).
 
     Args:
         backend: ``torch.compile``'s backend (inductor; tests on the CPU trace with a counting backend).
@@ -405,8 +404,7 @@ def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: t
     In the forward (no grad) the call runs the kernel's forward and keeps (out, aux); in the
     recompute the same call returns the kept ``out`` and its backward calls the kernel's backward
     op: the recompute skips attention's forward, the most expensive op of a long row after the
-    GEMMs (0.89 ms of 14.5 per layer-step at 8K tokens on the Qwen3-30B-A3B shape, H200;
-    benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype plus
+    GEMMs (see benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype plus
     [Hq, T] fp32 per layer (one set for a layer's CUDA-graph signatures of one token count).
     """
     keep = kept.active("attention")
@@ -448,7 +446,7 @@ def varlen_attention(
         ValueError: inputs not bf16/fp16 (outside autocast), or a batch too large (`check_varlen_size`).
     """
     # squeeze, not [0]: the backward of a select allocates zeros of the input's shape and copies the
-    # gradient in (a fill and a copy per q/k/v and layer-step, ~0.15 ms at 8K tokens on Qwen3-30B-A3B)
+    # gradient in (a fill and a copy per q/k/v and layer-step)
     q_THD, k_THD, v_THD = _autocast_inputs(*(t.squeeze(0).transpose(0, 1) for t in (query, key, value)))
     if q_THD.dtype not in _HALF_DTYPES:
         raise ValueError(

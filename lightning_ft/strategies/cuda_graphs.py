@@ -26,8 +26,8 @@ Kept activations (`lightning_ft.strategies.kept`, selective checkpointing): the 
 keeps results that are expensive to recompute, and the backward graph's recompute reuses them:
 
 - ``keep_attention`` (on by default): each layer's attention output and log-sum-exp ([T, Hq, D]
-  in bf16 plus [Hq, T] fp32 per layer and token count); the recompute skips attention's forward (at
-  8K tokens 0.9 of 14.5 ms per layer-step on the Qwen3-30B-A3B shape, H200).
+  in bf16 plus [Hq, T] fp32 per layer and token count); the recompute skips attention's forward (the
+  most expensive op of a long row after the GEMMs; see benchmarks/RESULTS.md).
 - ``keep_projections`` (on by default): the outputs of the projections, the GEMMs of the layer:
   each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.model.patching`,
   e.g. q/k/v/o; [T, N] plus the thin [T, R] x·Aᵀ) and each MoE layer's expert gate/up output with its

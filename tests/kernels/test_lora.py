@@ -285,10 +285,10 @@ def test_frozen_input_and_zero_lora_B(device):
 
 
 def test_a_tensor_hook_on_a_biased_output_runs_and_sees_the_gradient():
-    """A tensor hook on the output of a layer with a bias (a user's hook on gpt-oss's q_proj): torch 2.13's
-    autograd crashed (segfault within 20 calls) when the in-place LoRA add went through a view of F.linear's
-    3-D output; the add now runs on the 2-D product, viewed back after. In a subprocess, so a crash fails
-    this test only. The hook doubles the gradient: x's gradient is twice the hook-free one."""
+    """A tensor hook on the output of a layer with a bias (a user's hook on gpt-oss's q_proj): the in-place
+    LoRA add runs on the 2-D product, viewed back after, because an in-place op through a view of F.linear's
+    3-D output with a hook on it crashes torch 2.13's autograd (a segfault). In a subprocess, so a crash
+    fails this test only. The hook doubles the gradient: x's gradient is twice the hook-free one."""
     import subprocess
     import sys
 

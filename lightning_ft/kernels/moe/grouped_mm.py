@@ -304,8 +304,8 @@ class _GroupedMMLinear(torch.autograd.Function):
     W_e`` on grouped_mm with ``(s dy B_e) A_e`` added into it in place (``s dy B_e``, ``dA_e = (s dy
     B_e)^T x`` and ``dB_e = dy^T xa`` through `_thin_product`) and (full fine-tuning) ``dW_e = dy^T
     x``: each [S, N] or [S, C] tensor is written once, where autograd over separate ops wrote each
-    LoRA term and then added it (profiled at 8K tokens of Qwen3-30B-A3B: 0.62 ms of ``add_`` in a
-    5.0 ms MoE block forward+backward).
+    LoRA term and then added it (separate ``add_`` passes over those tensors, a sizeable part of an MoE
+    block's forward+backward at long rows).
     With LoRA slots in the weight (``w_aug``, `augment_expert_weight`), an x [S, C] in rows with R
     spare columns and a dy in such rows, the LoRA term joins the base GEMM instead: xa goes into x's
     spare columns and y is one GEMM against [W | B]; s dy B goes into dy's and dx is one GEMM against
