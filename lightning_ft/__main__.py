@@ -40,7 +40,7 @@ COMMANDS = {
     "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU); bench report: RESULTS.md",
 }
 EXAMPLES = """examples:
-  python -m lightning_ft fit                          # built-in default: tiny Qwen3-MoE, generated arithmetic, CPU, ~30 s
+  python -m lightning_ft fit                          # built-in default: tiny Qwen3-MoE, generated arithmetic, CPU, ~20 s
   python -m lightning_ft fit data=jsonl data.path=train.jsonl lora.rank=8
   python -m lightning_ft bench +bench=tiny_cpu        # the benchmark's CPU preset
   python -m lightning_ft bench report                 # RESULTS.md from the results table (--help: its flags)

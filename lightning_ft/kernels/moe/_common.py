@@ -38,18 +38,17 @@ loop) and ``models/qwen3_moe``; PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapp
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
-from lightning_ft.kernels._utils import triton_can_run
+from lightning_ft.kernels._utils import INTERPRETER, triton_can_run
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
 from lightning_ft.kernels.swiglu import swiglu_concat
 
 __all__ = ["ExpertLoRA"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = INTERPRETER  # the MoE modules' name for it (tests patch it per module)
 
 
 class ExpertLoRA(NamedTuple):
