@@ -182,7 +182,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
             ``optimizer.lr`` that is negative or not a number, an unknown ``moe.backend``, or
             ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
     """
-    from lightning_ft.kernels._utils import INTERPRETER
+    from lightning_ft.kernels._utils import interpreter_requested
     from lightning_ft.kernels.moe.experts import BACKENDS
 
     if cfg.lora.enabled and cfg.lora.rank < 1:
@@ -200,7 +200,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"moe.backend={cfg.moe.backend}: expected one of hf, auto, {', '.join(BACKENDS)}")
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
-    if cfg.moe.backend == "triton" and no_cuda and not INTERPRETER:
+    if cfg.moe.backend == "triton" and no_cuda and not interpreter_requested():
         raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}): use moe=native_torch")
 
 

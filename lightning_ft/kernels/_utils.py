@@ -8,9 +8,14 @@ import warnings
 
 import torch
 
+def interpreter_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter now (1, true, on, yes or y)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes", "y"}
+
+
 # `triton.jit` reads TRITON_INTERPRET when a kernel is decorated, i.e. when a kernel module is first
 # imported; read it here at the same moment so the two always agree.
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes", "y"}
+INTERPRETER = interpreter_requested()
 
 
 def triton_can_run(t: torch.Tensor) -> bool:
