@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertLoRA
-from lightning_ft.kernels.moe.grouped_gemm import _experts_triton
-from lightning_ft.kernels.moe.grouped_mm import _GROUPED_MM, _run_grouped_mm, grouped_mm_mode
-from lightning_ft.kernels.moe.native_torch import _experts_native
+from lightning_ft.kernels.moe.grouped_gemm import experts_triton
+from lightning_ft.kernels.moe.grouped_mm import _GROUPED_MM, experts_grouped_mm, grouped_mm_mode
+from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
 
 __all__ = ["BACKENDS", "moe_experts", "select_backend"]
@@ -123,9 +123,9 @@ def moe_experts(
         # grouped_mm and native_torch: the routing weight scales each pair's down-projection input
         # (inside the SwiGLU kernel)
         if backend == "triton":
-            out_TD = _experts_triton(x, weight_S, routing, *weights, output_needed)
+            out_TD = experts_triton(x, weight_S, routing, *weights, output_needed)
         elif backend == "grouped_mm":
-            out_TD = _run_grouped_mm(x, routing, weight_S, *weights, output_needed, keep)
+            out_TD = experts_grouped_mm(x, routing, weight_S, *weights, output_needed, keep)
         else:
-            out_TD = unpermute_tokens(_experts_native(permute_tokens(x, routing), routing, weight_S, *weights), routing)
+            out_TD = unpermute_tokens(experts_native_torch(permute_tokens(x, routing), routing, weight_S, *weights), routing)
     return out_TD.to(x_TD.dtype)

@@ -581,9 +581,12 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         return d_a, d_weight, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, None
 
 
-def _experts_triton(
+def experts_triton(
     x_TD, weight_S, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed
 ):
+    """out_TD of the triton backend: the token rows x_TD [T, D] gathered by ``routing`` into the gate/up
+    grouped GEMM, SwiGLU, then the down grouped GEMM scaled by weight_S [S] and summed back per token
+    (split LoRA in both GEMMs); with ``output_needed=False`` the down GEMM and the un-permute are skipped."""
     h_SF = _GatherGroupedLinear.apply(
         x_TD, w_gate_up_EFD, *_lora_args(lora_gate_up),
         routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k,

@@ -38,7 +38,7 @@ import triton.testing
 from lightning_ft.kernels._utils import row_padded, triton_can_run
 from lightning_ft.kernels.moe._common import _INTERPRET, _LoRAFactors, _lora_args, _refuse_host_sync_in_capture, _swiglu
 from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
-from lightning_ft.kernels.moe.native_torch import _experts_native
+from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import permute_tokens, sum_pairs, unpermute_tokens, unread_output
 
 __all__ = ["augment_expert_weight", "grouped_mm_mode", "padded_rank"]
@@ -620,7 +620,7 @@ def _experts_grouped_mm(
     )  # fmt: skip
 
 
-def _run_grouped_mm(
+def experts_grouped_mm(
     x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None
 ) -> torch.Tensor:
     """out_TD of the grouped_mm backend (`_experts_grouped_mm`), or of native_torch where grouped_mm
@@ -636,7 +636,7 @@ def _run_grouped_mm(
             "sizes must be multiples of 16 bytes); running the native_torch loop (one host sync per layer). "
             "Use moe.backend=triton to stay sync-free.",
         )
-        y_SD = _experts_native(
+        y_SD = experts_native_torch(
             permute_tokens(x_TD, routing), routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down
         )
         return unpermute_tokens(y_SD, routing)

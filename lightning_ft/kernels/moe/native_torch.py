@@ -23,8 +23,15 @@ def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | Non
     return y
 
 
-def _experts_native(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
-    # Note: the one host sync of this backend (offsets read back once per call); backward has none.
+def experts_native_torch(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+    """y_SD of the native_torch backend: each expert's rows of the expert-sorted x_SD [S, D] through
+    down(act(gate) * up) (+ split LoRA), scaled by the routing weight_S [S]. Math: `lightning_ft.kernels.moe._common`.
+
+    One host sync per call (the offsets read back); the backward has none.
+
+    Raises:
+        RuntimeError: called while a CUDA graph is being captured (the sync would break it).
+    """
     _refuse_host_sync_in_capture(x_SD, "the native_torch expert loop reads the offsets back to the host")
     ends = routing.offsets_E.tolist()
     outputs, start = [], 0
