@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import inspect
 import json
 import logging
 import os
 import re
-import shlex
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object, instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.hydra_record import HydraRecord
-from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
+from lightning_ft.callbacks.summary import RunSummary
 from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
@@ -33,21 +28,23 @@ from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import TrainingStopped, check_local_path
 from lightning_ft.model.build import ModelBuilder, check_model_switches
 from lightning_ft.module import FinetuneModule
+from lightning_ft.run_dir import (
+    check_last_checkpoint,
+    check_new_run_dir,
+    check_resumed_config,
+    checkpoint_dirs,
+    finished_at,
+    first_process,
+    keep_previous_metrics,
+    run_dir_lock,
+    stopped_message,
+)
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
 
 log = logging.getLogger(__name__)
 
-#: keys a resumed run may change (none of them changes the math of a step, but trainer.max_steps
-#: and trainer.max_epochs stretch the learning-rate schedule to the new length: warned); everything
-#: else must match the interrupted run's config
-_RESUMABLE_CHANGES = (
-    "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
-    "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
-    "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.cuda_graphs_keep_projections",
-    "model.cuda_graphs_keep_max_gib", "model.activation_offload", "moe.lora_slots",
-)
 _INT_TRAINER_KEYS = (
     "max_steps", "min_steps", "max_epochs", "min_epochs", "accumulate_grad_batches", "log_every_n_steps",
     "num_nodes", "num_sanity_val_steps",
@@ -72,11 +69,11 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     passed: a refused run leaves the folder (a finished run's files too) as it was. Hydra's record
     (``.hydra/``) is written at once only where the folder has none, otherwise when training starts
     (`HydraRecord`). A resume of a run whose checkpoint has reached ``trainer.max_steps`` or
-    ``trainer.max_epochs`` (`_finished_at`) trains nothing, writes nothing and returns the run's
+    ``trainer.max_epochs`` (`finished_at`) trains nothing, writes nothing and returns the run's
     ``summary.json`` (logged as a warning).
     """
     hydra_record = HydraRecord.of_job(cfg)  # configs/fit.yaml leaves .hydra/ to us: hydra.output_subdir=null
-    if hydra_record is not None and _first_process() and not hydra_record.folder.exists():
+    if hydra_record is not None and first_process() and not hydra_record.folder.exists():
         hydra_record.write()  # a folder without a record: written at once, as Hydra does; nothing is replaced
         hydra_record = None
     _quiet_library_notices(resuming=bool(cfg.ckpt_path))
@@ -109,7 +106,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
     written = OmegaConf.to_container(cfg, resolve=False)
     if cfg.ckpt_path:
-        _check_resumed_config(written, cfg.ckpt_path, run_dir)
+        check_resumed_config(written, cfg.ckpt_path, run_dir)
         if cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).is_file():
             raise FileNotFoundError(
                 f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file (relative paths start from {Path.cwd()}); "
@@ -120,36 +117,12 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     check_data_path("data.path", cfg.data.path)
     check_data_path("data.val_path", cfg.data.val_path)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with _run_dir_lock(run_dir):
+    with run_dir_lock(run_dir):
         if not cfg.ckpt_path:
-            _check_new_run_dir(run_dir)
+            check_new_run_dir(run_dir)
         elif cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).resolve().is_relative_to(run_dir.resolve()):
-            _check_new_run_dir(run_dir, resumed_from=cfg.ckpt_path)  # another run's checkpoint: a new folder
+            check_new_run_dir(run_dir, resumed_from=cfg.ckpt_path)  # another run's checkpoint: a new folder
         return _train(cfg, run_dir, trainer_kwargs, written, hydra_record)
-
-
-def _first_process() -> bool:
-    """Whether this is the job's first process (not a DDP rank Lightning started, on any node)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
-
-
-@contextlib.contextmanager
-def _run_dir_lock(run_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``run_dir`` for the whole run (the first process of the job only:
-    the other DDP ranks Lightning starts share the folder on purpose).
-
-    Raises:
-        ValueError: another run holds the folder (two runs would interleave checkpoints and logs).
-    """
-    if not _first_process():
-        yield
-        return
-    with open(run_dir / ".lock", "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"{run_dir}: another run is using this folder; wait for it or choose another hydra.run.dir") from None
-        yield
 
 
 def _quiet_library_notices(resuming: bool) -> None:
@@ -157,7 +130,7 @@ def _quiet_library_notices(resuming: bool) -> None:
     transformers and Lightning, Lightning's "💡 Tip:" advertisements of its cloud services
     (`_not_a_lightning_tip`), and (on a resume, where the folders are expected to hold files)
     Lightning's "directory exists and is not empty" notices, whose "previous log files ... will be
-    deleted" `_keep_previous_metrics` makes untrue for the metrics."""
+    deleted" `keep_previous_metrics` makes untrue for the metrics."""
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated")
     # logged (not warned) at INFO by every Trainer; adding the same function again is a no-op
@@ -232,46 +205,6 @@ def _check_factory_keys(group: str, node: DictConfig | None) -> None:
             )
 
 
-def _check_new_run_dir(run_dir: Path, resumed_from: str | None = None) -> None:
-    """Refuse to start a new run where one ran already: it would replace that run's summary,
-    config, adapter and metrics and mix its checkpoints with the new ones (the first process
-    only: the other DDP ranks join this run's folder on purpose).
-
-    A ``summary.json`` of a run that stopped before its first optimizer step (a data or setup
-    error; nothing to resume) does not count: the new run replaces it. A run resumed from a
-    checkpoint outside ``run_dir`` (``resumed_from``, another run's) is a new run in this folder:
-    checked the same way (its step checkpoints would rotate this folder's out).
-
-    Raises:
-        ValueError: ``run_dir`` holds ``summary.json`` of a run that trained, or files under ``checkpoints/``.
-    """
-    if not _first_process():
-        return
-    found = [p.name for p in (run_dir / "summary.json",) if p.exists() and not _never_trained(p)]
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        found.append("checkpoints/")
-    if found and resumed_from:
-        raise ValueError(
-            f"ckpt_path={resumed_from}: {run_dir} holds another run ({', '.join(found)}); resume from that checkpoint "
-            "in an empty folder (hydra.run.dir=...), or resume this folder's own run with ckpt_path=last"
-        )
-    if found:
-        raise ValueError(
-            f"{run_dir} holds a run already ({', '.join(found)}): resume it with ckpt_path=last, or start the new run "
-            "in another folder (hydra.run.dir=...); delete the folder to start it over"
-        )
-
-
-def _never_trained(summary_path: Path) -> bool:
-    """Whether ``summary.json`` records a run that stopped before its first optimizer step (False if unreadable)."""
-    try:
-        summary = json.loads(summary_path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and summary.get("status") != "completed" and summary.get("steps") == 0
-
-
 def _train(
     cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], written: dict[str, Any], hydra_record: HydraRecord | None,
 ) -> dict[str, Any]:
@@ -328,9 +261,9 @@ def _train(
         trainer_kwargs["val_check_interval"] = cfg.eval.every_n_steps * datamodule.accumulate_grad_batches
         trainer_kwargs["check_val_every_n_epoch"] = None
     if cfg.ckpt_path == "last":
-        _check_last_checkpoint(callbacks)
+        check_last_checkpoint(callbacks)
     if cfg.ckpt_path:
-        finished = _finished_at(cfg.ckpt_path, callbacks, trainer_kwargs)
+        finished = finished_at(cfg.ckpt_path, callbacks, trainer_kwargs)
         if finished is not None:  # a scheduler re-running a finished job: a success that changes nothing
             checkpoint, reached = finished
             log.warning(
@@ -340,9 +273,9 @@ def _train(
             )
             summary_file = run_dir / "summary.json"
             return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-        _keep_previous_metrics(run_dir)
-        if _first_process():
-            for partial in remove_partial_checkpoints(_checkpoint_dirs(callbacks)):
+        keep_previous_metrics(run_dir)
+        if first_process():
+            for partial in remove_partial_checkpoints(checkpoint_dirs(callbacks)):
                 log.info("resume: removed %s, a checkpoint write the interrupted run did not finish", partial)
     _check_strategy(trainer_kwargs.get("strategy"), cfg.eval.generate)
     try:
@@ -370,52 +303,13 @@ def _train(
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
-        raise TrainingStopped(_stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
+        raise TrainingStopped(stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
     except SystemExit as err:
         if not trainer.interrupted:
             raise
         # Ctrl-C: Lightning tore the run down and exits with status 1 after its one-line notice
-        raise TrainingStopped(_stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)")) from err
+        raise TrainingStopped(stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)")) from err
     return summary.summary
-
-
-def _stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: str) -> str:
-    """What stopped training, at which step, and the command that resumes it (from which step the last checkpoint is)."""
-    last = summary.summary.get("checkpoint_path")
-    if not last:
-        return (
-            f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written yet "
-            "(Ctrl-C saves none; they are written every callbacks.checkpoint.every_n_train_steps steps, and on SIGTERM)"
-        )
-    saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", None)
-    at = f" (step {saved}: steps after it run again)" if saved is not None and saved < trainer.global_step else ""
-    return f"training stopped at step {trainer.global_step} by {by}; resume from {last}{at} with: {_resume_command(run_dir)}"
-
-
-def _resume_command(run_dir: Path) -> str:
-    """The command line that resumes the run in ``run_dir``: this run's own overrides as typed (Hydra's task
-    overrides; an earlier ``ckpt_path`` left out), then ``ckpt_path=last`` and the run folder."""
-    try:
-        typed = list(HydraConfig.get().overrides.task)
-    except ValueError:  # fit() called outside a Hydra app: no overrides to repeat
-        typed = []
-    kept = [o for o in typed if not o.lstrip("+~").startswith("ckpt_path=")]
-    return shlex.join(["python", "-m", "lightning_ft", "fit", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
-
-
-def _keep_previous_metrics(run_dir: Path) -> None:
-    """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
-    deletes it when the resumed run's logger starts (before the checkpoint is restored: a resume that
-    fails there has it moved already) and would drop the interrupted run's rows.
-    Only the job's first process does it (the other ranks, on any node, never write logs)."""
-    metrics = run_dir / "logs" / "metrics.csv"
-    if not _first_process() or not metrics.exists():
-        return
-    n = 1
-    while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():
-        n += 1
-    metrics.rename(kept)
-    log.info("resume: the earlier metrics are kept in %s; this run's go to %s", kept, metrics)
 
 
 def _processes(trainer_kwargs: dict[str, Any]) -> int:
@@ -475,115 +369,3 @@ def _check_trainer_arguments(kwargs: dict[str, Any]) -> None:
         raise ValueError("trainer.max_epochs=0 trains nothing: set at least 1 (or -1 to run trainer.max_steps)")
 
 
-def _check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) -> None:
-    """Refuse, before anything is written, to resume with a config other than the interrupted run's.
-
-    The interrupted run's config is ``config.json`` in its run folder (``run_dir`` for
-    ``ckpt_path=last``; two folders above the checkpoint file otherwise).
-    """
-    saved_file = (run_dir if ckpt_path == "last" else Path(ckpt_path).resolve().parent.parent) / CONFIG_FILE
-    if not saved_file.exists():
-        return
-    saved = json.loads(saved_file.read_text())
-    changes = _diff(saved, json.loads(json.dumps(config, default=str)))
-    differences = [
-        f"{key}: {old!r} in the interrupted run, {new!r} now" for key, old, new in changes if not key.startswith(_RESUMABLE_CHANGES)
-    ]
-    if differences:
-        raise ValueError(
-            f"ckpt_path={ckpt_path}: this config differs from the interrupted run's ({saved_file}): "
-            + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
-            + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
-            "model.cuda_graphs, model.cuda_graphs_keep_attention, model.cuda_graphs_keep_projections, "
-            "model.cuda_graphs_keep_max_gib, model.activation_offload and moe.lora_slots may change)"
-        )
-    stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
-    if stretched and config.get("scheduler") and _first_process():
-        # the schedule is built from trainer.estimated_stepping_batches, i.e. the new length
-        log.warning(
-            "resume with %s: the learning-rate schedule is rebuilt for the new length, so the rate from the resumed "
-            "step on differs from the interrupted run's", ", ".join(stretched),
-        )
-
-
-def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for key in sorted(set(old) | set(new), key=str):
-            out += _diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
-        return out
-    return [] if old == new else [(prefix, old, new)]
-
-
-def _finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str]] | None:
-    """(checkpoint file, {limit: how it is reached}) when the checkpoint ``ckpt_path`` resumes from (for
-    ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``trainer.max_steps`` or
-    ``trainer.max_epochs`` already (Lightning stops at whichever comes first), where Lightning would
-    train nothing; None otherwise, and for a file that does not read as a checkpoint (Lightning's own
-    load then says why). The epochs are counted as Lightning counts them on a resume (`_epochs_done`)."""
-    max_steps = trainer_kwargs.get("max_steps", -1)
-    max_epochs = trainer_kwargs.get("max_epochs")
-    if max_epochs is None:  # Lightning's default (its _parse_loop_limits): 1000 unless steps or time bound the run
-        timed = trainer_kwargs.get("max_time") is not None or any(isinstance(c, Timer) for c in callbacks)
-        max_epochs = 1000 if max_steps == -1 and not timed else -1
-    steps_bound = isinstance(max_steps, int) and max_steps >= 1  # -1: no step limit
-    if not steps_bound and max_epochs == -1:
-        return None
-    if ckpt_path == "last":
-        candidates = [p for d in _checkpoint_dirs(callbacks) for p in d.glob("last*.ckpt")]
-        if not candidates:
-            return None
-        checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
-    else:
-        checkpoint = Path(ckpt_path)
-    try:  # mmap: the weights and optimizer state are not read
-        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    except Exception:  # noqa: BLE001 - not ours to report: Lightning's load of the same file raises its own error
-        return None
-    reached = {}
-    step = state.get("global_step")
-    if steps_bound and isinstance(step, int) and step >= max_steps:
-        reached["trainer.max_steps"] = f"is at step {step} and trainer.max_steps={max_steps}"
-    epochs = _epochs_done(state)
-    if max_epochs != -1 and epochs is not None and epochs >= max_epochs:
-        reached["trainer.max_epochs"] = f"has finished {epochs} epochs and trainer.max_epochs={max_epochs}"
-    return (checkpoint, reached) if reached else None
-
-
-def _epochs_done(checkpoint: dict[str, Any]) -> int | None:
-    """The epochs a Lightning checkpoint's run has finished, as Lightning counts them when it resumes from it
-    (its ``FitLoop``: ``done`` compares ``epoch_progress.current.processed`` with ``max_epochs``); None
-    without the fit loop's state.
-
-    ``processed`` counts an epoch once its last batch has run, before ``on_train_epoch_end`` (where epoch
-    checkpoints are saved) and so before the checkpoint's ``epoch`` key (``completed``) moves on. A
-    checkpoint saved at the end of an epoch's last batch (a step checkpoint, ``on_train_batch_end``) has
-    that epoch started and not yet processed: on a resume Lightning counts it processed (``FitLoop.reset``)
-    and trains nothing more in it, so it is counted here too. Any other checkpoint inside an epoch (a
-    batch before the last) resumes that epoch. An epoch that ``max_steps`` ended early is processed
-    too (Lightning's count: a longer ``max_steps`` with the same ``max_epochs`` trains nothing more).
-    """
-    try:
-        loop = checkpoint["loops"]["fit_loop"]
-        epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
-        processed = epochs["current"]["processed"]
-        in_epoch = epochs["total"]["ready"] == epochs["total"]["started"] == epochs["total"]["processed"] + 1
-        last_batch_ran = batches["is_last_batch"] and batches["total"]["processed"] == batches["total"]["started"]
-    except (KeyError, TypeError):
-        return None
-    return processed + 1 if in_epoch and last_batch_ran else processed
-
-
-def _checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
-    """The folders the run's `ModelCheckpoint` callbacks write to."""
-    return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
-
-
-def _check_last_checkpoint(callbacks: list[Any]) -> None:
-    """Lightning only warns when ``ckpt_path=last`` finds nothing and then trains from scratch."""
-    dirs = _checkpoint_dirs(callbacks)
-    if not any(any(d.glob("last*.ckpt")) for d in dirs):
-        raise ValueError(
-            f"ckpt_path=last: no last checkpoint in {', '.join(map(str, dirs)) or 'the run (no ModelCheckpoint callback)'}; "
-            "resume inside the interrupted run's folder with hydra.run.dir=<that folder>, or pass the checkpoint's path"
-        )

@@ -46,7 +46,7 @@ def test_processes_counts_devices_times_nodes_and_leaves_auto_to_lightning():
 
 @pytest.mark.parametrize("rank_env,moved", [({}, True), ({"LOCAL_RANK": "1"}, False), ({"NODE_RANK": "1"}, False)])
 def test_only_the_jobs_first_process_moves_the_metrics_aside_on_resume(tmp_path, monkeypatch, rank_env, moved):
-    from lightning_ft.fit import _keep_previous_metrics
+    from lightning_ft.run_dir import keep_previous_metrics
 
     for name in ("LOCAL_RANK", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -55,7 +55,7 @@ def test_only_the_jobs_first_process_moves_the_metrics_aside_on_resume(tmp_path,
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "metrics.csv").write_text("step,loss\n1,2.0\n")
-    _keep_previous_metrics(tmp_path)
+    keep_previous_metrics(tmp_path)
     assert (logs / "metrics.1.csv").exists() == moved
     assert (logs / "metrics.csv").exists() == (not moved)
 
@@ -389,13 +389,13 @@ def _fit_boring(run_dir, max_epochs, max_steps, stop_at=None, ckpt_path=None, **
     ],
 )
 def test_finished_run_is_detected_by_max_epochs_exactly_as_lightning_resumes(tmp_path, first, checkpoint, again, finished):
-    """`_finished_at` says finished exactly where Lightning, resuming from the same checkpoint, trains no batch."""
-    from lightning_ft.fit import _finished_at
+    """`finished_at` says finished exactly where Lightning, resuming from the same checkpoint, trains no batch."""
+    from lightning_ft.run_dir import finished_at
 
     max_epochs, max_steps, stop_at = first
     _fit_boring(tmp_path / "run", max_epochs, max_steps, stop_at, **checkpoint)
     last = tmp_path / "run" / "last.ckpt"
-    got = _finished_at(str(last), [], {"max_epochs": again[0], "max_steps": again[1]})
+    got = finished_at(str(last), [], {"max_epochs": again[0], "max_steps": again[1]})
     assert (None if got is None else [key.removeprefix("trainer.") for key in got[1]]) == (finished and [finished])
     trained = _fit_boring(tmp_path / "again", *again, ckpt_path=last, **checkpoint)
     assert (trained == 0) == (finished is not None), trained

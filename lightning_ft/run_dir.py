@@ -1,0 +1,255 @@
+"""The run folder and resuming into it: one run per folder (a lock, and no new run over a trained one),
+resume checks (the same config, a last checkpoint to resume from, a limit not reached already),
+the interrupted run's metrics kept, and the command that resumes a stopped run.
+
+Lightning owns the checkpoints and their restore (`lightning.pytorch.Trainer.fit` with ``ckpt_path``);
+this module refuses, before anything is written, the resumes Lightning would run wrongly or silently
+start over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+
+from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
+
+log = logging.getLogger(__name__)
+
+#: keys a resumed run may change (none of them changes the math of a step, but trainer.max_steps
+#: and trainer.max_epochs stretch the learning-rate schedule to the new length: warned); everything
+#: else must match the interrupted run's config
+_RESUMABLE_CHANGES = (
+    "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
+    "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
+    "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.cuda_graphs_keep_projections",
+    "model.cuda_graphs_keep_max_gib", "model.activation_offload", "moe.lora_slots",
+)
+
+
+def first_process() -> bool:
+    """Whether this is the job's first process (not a DDP rank Lightning started, on any node)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``run_dir`` for the whole run (the first process of the job only:
+    the other DDP ranks Lightning starts share the folder on purpose).
+
+    Raises:
+        ValueError: another run holds the folder (two runs would interleave checkpoints and logs).
+    """
+    if not first_process():
+        yield
+        return
+    with open(run_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{run_dir}: another run is using this folder; wait for it or choose another hydra.run.dir") from None
+        yield
+
+
+def check_new_run_dir(run_dir: Path, resumed_from: str | None = None) -> None:
+    """Refuse to start a new run where one ran already: it would replace that run's summary,
+    config, adapter and metrics and mix its checkpoints with the new ones (the first process
+    only: the other DDP ranks join this run's folder on purpose).
+
+    A ``summary.json`` of a run that stopped before its first optimizer step (a data or setup
+    error; nothing to resume) does not count: the new run replaces it. A run resumed from a
+    checkpoint outside ``run_dir`` (``resumed_from``, another run's) is a new run in this folder:
+    checked the same way (its step checkpoints would rotate this folder's out).
+
+    Raises:
+        ValueError: ``run_dir`` holds ``summary.json`` of a run that trained, or files under ``checkpoints/``.
+    """
+    if not first_process():
+        return
+    found = [p.name for p in (run_dir / "summary.json",) if p.exists() and not _never_trained(p)]
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append("checkpoints/")
+    if found and resumed_from:
+        raise ValueError(
+            f"ckpt_path={resumed_from}: {run_dir} holds another run ({', '.join(found)}); resume from that checkpoint "
+            "in an empty folder (hydra.run.dir=...), or resume this folder's own run with ckpt_path=last"
+        )
+    if found:
+        raise ValueError(
+            f"{run_dir} holds a run already ({', '.join(found)}): resume it with ckpt_path=last, or start the new run "
+            "in another folder (hydra.run.dir=...); delete the folder to start it over"
+        )
+
+
+def _never_trained(summary_path: Path) -> bool:
+    """Whether ``summary.json`` records a run that stopped before its first optimizer step (False if unreadable)."""
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("status") != "completed" and summary.get("steps") == 0
+
+
+def stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: str) -> str:
+    """What stopped training, at which step, and the command that resumes it (from which step the last checkpoint is)."""
+    last = summary.summary.get("checkpoint_path")
+    if not last:
+        return (
+            f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written yet "
+            "(Ctrl-C saves none; they are written every callbacks.checkpoint.every_n_train_steps steps, and on SIGTERM)"
+        )
+    saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", None)
+    at = f" (step {saved}: steps after it run again)" if saved is not None and saved < trainer.global_step else ""
+    return f"training stopped at step {trainer.global_step} by {by}; resume from {last}{at} with: {resume_command(run_dir)}"
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command line that resumes the run in ``run_dir``: this run's own overrides as typed (Hydra's task
+    overrides; an earlier ``ckpt_path`` left out), then ``ckpt_path=last`` and the run folder."""
+    try:
+        typed = list(HydraConfig.get().overrides.task)
+    except ValueError:  # fit() called outside a Hydra app: no overrides to repeat
+        typed = []
+    kept = [o for o in typed if not o.lstrip("+~").startswith("ckpt_path=")]
+    return shlex.join(["python", "-m", "lightning_ft", "fit", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
+
+
+def keep_previous_metrics(run_dir: Path) -> None:
+    """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
+    deletes it when the resumed run's logger starts (before the checkpoint is restored: a resume that
+    fails there has it moved already) and would drop the interrupted run's rows.
+    Only the job's first process does it (the other ranks, on any node, never write logs)."""
+    metrics = run_dir / "logs" / "metrics.csv"
+    if not first_process() or not metrics.exists():
+        return
+    n = 1
+    while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():
+        n += 1
+    metrics.rename(kept)
+    log.info("resume: the earlier metrics are kept in %s; this run's go to %s", kept, metrics)
+
+
+def check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) -> None:
+    """Refuse, before anything is written, to resume with a config other than the interrupted run's.
+
+    The interrupted run's config is ``config.json`` in its run folder (``run_dir`` for
+    ``ckpt_path=last``; two folders above the checkpoint file otherwise).
+    """
+    saved_file = (run_dir if ckpt_path == "last" else Path(ckpt_path).resolve().parent.parent) / CONFIG_FILE
+    if not saved_file.exists():
+        return
+    saved = json.loads(saved_file.read_text())
+    changes = _diff(saved, json.loads(json.dumps(config, default=str)))
+    differences = [
+        f"{key}: {old!r} in the interrupted run, {new!r} now" for key, old, new in changes if not key.startswith(_RESUMABLE_CHANGES)
+    ]
+    if differences:
+        raise ValueError(
+            f"ckpt_path={ckpt_path}: this config differs from the interrupted run's ({saved_file}): "
+            + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
+            + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
+            "model.cuda_graphs, model.cuda_graphs_keep_attention, model.cuda_graphs_keep_projections, "
+            "model.cuda_graphs_keep_max_gib, model.activation_offload and moe.lora_slots may change)"
+        )
+    stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
+    if stretched and config.get("scheduler") and first_process():
+        # the schedule is built from trainer.estimated_stepping_batches, i.e. the new length
+        log.warning(
+            "resume with %s: the learning-rate schedule is rebuilt for the new length, so the rate from the resumed "
+            "step on differs from the interrupted run's", ", ".join(stretched),
+        )
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
+        return out
+    return [] if old == new else [(prefix, old, new)]
+
+
+def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str]] | None:
+    """(checkpoint file, {limit: how it is reached}) when the checkpoint ``ckpt_path`` resumes from (for
+    ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``trainer.max_steps`` or
+    ``trainer.max_epochs`` already (Lightning stops at whichever comes first), where Lightning would
+    train nothing; None otherwise, and for a file that does not read as a checkpoint (Lightning's own
+    load then says why). The epochs are counted as Lightning counts them on a resume (`_epochs_done`)."""
+    max_steps = trainer_kwargs.get("max_steps", -1)
+    max_epochs = trainer_kwargs.get("max_epochs")
+    if max_epochs is None:  # Lightning's default (its _parse_loop_limits): 1000 unless steps or time bound the run
+        timed = trainer_kwargs.get("max_time") is not None or any(isinstance(c, Timer) for c in callbacks)
+        max_epochs = 1000 if max_steps == -1 and not timed else -1
+    steps_bound = isinstance(max_steps, int) and max_steps >= 1  # -1: no step limit
+    if not steps_bound and max_epochs == -1:
+        return None
+    if ckpt_path == "last":
+        candidates = [p for d in checkpoint_dirs(callbacks) for p in d.glob("last*.ckpt")]
+        if not candidates:
+            return None
+        checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
+    else:
+        checkpoint = Path(ckpt_path)
+    try:  # mmap: the weights and optimizer state are not read
+        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 - not ours to report: Lightning's load of the same file raises its own error
+        return None
+    reached = {}
+    step = state.get("global_step")
+    if steps_bound and isinstance(step, int) and step >= max_steps:
+        reached["trainer.max_steps"] = f"is at step {step} and trainer.max_steps={max_steps}"
+    epochs = _epochs_done(state)
+    if max_epochs != -1 and epochs is not None and epochs >= max_epochs:
+        reached["trainer.max_epochs"] = f"has finished {epochs} epochs and trainer.max_epochs={max_epochs}"
+    return (checkpoint, reached) if reached else None
+
+
+def _epochs_done(checkpoint: dict[str, Any]) -> int | None:
+    """The epochs a Lightning checkpoint's run has finished, as Lightning counts them when it resumes from it
+    (its ``FitLoop``: ``done`` compares ``epoch_progress.current.processed`` with ``max_epochs``); None
+    without the fit loop's state.
+
+    ``processed`` counts an epoch once its last batch has run, before ``on_train_epoch_end`` (where epoch
+    checkpoints are saved) and so before the checkpoint's ``epoch`` key (``completed``) moves on. A
+    checkpoint saved at the end of an epoch's last batch (a step checkpoint, ``on_train_batch_end``) has
+    that epoch started and not yet processed: on a resume Lightning counts it processed (``FitLoop.reset``)
+    and trains nothing more in it, so it is counted here too. Any other checkpoint inside an epoch (a
+    batch before the last) resumes that epoch. An epoch that ``max_steps`` ended early is processed
+    too (Lightning's count: a longer ``max_steps`` with the same ``max_epochs`` trains nothing more).
+    """
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
+        processed = epochs["current"]["processed"]
+        in_epoch = epochs["total"]["ready"] == epochs["total"]["started"] == epochs["total"]["processed"] + 1
+        last_batch_ran = batches["is_last_batch"] and batches["total"]["processed"] == batches["total"]["started"]
+    except (KeyError, TypeError):
+        return None
+    return processed + 1 if in_epoch and last_batch_ran else processed
+
+
+def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
+    """The folders the run's `ModelCheckpoint` callbacks write to."""
+    return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+
+
+def check_last_checkpoint(callbacks: list[Any]) -> None:
+    """Lightning only warns when ``ckpt_path=last`` finds nothing and then trains from scratch."""
+    dirs = checkpoint_dirs(callbacks)
+    if not any(any(d.glob("last*.ckpt")) for d in dirs):
+        raise ValueError(
+            f"ckpt_path=last: no last checkpoint in {', '.join(map(str, dirs)) or 'the run (no ModelCheckpoint callback)'}; "
+            "resume inside the interrupted run's folder with hydra.run.dir=<that folder>, or pass the checkpoint's path"
+        )
