@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+
 def interpreter_requested() -> bool:
     """Whether TRITON_INTERPRET asks for Triton's interpreter now (1, true, on, yes or y)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes", "y"}

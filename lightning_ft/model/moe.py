@@ -98,7 +98,7 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
         The backend in use.
 
     Raises:
-        ValueError: no Qwen3-MoE sparse block in ``model``, an unknown backend, or experts in a
+        ValueError: no sparse MoE block a patch table names (`MoEClasses`) in ``model``, an unknown backend, or experts in a
             layout other than transformers' default (concatenated gate/up, not transposed, no bias).
         RuntimeError: the backend cannot run here (see `select_backend`).
     """
@@ -123,10 +123,11 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
         setattr(block, _BACKEND_ATTR, chosen)
         setattr(block, _FEEDS_RESIDUAL_ATTR, False)
         block.forward = types.MethodType(_sparse_moe_block_forward, block)
+    decoder_layers, routers = moe_classes("decoder_layer"), moe_classes("router")
     for layer in model.modules():
-        if isinstance(layer, moe_classes("decoder_layer")) and hasattr(layer.mlp, _FEEDS_RESIDUAL_ATTR):
+        if isinstance(layer, decoder_layers) and hasattr(layer.mlp, _FEEDS_RESIDUAL_ATTR):
             setattr(layer.mlp, _FEEDS_RESIDUAL_ATTR, True)  # its output only enters `residual + mlp(...)`
-    for router in (m for m in model.modules() if isinstance(m, moe_classes("router"))):
+    for router in (m for m in model.modules() if isinstance(m, routers)):
         if not hasattr(router, _ROUTER_GRAD_ATTR):
             setattr(router, _ROUTER_GRAD_ATTR, router.weight.requires_grad)
         router.weight.requires_grad_(train_router)
@@ -170,8 +171,8 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     Returns:
         The number of weights laid out (already laid-out weights of the same rank are skipped).
     """
-    count = 0
-    for block in (m for m in model.modules() if isinstance(m, moe_classes("sparse_block"))):
+    count, sparse_blocks = 0, moe_classes("sparse_block")
+    for block in (m for m in model.modules() if isinstance(m, sparse_blocks)):
         experts, loras = _experts_and_lora(block.experts)
         for name, lora in loras.items():
             weight = getattr(experts, name)
