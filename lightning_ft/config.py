@@ -64,6 +64,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: Any = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     target_parameters: Optional[list[str]] = None  # 3-D expert weights, e.g. mlp.experts.gate_up_proj
+    modules_to_save: Optional[list[str]] = None  # whole modules trained and saved in the adapter (PEFT), e.g. [embed_tokens, lm_head]; costs a copy of each
     init_from: Optional[str] = None  # a PEFT adapter folder to continue training
 
 
@@ -83,7 +84,7 @@ class MoeConfig:
     """``moe=``: how Mixture-of-Experts layers run (``hf``: stock transformers experts)."""
 
     backend: str = "hf"  # hf | auto | native_torch | grouped_mm | triton (lightning_ft.model.moe)
-    train_router: bool = False
+    train_router: bool = False  # train the routers (with LoRA: saved in the adapter through lora.modules_to_save)
     # grouped_mm: frozen expert weights hold their LoRA factors in spare rows and columns, so LoRA
     # joins the expert GEMMs (faster steps for R*(N+C) more elements per expert)
     lora_slots: bool = True

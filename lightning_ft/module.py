@@ -10,6 +10,13 @@ Lightning divides each micro-batch's returned loss by ``k`` before backward and 
 averages gradients over ``W`` ranks, so each micro-batch returns ``loss_sum · k · W / N``. This
 equals one big batch holding every micro-batch of the step (not the mean of per-micro-batch means).
 
+MoE load-balancing loss (``model.config.output_router_logits``; `lightning_ft.model.router`): each
+micro-batch also returns ``router_aux_loss_coef · aux_loss`` (transformers' ``aux_loss`` of its
+packed row), so the step trains on the mean of the micro-batches' (and ranks') ``aux_loss`` times
+the coefficient, as a transformers model's ``loss`` adds it per forward. ``train/loss`` stays the
+token-normalised LM loss (comparable with ``val/loss``); ``train/aux_loss`` logs that step's mean
+unscaled ``aux_loss``. Validation computes no ``aux_loss``.
+
 Before every optimizer step (``on_before_optimizer_step``) the step's loss and a non-finite flag
 (loss or any gradient NaN/Inf) are summed over ranks. A step without target tokens, or a
 non-finite one with ``train.on_nonfinite=skip``, is skipped: the optimizer leaves the weights and
@@ -54,6 +61,8 @@ from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.model.build import ModelBuilder
+from lightning_ft.model.lora import active_module
+from lightning_ft.model.router import aux_loss_coef, load_balancing_loss
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
@@ -97,11 +106,14 @@ class FinetuneModule(L.LightningModule):
         self.on_nonfinite = on_nonfinite
         self.model: torch.nn.Module | None = None
         self.fused_linear_cross_entropy = False  # set from the built model (`BuiltModel`)
+        self.aux_loss_coef: float | None = None  # router_aux_loss_coef where output_router_logits, from the built model
         self.strict_loading = False  # checkpoints hold the trainable weights only
         self.step_losses: list[float | None] = []  # per optimizer step; None for a skipped step
         self.skipped_steps = {"no_target_tokens": 0, "nonfinite": 0}
         self._step_loss_sum = torch.zeros(())
         self._step_target_tokens = 0
+        self._step_aux_sum = torch.zeros(())  # the step's aux_loss summed over its micro-batches
+        self._step_micro_batches = 0
         self._pending_step: _PendingStep | None = None
         self._graph_tokens: int | None = None  # with graphed varlen layers: the token count rows are padded to
         self._rng_states_to_restore: dict[str, Any] | None = None
@@ -121,6 +133,7 @@ class FinetuneModule(L.LightningModule):
         )
         self.model = built.model
         self.fused_linear_cross_entropy = built.fused_linear_cross_entropy
+        self.aux_loss_coef = aux_loss_coef(self.hf_model.config)
         if built.pad_for_graphs:
             self._graph_tokens = 0
         if sharded:
@@ -133,26 +146,37 @@ class FinetuneModule(L.LightningModule):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     def loss_sum(self, batch: PackedBatch) -> torch.Tensor:
-        """Sum of the next-token cross-entropy over the target tokens of ``batch`` (fp32 scalar).
+        """Sum of the next-token cross-entropy over the target tokens of ``batch`` (fp32 scalar); no ``aux_loss``."""
+        return self.loss_terms(batch, aux=False)[0]
 
-        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head) the logits are
-        never materialised (`lightning_ft.kernels.linear_cross_entropy`).
+    def loss_terms(self, batch: PackedBatch, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss sum of ``batch`` (`loss_sum`) and, with ``aux`` and the load-balancing loss on
+        (``model.config.output_router_logits``), its unscaled ``aux_loss`` (fp32 scalar, transformers'
+        function on this row's router logits: `lightning_ft.model.router.load_balancing_loss`), else None.
+
+        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head, PEFT's
+        ``modules_to_save`` copy of one included) the logits are never materialised
+        (`lightning_ft.kernels.linear_cross_entropy`). Under ``strategy=fsdp2`` this is the root unit's forward.
         """
         hf = self.hf_model
         backbone = getattr(hf, hf.base_model_prefix)
-        hidden_1TH = backbone(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
-        ).last_hidden_state
-        head = hf.get_output_embeddings()
+        router_logits = aux and self.aux_loss_coef is not None
+        # only a model whose config has output_router_logits takes the argument (a dense one would pass it on)
+        extra = {} if self.aux_loss_coef is None else {"output_router_logits": router_logits}
+        out = backbone(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False, **extra)
+        hidden_1TH = out.last_hidden_state
+        aux_loss = load_balancing_loss(hf, out.router_logits) if router_logits else None
+        head = active_module(hf.get_output_embeddings())
         if self.fused_linear_cross_entropy and type(head) is torch.nn.Linear and head.bias is None:
             # targets of position t are labels[t + 1]; the last position has none
             targets_1T = F.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
             loss_sum, _ = fused_linear_cross_entropy(hidden_1TH.flatten(0, 1), head.weight, targets_1T.flatten())
-            return loss_sum
+            return loss_sum, aux_loss
         logits = head(hidden_1TH[:, :-1]).float()
-        return F.cross_entropy(
+        loss_sum = F.cross_entropy(
             logits.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
+        return loss_sum, aux_loss
 
     def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` padded (`PackedBatch.padded`) to the token count its CUDA graphs are recorded for.
@@ -180,19 +204,26 @@ class FinetuneModule(L.LightningModule):
 
     @override
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
-        loss_sum = self.loss_sum(self.pad_for_graphs(batch))
+        loss_sum, aux_loss = self.loss_terms(self.pad_for_graphs(batch))
         self._step_loss_sum = self._step_loss_sum.to(loss_sum.device) + loss_sum.detach()
         self._step_target_tokens = batch.step_target_tokens
+        if aux_loss is not None:
+            self._step_aux_sum = self._step_aux_sum.to(aux_loss.device) + aux_loss.detach()
+            self._step_micro_batches += 1
         if batch.step_target_tokens == 0:  # every label of the step is masked: contributes zero (and is skipped)
             return loss_sum * 0.0
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / batch.step_target_tokens
+        if aux_loss is not None and self.aux_loss_coef:
+            # Lightning divides by k and DDP averages over W: the step gets coef · (mean aux_loss)
+            return loss_sum * scale + self.aux_loss_coef * aux_loss
         return loss_sum * scale
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # every micro-batch of the step has run backward (and DDP has averaged the gradients)
         step = self.trainer.global_step + 1
-        nonfinite = ~torch.isfinite(self._step_loss_sum)
+        aux_mean = self._step_aux_sum.to(self._step_loss_sum.device).float() / max(self._step_micro_batches, 1)
+        nonfinite = ~torch.isfinite(self._step_loss_sum) | ~torch.isfinite(aux_mean)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         # fp16 mixed precision: a GradScaler already skips steps whose gradients overflowed
         if scaler is None:
@@ -200,10 +231,12 @@ class FinetuneModule(L.LightningModule):
             grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
             if grads:
                 nonfinite = nonfinite | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float()).all()
-        totals = torch.stack([self._step_loss_sum.float(), nonfinite.float()])
+        totals = torch.stack([self._step_loss_sum.float(), nonfinite.float(), aux_mean])
         if self.trainer.world_size > 1:
             totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         self._step_loss_sum = torch.zeros((), device=self._step_loss_sum.device)
+        self._step_aux_sum = torch.zeros((), device=self._step_loss_sum.device)
+        self._step_micro_batches = 0
         self._pending_step = None
         if scaler is None and self._step_target_tokens and _skips_on_device(optimizer):
             # the optimizer skips the update itself where found_inf == 1 (weights, moments and step count)
@@ -212,9 +245,12 @@ class FinetuneModule(L.LightningModule):
             return
         self._finish_step(step, *totals.tolist(), optimizer)  # one host sync, before the update
 
-    def _finish_step(self, step: int, loss_sum: float, nonfinite_ranks: float, optimizer: Any, queued: bool = False) -> None:
-        """Stop, skip or log the step from its host values; ``queued``: the update is already queued
-        on the device, which skips it where the step was non-finite (``found_inf``)."""
+    def _finish_step(
+        self, step: int, loss_sum: float, nonfinite_ranks: float, aux_sum: float, optimizer: Any, queued: bool = False
+    ) -> None:
+        """Stop, skip or log the step from its host values (``aux_sum``: the ranks' mean ``aux_loss``s
+        summed); ``queued``: the update is already queued on the device, which skips it where the step
+        was non-finite (``found_inf``)."""
         if nonfinite_ranks:
             if self.on_nonfinite == "stop":
                 raise TrainingStopped(self._nonfinite_message(step))
@@ -231,11 +267,15 @@ class FinetuneModule(L.LightningModule):
             return
         loss = loss_sum / self._step_target_tokens
         self.log("train/loss", host_scalar(loss), prog_bar=True)
+        if self.aux_loss_coef is not None:
+            self.log("train/aux_loss", host_scalar(aux_sum / self.trainer.world_size))
         self.step_losses.append(loss)
 
     def _log_skipped(self) -> None:
         # NaN, not nothing: the loggers would otherwise write the previous step's loss for this step
         self.log("train/loss", host_scalar(float("nan")), prog_bar=True)
+        if self.aux_loss_coef is not None:
+            self.log("train/aux_loss", host_scalar(float("nan")))
         self.step_losses.append(None)
 
     @override
@@ -404,7 +444,8 @@ def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 class _PendingStep:
     """An optimizer step queued before its loss and non-finite flag were read on the host.
 
-    ``totals`` ([2] float32: the loss sum and the number of ranks that saw a non-finite value) is
+    ``totals`` ([3] float32: the loss sum, the number of ranks that saw a non-finite value and the
+    ranks' mean ``aux_loss``s summed) is
     copied to pinned host memory without blocking, behind a CUDA event: `read` waits for that
     event only, not for the update queued after it. The optimizer's ``found_inf`` is removed once
     read (a later step sets its own).
@@ -419,7 +460,7 @@ class _PendingStep:
             self.copied.record()
 
     def read(self) -> list[float]:
-        """[loss sum, non-finite ranks] on the host."""
+        """[loss sum, non-finite ranks, aux_loss sum] on the host."""
         if self.copied is not None:
             self.copied.synchronize()
         del self.optimizer.found_inf

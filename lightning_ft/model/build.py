@@ -7,10 +7,13 @@
    (`lightning_ft.model.attention`; ``auto`` resolved and logged);
 2. the transformers causal LM (`load_causal_lm`: ``from_pretrained``, or random weights from a
    config), ``use_cache`` off, optional gradient checkpointing;
-3. LoRA through PEFT (`lightning_ft.model.lora.add_lora`), or every weight trainable with
-   ``lora.enabled=false``;
+3. LoRA through PEFT (`lightning_ft.model.lora.add_lora`), the MoE routers in its
+   ``modules_to_save`` with ``moe.train_router``; or every weight trainable with
+   ``lora.enabled=false`` (the routers only with ``moe.train_router``; `lightning_ft.model.router`);
 4. with ``moe.backend`` other than ``hf``, the MoE patch (`lightning_ft.model.moe`) and, for
-   ``grouped_mm``, the LoRA slots in the expert weights;
+   ``grouped_mm``, the LoRA slots in the expert weights; then the router training checked
+   (`lightning_ft.model.router.check_router_training`, a warning where the LM loss cannot train
+   the router) and the load-balancing loss announced (``model.config.output_router_logits``);
 5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
 6. with ``model.cuda_graphs``, each decoder layer replayed from CUDA graphs
    (`lightning_ft.strategies.cuda_graphs`), checked against the config first, before any weight loads;
@@ -36,6 +39,13 @@ from lightning_ft.model.attention import register_packed_attention, resolve_atte
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
 from lightning_ft.model.patching import apply_kernels
+from lightning_ft.model.router import (
+    aux_loss_coef,
+    check_router_training,
+    freeze_routers,
+    load_balancing_loss_func,
+    router_module_names,
+)
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
 
 __all__ = ["BuiltModel", "ModelBuilder", "check_model_switches", "load_causal_lm"]
@@ -246,7 +256,8 @@ class ModelBuilder:
             ``fused_linear_cross_entropy`` switches (all off = stock transformers + PEFT).
         moe: the ``moe`` config group: ``backend`` (``hf`` = stock transformers experts, or
             ``auto``/``native_torch``/``grouped_mm``/``triton``, see `lightning_ft.model.moe`)
-            ``train_router`` and ``lora_slots`` (grouped_mm: `augment_expert_weights`).
+            ``train_router`` (`lightning_ft.model.router`) and ``lora_slots`` (grouped_mm:
+            `augment_expert_weights`).
         vocab_size: the tokenizer's size (for random-init models).
     """
 
@@ -277,8 +288,9 @@ class ModelBuilder:
 
         Raises:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
-                `check_model_switches`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs` and the
-                patches refuse.
+                `check_model_switches`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
+                `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
+                against what ``lora.modules_to_save`` or ``lora.init_from`` says) and the patches refuse.
         """
         cfg = self.model_cfg
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
@@ -299,18 +311,36 @@ class ModelBuilder:
         model.config.use_cache = False
         if cfg.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        train_router = bool(self.moe_cfg.get("train_router", False))
+        routers = router_module_names(model) if train_router else []
         if self.lora_cfg.get("enabled", True):
-            model = add_lora(model, self.lora_cfg)
+            lora_cfg = self.lora_cfg
+            if routers:  # PEFT trains a copy of each router and saves it with the adapter
+                saved = list(lora_cfg.get("modules_to_save") or [])
+                lora_cfg = {**lora_cfg, "modules_to_save": saved + [name for name in routers if name not in saved]}
+            model = add_lora(model, lora_cfg)
             if precision is not None and "mixed" in precision:
                 _skip_adapter_input_casts(model)
+        elif not train_router:
+            freeze_routers(model)
         if moe_backend != "hf":
-            backend = apply_moe(model, backend=moe_backend, train_router=self.moe_cfg.get("train_router", False))
+            backend = apply_moe(model, backend=moe_backend)
             rank_zero_info(f"moe: {backend} experts backend")
             lora_slots = backend == "grouped_mm" and self.moe_cfg.get("lora_slots", True) and not sharded
             if lora_slots and (augmented := augment_expert_weights(model)):
                 rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
                 _use_cuda_graphs(cfg, self.lora_cfg, attention, device, sharded, backend)
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if note := check_router_training(model, train_router, hf.config):
+            rank_zero_warn(note)
+        coef = aux_loss_coef(hf.config)
+        if coef is not None:
+            load_balancing_loss_func(hf)  # refused now where the model has none
+            rank_zero_info(
+                f"moe: load-balancing loss on: router_aux_loss_coef={coef} × aux_loss added to each micro-batch's "
+                "training loss (logged as train/aux_loss)"
+            )
         for line in apply_kernels(model, self.kernels_cfg):
             rank_zero_info(f"kernel {line}")
         pad_for_graphs = False

@@ -24,7 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from lightning_ft.kernels.lora import lora_linear
 from lightning_ft.strategies import kept
 
-__all__ = ["add_lora", "lora_linear_adapters"]
+__all__ = ["active_module", "add_lora", "lora_linear_adapters"]
 
 
 def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
@@ -33,13 +33,16 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     ``lora`` keys: ``rank``, ``alpha``, ``dropout``, ``target_modules`` (a list of module names,
     ``all-linear``, or, as PEFT reads any other string, a regular expression that must match a
     module's whole name), ``target_parameters`` (a list of names of 3-D expert parameters, e.g.
-    ``mlp.experts.gate_up_proj``; optional), ``init_from`` (a PEFT adapter folder; optional).
-    With ``init_from`` the adapter's own configuration (rank, alpha, targets) is used and the other
-    keys are ignored.
+    ``mlp.experts.gate_up_proj``; optional), ``modules_to_save`` (names of whole modules, e.g.
+    ``embed_tokens``, ``lm_head`` or a router ``mlp.gate``, that train in full and are saved in the
+    adapter file: PEFT's ``LoraConfig.modules_to_save``, a trainable copy of each; optional),
+    ``init_from`` (a PEFT adapter folder; optional).
+    With ``init_from`` the adapter's own configuration (rank, alpha, targets, modules_to_save) is
+    used and the other keys are ignored.
 
     Raises:
         FileNotFoundError: ``init_from`` is not a folder holding a PEFT ``adapter_config.json``.
-        ValueError: a name in ``target_modules`` or ``target_parameters`` matches nothing in
+        ValueError: a name in ``target_modules``, ``target_parameters`` or ``modules_to_save`` matches nothing in
             ``model`` (PEFT would drop it silently, or only warn, and train without that adapter), a
             ``target_modules`` string that is no regular expression or matches no module name (PEFT
             would raise only after loading), or a ``target_parameters`` string.
@@ -59,7 +62,8 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         targets = [modules] if isinstance(modules, str) else sorted(modules or [])
         rank_zero_info(
             f"lora.init_from={str(init_from)!r}: rank {loaded.r}, alpha {loaded.lora_alpha}, targets "
-            f"{targets + list(loaded.target_parameters or [])} (lora.rank/alpha/targets ignored)"
+            f"{targets + list(loaded.target_parameters or [])}, modules_to_save {sorted(loaded.modules_to_save or [])} "
+            "(lora.rank/alpha/targets/modules_to_save ignored)"
         )
         return model
     target_modules = lora["target_modules"]
@@ -74,16 +78,35 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     _check_lora_targets("lora.target_parameters", lora.get("target_parameters") or [], [
         name for name, p in model.named_parameters() if p.dim() == 3
     ])
+    modules_to_save = lora.get("modules_to_save") or []
+    if isinstance(modules_to_save, str):
+        raise ValueError(f"lora.modules_to_save={modules_to_save!r}: expected a list of module names, such as lora.modules_to_save=[{modules_to_save}]")
+    _check_lora_targets("lora.modules_to_save", modules_to_save, [name for name, _ in model.named_modules() if name])
     config = LoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"],
         lora_dropout=lora["dropout"],
         target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         target_parameters=list(lora["target_parameters"]) if lora.get("target_parameters") else None,
+        modules_to_save=list(modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def active_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a PEFT ``modules_to_save`` wrapper (``ModulesToSaveWrapper``) runs now: the active
+    adapter's trainable copy, or the original where adapters are disabled or none is active (as its
+    ``forward`` decides); any other module as it is."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if not isinstance(module, ModulesToSaveWrapper):
+        return module
+    active = module.active_adapters
+    if module.disable_adapters or not active or any(name not in module.modules_to_save for name in active):
+        return module.original_module
+    return module.modules_to_save[active[0]]
 
 
 def _check_lora_targets(key: str, targets: list[str], names: list[str]) -> None:

@@ -34,8 +34,10 @@ is `topk_routing`'s and is already sync-free, and what its first output holds ha
 transformers 5.x releases (some returned the softmax probabilities there), so keeping HF's module
 keeps the aux loss identical to stock on every version. Only its ``torch.topk`` call is served by our
 kernel (`lightning_ft.kernels.moe.routing.topk`, through a torch function mode around the call: the
-same experts and weights; torch's radix select took ~60 µs per call at 8K tokens on the H200). The
-router is frozen unless ``train_router``.
+same experts and weights; torch's radix select took ~60 µs per call at 8K tokens on the H200). Whether
+the router trains is the model builder's business (`lightning_ft.model.router`, ``moe.train_router``):
+the block calls whatever module ``gate`` is, PEFT's ``modules_to_save`` wrapper around a trained
+router included.
 
 Split LoRA: with ``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
 "mlp.experts.down_proj"])`` PEFT nests two ``ParamWrapper`` modules around the experts and, in its
@@ -50,8 +52,7 @@ with split LoRA out inside a tensor with R spare rows and columns, where the bac
 factors right before the GEMMs that read them, so that LoRA joins the expert GEMMs along K instead
 of a pass of its own.
 
-Order: call `apply_moe` after ``get_peft_model`` when ``train_router=True`` (PEFT freezes every
-non-adapter weight when it wraps); otherwise either order works, the LoRA is looked up per forward.
+Order: either order with ``get_peft_model`` works; the LoRA is looked up per forward.
 
 Sources: transformers v5 ``models/qwen3_moe/modeling_qwen3_moe.py``, ``utils/output_capturing.py``;
 PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper``).
@@ -79,11 +80,10 @@ logger = logging.getLogger(__name__)
 
 _BACKEND_ATTR = "_lightning_ft_moe_backend"
 _PREVIOUS_FORWARD_ATTR = "_lightning_ft_moe_previous_forward"  # the block's instance `forward`, or None
-_ROUTER_GRAD_ATTR = "_lightning_ft_moe_router_requires_grad"
 _FEEDS_RESIDUAL_ATTR = "_lightning_ft_moe_feeds_residual"  # the block is a Qwen3MoeDecoderLayer's mlp
 
 
-def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool = False) -> str:
+def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
     """Patch every Qwen3-MoE sparse block of ``model`` (plain or PEFT-wrapped) to our MoE path.
 
     Calling it again re-patches with the new settings.
@@ -92,7 +92,6 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
         model: a transformers model, a PEFT model around one, or a bare sparse block.
         backend: ``auto``, ``native_torch``, ``grouped_mm`` or ``triton`` (``moe.backend``); ``auto``
             is ``grouped_mm`` on a CUDA GPU with a native grouped kernel, else ``native_torch``.
-        train_router: leave the router weights trainable (frozen otherwise).
 
     Returns:
         The backend in use.
@@ -123,23 +122,16 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto", train_router: bool 
         setattr(block, _BACKEND_ATTR, chosen)
         setattr(block, _FEEDS_RESIDUAL_ATTR, False)
         block.forward = types.MethodType(_sparse_moe_block_forward, block)
-    decoder_layers, routers = moe_classes("decoder_layer"), moe_classes("router")
+    decoder_layers = moe_classes("decoder_layer")
     for layer in model.modules():
         if isinstance(layer, decoder_layers) and hasattr(layer.mlp, _FEEDS_RESIDUAL_ATTR):
             setattr(layer.mlp, _FEEDS_RESIDUAL_ATTR, True)  # its output only enters `residual + mlp(...)`
-    for router in (m for m in model.modules() if isinstance(m, routers)):
-        if not hasattr(router, _ROUTER_GRAD_ATTR):
-            setattr(router, _ROUTER_GRAD_ATTR, router.weight.requires_grad)
-        router.weight.requires_grad_(train_router)
-    logger.info(
-        "MoE: %d sparse MoE blocks use backend %s (requested %s), router %s",
-        len(blocks), chosen, backend, "trained" if train_router else "frozen",
-    )
+    logger.info("MoE: %d sparse MoE blocks use backend %s (requested %s)", len(blocks), chosen, backend)
     return chosen
 
 
 def revert_moe(model: torch.nn.Module) -> int:
-    """Undo `apply_moe`: the blocks' previous forwards, router ``requires_grad`` as it was.
+    """Undo `apply_moe`: the blocks' previous forwards.
 
     Returns:
         The number of blocks reverted (0 when nothing was patched).
@@ -151,9 +143,6 @@ def revert_moe(model: torch.nn.Module) -> int:
             for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR):
                 delattr(module, name)
             reverted += 1
-        if hasattr(module, _ROUTER_GRAD_ATTR):
-            module.weight.requires_grad_(getattr(module, _ROUTER_GRAD_ATTR))
-            delattr(module, _ROUTER_GRAD_ATTR)
     return reverted
 
 

@@ -20,8 +20,9 @@ trainable weights (checked in `shard_model`).
 Note (the loss reads ``lm_head.weight`` directly): the fused linear cross-entropy takes the head's
 weight, never calling the head. FSDP2 gathers weights in the pre-forward hook of a unit's
 ``forward``; `shard_model` therefore makes the LightningModule the root unit and registers
-`FinetuneModule.loss_sum` as its forward method (``register_fsdp_forward_method``): the root's
-weights, the head among them, are whole tensors for the duration of ``loss_sum`` and until its
+`FinetuneModule.loss_terms` (which `FinetuneModule.loss_sum` calls) as its forward method
+(``register_fsdp_forward_method``): the root's weights, the head among them, are whole tensors
+for the duration of ``loss_terms`` and until its
 backward has run (the root is not resharded after forward), and a trainable head's gradient is
 reduce-scattered by the root's post-backward like any other. The non-fused path (``head(hidden)``)
 runs in the same window. Tied embeddings stay one weight, since both live in the root unit.
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 STRATEGY_NAME = "fsdp2"
-_LOSS_METHOD = "loss_sum"  # the FinetuneModule method that reads the root unit's weights
+_LOSS_METHOD = "loss_terms"  # the FinetuneModule method that reads the root unit's weights
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -218,11 +219,11 @@ def shard_model(root: torch.nn.Module, model: torch.nn.Module, mesh: DeviceMesh,
     """Shard ``root`` (the LightningModule holding ``model``) with FSDP2: one unit per decoder layer, then the root.
 
     Before sharding, rank 0's weights are broadcast to the other ranks (as DDP does), so a random
-    init and PEFT's random ``lora_A`` start the same everywhere. Afterwards ``root.loss_sum`` runs
+    init and PEFT's random ``lora_A`` start the same everywhere. Afterwards ``root.loss_terms`` runs
     as the root unit's forward (module docstring).
 
     Args:
-        root: the module whose ``loss_sum`` computes the loss from ``model``'s weights.
+        root: the module whose ``loss_terms`` computes the loss from ``model``'s weights.
         model: the (PEFT-wrapped) transformers model inside ``root``.
         mesh: ``ModelParallelStrategy.device_mesh``: FSDP2 shards over its ``data_parallel``
             dimension; its ``tensor_parallel`` dimension must have size 1.
@@ -271,8 +272,9 @@ def _check_trainable_dtypes(root: torch.nn.Module, layers: list[torch.nn.Module]
             shown = ", ".join(f"{name} is {str(dtype).removeprefix('torch.')}" for dtype, name in dtypes.items())
             raise ValueError(
                 f"strategy=fsdp2: the trainable weights of {unit} have more than one dtype ({shown}); FSDP2 needs one. "
-                "PEFT keeps LoRA weights in fp32: train no base weight beside them (moe.train_router=false), "
-                "or use model.dtype=float32, or strategy=ddp"
+                "PEFT keeps LoRA weights in fp32 and its modules_to_save copies in the model's dtype: train no whole "
+                "module beside them (moe.train_router=false, lora.modules_to_save=null), or use model.dtype=float32, "
+                "or strategy=ddp"
             )
 
 
