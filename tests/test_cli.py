@@ -225,3 +225,28 @@ def test_hydra_output_subdir_set_on_the_command_line_is_left_to_hydra(tmp_path):
     assert not (tmp_path / "own" / ".hydra").exists()
     run_cli(tmp_path / "none", "trainer.max_steps=0", "hydra.output_subdir=null", ok=False)
     assert not (tmp_path / "none" / ".hydra").exists() and (tmp_path / "none" / "__main__.log").exists()
+
+
+def test_router_training_with_the_load_balancing_loss(tmp_path):
+    """moe.train_router with output_router_logits (the default moe=hf; every backend: tests/model/test_router.py):
+    train/aux_loss is logged each step, the trained routers are in the adapter (PEFT's modules_to_save) and in
+    the checkpoint a resume loads, with the same weights."""
+    from safetensors.torch import load_file
+
+    from cli_helpers import FAST
+
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=3", "moe.train_router=true",
+                   "+model.config.output_router_logits=true", "+model.config.router_aux_loss_coef=0.1")
+    assert "load-balancing loss on: router_aux_loss_coef=0.1" in proc.stderr + proc.stdout
+    rows = [line.split(",") for line in (tmp_path / "logs" / "metrics.csv").read_text().splitlines()]
+    column = rows[0].index("train/aux_loss")
+    aux = [float(r[column]) for r in rows[1:] if r[column]]
+    assert len(aux) == 3 and all(1.0 <= a < 8 for a in aux)  # num_experts · Σ f·P: 1 when balanced, 8 at worst
+    adapter = Path(summary(tmp_path)["adapter_dir"])
+    assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["mlp.gate"]
+    saved = {k: v for k, v in load_file(adapter / "adapter_model.safetensors").items() if "mlp.gate" in k}
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert len(saved) == 4  # one router per layer
+    for key, weight in saved.items():
+        in_ckpt = "model." + key.replace("mlp.gate.weight", "mlp.gate.modules_to_save.default.weight")
+        assert torch.equal(state[in_ckpt], weight), key

@@ -2,18 +2,22 @@
 
 A LoRA adapter whose layer the (patched) forward never calls trains silently untouched: its
 gradient stays None or exactly zero while the loss still falls through the other adapters. A
-known case is MoE LoRA on experts when a fused expert forward bypasses the adapter weights.
+known case is MoE LoRA on experts when a fused expert forward bypasses the adapter weights. Any
+other trainable tensor (a ``lora.modules_to_save`` copy, a trained router, a weight of full
+fine-tuning) whose gradient is None or exactly zero trains untouched the same way.
 
 What "gets a gradient" means for a LoRA pair (``y = W x + scaling · B A x``, ``B`` zero-initialised)::
 
     step 1   dL/dB = scaling · g (A x)ᵀ   non-zero            dL/dA = scaling · Bᵀ g xᵀ = 0 (B = 0)
     step 2   B ≠ 0 after step 1's update  →  dL/dA non-zero too
 
-so within the first ``steps`` optimizer steps (default 2) every ``lora_B`` and then every ``lora_A``
-must have had a non-zero gradient, and every other trainable tensor a gradient at all (not None).
+so within the first ``steps`` optimizer steps (default 2) every ``lora_B`` and then every ``lora_A``,
+and every other trainable tensor, must have had a non-zero gradient.
 Only steps with a non-zero learning rate are watched (a warm-up from 0 leaves ``B`` at zero after
 its first step); a run shorter than the window is not checked. Non-finite gradients are left to ``train.on_nonfinite`` (`FinetuneModule`), which stops on them by
-default and names the tensors.
+default and names the tensors. A gradient that is zero only up to rounding passes: a trained router
+under top-1 routing with normalised weights gets ~1e-10 from the LM loss, which the model builder
+explains in a warning at the start instead (`lightning_ft.model.router.router_gradient_note`).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class GradientCheck(L.Callback):
         if steps < 2:
             raise ValueError(f"callbacks.gradient_check.steps={steps}: must be at least 2 (lora_A's gradient is zero at step 1)")
         self.steps = steps
-        self._seen: set[str] = set()  # tensors that had a gradient (LoRA tensors: a non-zero one)
+        self._seen: set[str] = set()  # tensors that had a non-zero gradient
         self._counted = 0  # watched steps so far (steps with a non-zero learning rate)
 
     @override
@@ -65,15 +69,13 @@ class GradientCheck(L.Callback):
         self._counted += 1
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         with_grad = [(n, p.grad) for n, p in named if p.grad is not None and n not in self._seen]
-        lora = [(n, g) for n, g in with_grad if _LORA_NAME.match(_strip(n))]
-        self._seen.update(n for n, _ in with_grad if not _LORA_NAME.match(_strip(n)))
-        if lora:
-            norms = torch.stack(torch._foreach_norm([local_tensor(g) for _, g in lora]))
-            if any(isinstance(g, DTensor) for _, g in lora):  # FSDP2: a gradient is zero only if every shard is
+        if with_grad:
+            norms = torch.stack(torch._foreach_norm([local_tensor(g) for _, g in with_grad]))
+            if any(isinstance(g, DTensor) for _, g in with_grad):  # FSDP2: a gradient is zero only if every shard is
                 norms = trainer.strategy.reduce(norms.square(), reduce_op="sum")
             norms = norms.tolist()  # one host sync
             # a NaN norm counts as "got a gradient": non-finite steps are train.on_nonfinite's business
-            self._seen.update(n for (n, _), norm in zip(lora, norms) if norm != 0)
+            self._seen.update(n for (n, _), norm in zip(with_grad, norms) if norm != 0)
         if self._counted == self.steps:
             self._raise_if_untouched([n for n, _ in named], pl_module, trainer.global_step + 1)
 
@@ -90,13 +92,14 @@ class GradientCheck(L.Callback):
             else:
                 others.append(_strip(n))
         lines = [f"  {module} ({', '.join(sorted(halves))})" for module, halves in sorted(lora_modules.items())]
-        lines += [f"  {n} (no gradient)" for n in others]
+        lines += [f"  {n} (no gradient, or zero)" for n in others]
         raise TrainingStopped(
             f"after {step} optimizer steps ({self.steps} with a non-zero learning rate) these trainable tensors never "
             "received a non-zero gradient, so they "
             f"would train silently untouched:\n" + "\n".join(lines) + "\n"
             "Their layers are not on the path from the inputs to the loss: a patched forward that bypasses the "
-            "adapter (e.g. moe.backend with LoRA on experts) or a lora.target_modules entry the model does not use. "
+            "adapter (e.g. moe.backend with LoRA on experts), a lora.target_modules or lora.modules_to_save entry the "
+            "model does not use, or a path whose gradient is zero by construction. "
             "Fix that, or remove the check with callbacks.gradient_check=null"
         )
 

@@ -56,6 +56,11 @@ def _routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, routers)]
 
 
+def _in_layer(name: str) -> str:
+    """``base_model.model.model.layers.3.mlp.gate.modules_to_save.default`` → ``mlp.gate``."""
+    return re.sub(r"\.(modules_to_save\.[^.]+|original_module)$", "", re.sub(r"^.*\.\d+\.", "", name))
+
+
 def router_module_names(model: torch.nn.Module) -> list[str]:
     """The routers' module names within their decoder layer (``mlp.gate``), as PEFT's ``modules_to_save`` takes them.
 
@@ -63,7 +68,7 @@ def router_module_names(model: torch.nn.Module) -> list[str]:
         ValueError: ``model`` has no router of a class the patch tables name (a dense model, or an
             MoE architecture without a table), naming ``moe.train_router``.
     """
-    names = sorted({re.sub(r"^.*\.\d+\.", "", name) for name, _ in _routers(model)})
+    names = sorted({_in_layer(name) for name, _ in _routers(model)})
     if not names:
         classes = ", ".join(c.__name__ for c in moe_classes("router"))
         raise ValueError(
@@ -100,7 +105,7 @@ def check_router_training(model: torch.nn.Module, train_router: bool, config: An
             ``lora.init_from`` adapter that does not save them), naming the keys to change.
     """
     routers = _routers(model)
-    trained = sorted({re.sub(r"^.*\.\d+\.", "", name) for name, r in routers if any(p.requires_grad for p in r.parameters())})
+    trained = sorted({_in_layer(name) for name, r in routers if any(p.requires_grad for p in r.parameters())})
     if trained and not train_router:
         raise ValueError(
             f"the MoE routers ({', '.join(trained)}) would train although moe.train_router=false: lora.modules_to_save "

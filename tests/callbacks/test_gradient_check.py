@@ -49,3 +49,14 @@ def test_an_adapter_the_forward_skips_is_named():
     experts.forward = experts.base_layer.forward  # a fused expert forward that ignores the down_proj adapter
     with pytest.raises(TrainingStopped, match=r"model.layers.0.mlp.experts \[down_proj\] \(lora_A, lora_B\)"):
         _train(module, GradientCheck(steps=2), lrs=[1e-3, 1e-3])
+
+
+def test_a_trainable_module_with_a_zero_gradient_is_named():
+    """Not only LoRA: a lora.modules_to_save copy whose gradient is exactly zero trains untouched too."""
+    torch.manual_seed(0)
+    module = FinetuneModule(ModelBuilder(model=TINY_MOE, lora={**LORA, "modules_to_save": ["lm_head"]}))
+    module.configure_model()
+    head = module.model.base_model.model.lm_head.modules_to_save["default"]
+    head.register_forward_hook(lambda m, args, out: out * 0)  # the loss no longer depends on its weight
+    with pytest.raises(TrainingStopped, match=r"lm_head.modules_to_save.default.weight \(no gradient, or zero\)"):
+        _train(module, GradientCheck(steps=2), lrs=[1e-3, 1e-3])

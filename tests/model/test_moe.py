@@ -433,26 +433,24 @@ def test_router_top_k_runs_our_kernel_and_other_torch_calls_stay(monkeypatch):
     assert len(calls) == 2 and sorted(values[0].tolist()) == [2.0, 3.0]
 
 
-def test_router_frozen_by_default_and_trainable_on_request():
+def test_a_trainable_router_gets_the_stock_gradient_and_apply_moe_leaves_requires_grad_alone():
+    """Whether the router trains is the model builder's (lightning_ft.model.router); the patch keeps it as it is."""
     model = _peft_model()
     input_ids = _input_ids("cpu")
     routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
     for router in routers:
         router.weight.requires_grad_(True)
     ref, ref_grads = _step(model, input_ids, output_router_logits=True)
-    for router in routers:
-        router.weight.requires_grad_(False)
 
     apply_moe(model, "native_torch")
-    assert not any(r.weight.requires_grad for r in routers)
-    apply_moe(model, "native_torch", train_router=True)
+    assert all(r.weight.requires_grad for r in routers)
     out, grads = _step(model, input_ids, output_router_logits=True)
     router_grads = [name for name in grads if name.endswith("gate.weight")]
     assert len(router_grads) == 2
     for name in router_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7)
     assert revert_moe(model) == 2
-    assert not any(r.weight.requires_grad for r in routers)  # as before apply_moe
+    assert all(r.weight.requires_grad for r in routers)
 
 
 def test_revert_restores_stock_forward_and_apply_before_peft():
