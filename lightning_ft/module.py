@@ -72,7 +72,7 @@ class FinetuneModule(L.LightningModule):
 
     The model is made in `configure_model` (on the target device) by the `ModelBuilder` given
     (`lightning_ft.model.build`); under ``strategy=fsdp2`` the finished model is then sharded and
-    `loss_sum` becomes the root unit's forward (`lightning_ft.strategies.fsdp2`). Checkpoints hold
+    `loss_terms` becomes the root unit's forward (`lightning_ft.strategies.fsdp2`). Checkpoints hold
     only the trainable weights.
 
     Args:

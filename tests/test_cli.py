@@ -227,6 +227,7 @@ def test_hydra_output_subdir_set_on_the_command_line_is_left_to_hydra(tmp_path):
     assert not (tmp_path / "none" / ".hydra").exists() and (tmp_path / "none" / "__main__.log").exists()
 
 
+@pytest.mark.slow
 def test_router_training_with_the_load_balancing_loss(tmp_path):
     """moe.train_router with output_router_logits (the default moe=hf; every backend: tests/model/test_router.py):
     train/aux_loss is logged each step, the trained routers are in the adapter (PEFT's modules_to_save) and in

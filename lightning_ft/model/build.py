@@ -43,7 +43,7 @@ from lightning_ft.model.router import (
     aux_loss_coef,
     check_router_training,
     freeze_routers,
-    load_balancing_loss_func,
+    load_balancing_loss_function,
     router_module_names,
 )
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
@@ -290,7 +290,8 @@ class ModelBuilder:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
                 `check_model_switches`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
                 `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
-                against what ``lora.modules_to_save`` or ``lora.init_from`` says) and the patches refuse.
+                against what ``lora.modules_to_save`` or ``lora.init_from`` says), ``lora.modules_to_save``
+                without LoRA, and the patches refuse.
         """
         cfg = self.model_cfg
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
@@ -321,6 +322,11 @@ class ModelBuilder:
             model = add_lora(model, lora_cfg)
             if precision is not None and "mixed" in precision:
                 _skip_adapter_input_casts(model)
+        elif self.lora_cfg.get("modules_to_save"):
+            raise ValueError(
+                f"lora.modules_to_save={list(self.lora_cfg['modules_to_save'])} needs lora.enabled=true: without LoRA every "
+                "weight trains and the whole model is saved; set lora.modules_to_save=null"
+            )
         elif not train_router:
             freeze_routers(model)
         if moe_backend != "hf":
@@ -336,7 +342,7 @@ class ModelBuilder:
             rank_zero_warn(note)
         coef = aux_loss_coef(hf.config)
         if coef is not None:
-            load_balancing_loss_func(hf)  # refused now where the model has none
+            load_balancing_loss_function(hf)  # refused now where the model has none
             rank_zero_info(
                 f"moe: load-balancing loss on: router_aux_loss_coef={coef} × aux_loss added to each micro-batch's "
                 "training loss (logged as train/aux_loss)"

@@ -45,7 +45,7 @@ __all__ = [
     "check_router_training",
     "freeze_routers",
     "load_balancing_loss",
-    "load_balancing_loss_func",
+    "load_balancing_loss_function",
     "router_gradient_note",
     "router_module_names",
 ]
@@ -154,7 +154,7 @@ def aux_loss_coef(config: Any) -> float | None:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def load_balancing_loss_func(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+def load_balancing_loss_function(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """transformers' ``load_balancing_loss_func`` for ``model`` (a transformers causal LM): the one its
     modeling module defines and its ``forward`` calls.
 
@@ -181,4 +181,4 @@ def load_balancing_loss(model: torch.nn.Module, router_logits: tuple[torch.Tenso
     Returns:
         A scalar fp32 tensor (the unscaled ``aux_loss``; the training loss adds ``router_aux_loss_coef`` times it).
     """
-    return load_balancing_loss_func(model)(router_logits, model.num_experts, model.num_experts_per_tok, None)
+    return load_balancing_loss_function(model)(router_logits, model.num_experts, model.num_experts_per_tok, None)

@@ -209,6 +209,8 @@ def test_router_training_refusals_name_the_keys(tmp_path):
         _module(lora={**LORA, "modules_to_save": ["lm_haed"]})
     with pytest.raises(ValueError, match=r"lora.modules_to_save='lm_head': expected a list"):
         _module(lora={**LORA, "modules_to_save": "lm_head"})
+    with pytest.raises(ValueError, match=r"lora.modules_to_save=\['lm_head'\] needs lora.enabled=true"):
+        _module(lora={"enabled": False, "modules_to_save": ["lm_head"]})
     _module().model.save_pretrained(tmp_path)  # an adapter without the router
     with pytest.raises(ValueError, match=r"moe.train_router=true, but the MoE routers stay frozen: the lora.init_from adapter"):
         _module(lora={**LORA, "init_from": str(tmp_path)}, train_router=True)
