@@ -97,6 +97,8 @@ class FinetuneModule(L.LightningModule):
         self.on_nonfinite = on_nonfinite
         self.model: torch.nn.Module | None = None
         self.fused_linear_cross_entropy = False  # set from the built model (`BuiltModel`)
+        self.packed = True
+        self.plain_head = True
         self.strict_loading = False  # checkpoints hold the trainable weights only
         self.step_losses: list[float | None] = []  # per optimizer step; None for a skipped step
         self.skipped_steps = {"no_target_tokens": 0, "nonfinite": 0}
@@ -121,6 +123,7 @@ class FinetuneModule(L.LightningModule):
         )
         self.model = built.model
         self.fused_linear_cross_entropy = built.fused_linear_cross_entropy
+        self.packed, self.plain_head = built.packed, built.plain_head
         if built.pad_for_graphs:
             self._graph_tokens = 0
         if sharded:
@@ -135,23 +138,32 @@ class FinetuneModule(L.LightningModule):
     def loss_sum(self, batch: PackedBatch) -> torch.Tensor:
         """Sum of the next-token cross-entropy over the target tokens of ``batch`` (fp32 scalar).
 
-        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head) the logits are
-        never materialised (`lightning_ft.kernels.linear_cross_entropy`).
+        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head whose output the
+        model uses as its logits) the logits are never materialised
+        (`lightning_ft.kernels.linear_cross_entropy`). An architecture that cannot take packed rows
+        gets its documents as padded rows (`PackedBatch.padded_rows`); one that changes its logits
+        after the head gets them from its own forward (`lightning_ft.model.support`).
         """
         hf = self.hf_model
-        backbone = getattr(hf, hf.base_model_prefix)
-        hidden_1TH = backbone(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
-        ).last_hidden_state
+        if self.packed:
+            inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "packed_batch": batch}
+            labels = batch.labels
+        else:  # the architecture cannot take packed rows: its documents one per padded row
+            inputs = batch.padded_rows()
+            labels = inputs.pop("labels")
+        if not self.plain_head:  # the model changes its logits after the LM head: its own forward makes them
+            logits = hf(**inputs, use_cache=False).logits[:, :-1].float()
+            return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        hidden_BTH = getattr(hf, hf.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
         head = hf.get_output_embeddings()
         if self.fused_linear_cross_entropy and type(head) is torch.nn.Linear and head.bias is None:
             # targets of position t are labels[t + 1]; the last position has none
-            targets_1T = F.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-            loss_sum, _ = fused_linear_cross_entropy(hidden_1TH.flatten(0, 1), head.weight, targets_1T.flatten())
+            targets_BT = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            loss_sum, _ = fused_linear_cross_entropy(hidden_BTH.flatten(0, 1), head.weight, targets_BT.flatten())
             return loss_sum
-        logits = head(hidden_1TH[:, :-1]).float()
+        logits = head(hidden_BTH[:, :-1]).float()
         return F.cross_entropy(
-            logits.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
     def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
