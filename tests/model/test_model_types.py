@@ -13,6 +13,7 @@ walks every type (about 200, a few minutes on one core). `SKIPPED` says why a ty
 """
 
 import os
+from pathlib import Path
 import warnings
 
 import pytest
@@ -26,7 +27,7 @@ from lightning_ft.model.patching import KERNEL_KEYS
 from lightning_ft.model.support import tiny_config
 from lightning_ft.module import FinetuneModule
 
-SKIPPED = {}  # model_type -> why it is not walked; filled below from the first full walk
+SKIPPED: dict[str, str] = {}  # model_type -> why the walk leaves it out
 
 REPRESENTATIVE = [
     "llama", "qwen2", "mistral", "phi3", "gemma3_text",  # patch tables
@@ -92,3 +93,15 @@ def test_one_training_step_matches_transformers(model_type, monkeypatch):
     with torch.no_grad():
         expected = _stock_loss_sum(module.model) / batch.step_target_tokens
     torch.testing.assert_close(loss.detach(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2_tiny", "mistral_tiny", "phi3_tiny", "gemma3_tiny"])
+def test_each_tiny_family_config_builds_on_packed_rows(name):
+    import yaml
+
+    from lightning_ft.config import config_dir
+
+    model = yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
+    lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "target_modules": "all-linear"}
+    built = ModelBuilder(model=model, lora=lora, vocab_size=64)(torch.device("cpu"))
+    assert built.packed and built.plain_head
