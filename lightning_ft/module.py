@@ -107,6 +107,8 @@ class FinetuneModule(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.fused_linear_cross_entropy = False  # set from the built model (`BuiltModel`)
         self.aux_loss_coef: float | None = None  # router_aux_loss_coef where output_router_logits, from the built model
+        self.packed = True  # the architecture takes packed rows (`lightning_ft.model.support`)
+        self.plain_head = True  # its logits are lm_head(hidden)
         self.strict_loading = False  # checkpoints hold the trainable weights only
         self.step_losses: list[float | None] = []  # per optimizer step; None for a skipped step
         self.skipped_steps = {"no_target_tokens": 0, "nonfinite": 0}
@@ -134,6 +136,7 @@ class FinetuneModule(L.LightningModule):
         self.model = built.model
         self.fused_linear_cross_entropy = built.fused_linear_cross_entropy
         self.aux_loss_coef = aux_loss_coef(self.hf_model.config)
+        self.packed, self.plain_head = built.packed, built.plain_head
         if built.pad_for_graphs:
             self._graph_tokens = 0
         if sharded:
@@ -154,28 +157,40 @@ class FinetuneModule(L.LightningModule):
         (``model.config.output_router_logits``), its unscaled ``aux_loss`` (fp32 scalar, transformers'
         function on this row's router logits: `lightning_ft.model.router.load_balancing_loss`), else None.
 
-        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head, PEFT's
-        ``modules_to_save`` copy of one included) the logits are never materialised
-        (`lightning_ft.kernels.linear_cross_entropy`). Under ``strategy=fsdp2`` this is the root unit's forward.
+        With ``kernels.fused_linear_cross_entropy`` (and a plain linear LM head whose output the model
+        uses as its logits, PEFT's ``modules_to_save`` copy of one included) the logits are never
+        materialised (`lightning_ft.kernels.linear_cross_entropy`). An architecture that cannot take
+        packed rows gets its documents as padded rows (`PackedBatch.padded_rows`); one that changes its
+        logits after the head gets them from its own forward (`lightning_ft.model.support`). Under
+        ``strategy=fsdp2`` this is the root unit's forward.
         """
         hf = self.hf_model
-        backbone = getattr(hf, hf.base_model_prefix)
+        if self.packed:
+            inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "packed_batch": batch}
+            labels = batch.labels
+        else:  # the architecture cannot take packed rows: its documents one per padded row
+            inputs = batch.padded_rows()
+            labels = inputs.pop("labels")
         router_logits = aux and self.aux_loss_coef is not None
         # only a model whose config has output_router_logits takes the argument (a dense one would pass it on)
-        extra = {} if self.aux_loss_coef is None else {"output_router_logits": router_logits}
-        out = backbone(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False, **extra)
-        hidden_1TH = out.last_hidden_state
+        if self.aux_loss_coef is not None:
+            inputs["output_router_logits"] = router_logits
+        if self.plain_head:
+            out = getattr(hf, hf.base_model_prefix)(**inputs, use_cache=False)
+        else:  # the model changes its logits after the LM head: its own forward makes them
+            out = hf(**inputs, use_cache=False)
+            logits = out.logits[:, :-1].float()
         aux_loss = load_balancing_loss(hf, out.router_logits) if router_logits else None
-        head = active_module(hf.get_output_embeddings())
-        if self.fused_linear_cross_entropy and type(head) is torch.nn.Linear and head.bias is None:
-            # targets of position t are labels[t + 1]; the last position has none
-            targets_1T = F.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-            loss_sum, _ = fused_linear_cross_entropy(hidden_1TH.flatten(0, 1), head.weight, targets_1T.flatten())
-            return loss_sum, aux_loss
-        logits = head(hidden_1TH[:, :-1]).float()
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        if self.plain_head:
+            hidden_BTH = out.last_hidden_state
+            head = active_module(hf.get_output_embeddings())
+            if self.fused_linear_cross_entropy and type(head) is torch.nn.Linear and head.bias is None:
+                # targets of position t are labels[t + 1]; the last position has none
+                targets_BT = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+                loss_sum, _ = fused_linear_cross_entropy(hidden_BTH.flatten(0, 1), head.weight, targets_BT.flatten())
+                return loss_sum, aux_loss
+            logits = head(hidden_BTH[:, :-1]).float()
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, aux_loss
 
     def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:

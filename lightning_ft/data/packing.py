@@ -121,6 +121,30 @@ class PackedBatch:
             _cache={},
         )
 
+    def padded_rows(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
+        """The documents one per row, right-padded to ``max_seqlen``: the model inputs of an
+        architecture that cannot take packed rows (`lightning_ft.model.support`).
+
+        Returns ``input_ids``, ``labels`` (``-100`` on padding), ``position_ids`` (0.. per row) and
+        ``attention_mask`` (1 on tokens, 0 on padding), each [N, max_seqlen] int64 on the batch's
+        device. The gather index is built on the host from ``cu_seqlens`` and copied without
+        blocking. With causal attention, padding after a document changes none of its outputs.
+        """
+        device = self.input_ids.device
+        starts_N1 = self.cu_seqlens[:-1].long()[:, None]
+        lengths_N1 = self.cu_seqlens.diff().long()[:, None]
+        offsets_1L = torch.arange(self.max_seqlen)[None]
+        mask_NL = offsets_1L < lengths_N1
+        index_NL = torch.where(mask_NL, starts_N1 + offsets_1L, 0).to(device, non_blocking=True)
+        mask_NL = mask_NL.to(device, non_blocking=True)
+        take = lambda t, fill: torch.where(mask_NL, t[0][index_NL], fill)  # noqa: E731
+        return {
+            "input_ids": take(self.input_ids, pad_id),
+            "labels": take(self.labels, IGNORE_INDEX),
+            "position_ids": take(self.position_ids, 0),
+            "attention_mask": mask_NL.long(),
+        }
+
     def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """Return ``build()`` computed once per batch for ``key`` (include the device in the key)."""
         if key not in self._cache:

@@ -46,6 +46,7 @@ from lightning_ft.model.router import (
     load_balancing_loss_function,
     router_module_names,
 )
+from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
 
 __all__ = ["BuiltModel", "ModelBuilder", "check_model_switches", "load_causal_lm"]
@@ -239,11 +240,17 @@ class BuiltModel:
             materialising the logits (`lightning_ft.kernels.linear_cross_entropy`).
         pad_for_graphs: the decoder layers replay CUDA graphs with varlen attention: packed rows are
             padded to shared token counts (`lightning_ft.module.FinetuneModule.pad_for_graphs`).
+        packed: the architecture takes packed rows; else each document runs in its own padded row
+            through the model's stock attention (`lightning_ft.model.support`).
+        plain_head: the model's logits are its LM head's output (the chunked CE may apply); else its
+            own forward makes them.
     """
 
     model: torch.nn.Module
     fused_linear_cross_entropy: bool = False
     pad_for_graphs: bool = False
+    packed: bool = True
+    plain_head: bool = True
 
 
 class ModelBuilder:
@@ -310,6 +317,14 @@ class ModelBuilder:
             trust_remote_code=cfg.get("trust_remote_code", False),
         )
         model.config.use_cache = False
+        support = architecture_support(model.config)
+        if support.packing is not None:
+            if cuda_graphs:
+                raise ValueError(f"model.cuda_graphs=true needs packed rows, which {model.config.model_type} cannot take "
+                                 f"({support.packing}): set model.cuda_graphs=false")
+            rank_zero_warn(f"{model.config.model_type}: one document per padded row, not packed rows ({support.packing})")
+            if model._supports_attention_backend:
+                model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
         if cfg.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         train_router = bool(self.moe_cfg.get("train_router", False))
@@ -347,8 +362,8 @@ class ModelBuilder:
                 f"moe: load-balancing loss on: router_aux_loss_coef={coef} × aux_loss added to each micro-batch's "
                 "training loss (logged as train/aux_loss)"
             )
-        for line in apply_kernels(model, self.kernels_cfg):
-            rank_zero_info(f"kernel {line}")
+        for line in fast_path_lines(model.config.model_type, support, self.kernels_cfg, apply_kernels(model, self.kernels_cfg)):
+            rank_zero_info(line)
         pad_for_graphs = False
         if cuda_graphs:
             offload = bool(cfg.get("activation_offload", False))
@@ -377,4 +392,5 @@ class ModelBuilder:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         rank_zero_info(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable")
-        return BuiltModel(model, bool(self.kernels_cfg.get("fused_linear_cross_entropy")), pad_for_graphs)
+        fused_ce = bool(self.kernels_cfg.get("fused_linear_cross_entropy")) and support.plain_head is None
+        return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None)

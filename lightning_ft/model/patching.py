@@ -9,8 +9,9 @@ What gets patched, per kernel switch:
     rms_norm  every instance of the table's RMSNorm classes (decoder norms, final norm, Qwen3's q/k
               norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`.
     swiglu    every instance of the table's dense MLP classes: `forward` becomes
-              `down_proj(swiglu(gate_proj(x), up_proj(x)))`. The projections are called as they are,
-              so PEFT's LoRA layers on gate/up/down still apply. Qwen3-MoE's experts
+              `down_proj(swiglu(gate_proj(x), up_proj(x)))`, or with ``fused_gate_up`` (Phi-3's one
+              ``gate_up_proj``, gate first) `down_proj(swiglu_concat(gate_up_proj(x)))`. The
+              projections are called as they are, so PEFT's LoRA layers on them still apply. Qwen3-MoE's experts
               (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in model/moe.py.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
@@ -26,7 +27,12 @@ What gets patched, per kernel switch:
               table's `MoEClasses` sparse block: routed once, experts through the chosen backend.
 
 Attention needs no entry: it goes through transformers' attention-function registry for every
-architecture (`lightning_ft.model.attention`).
+architecture that takes packed rows (`lightning_ft.model.attention`, `lightning_ft.model.support`).
+
+An architecture without a table, or a piece its table leaves out (``stock``: why), runs that piece
+as transformers does: `apply_kernels` says so in its lines instead of failing, so ``kernels=all``
+works for any causal LM (LoRA and the chunked CE need no table). A table names a piece only where
+its math was checked equal to transformers' (tests/model/test_families.py).
 
 Module patches are per instance (an instance attribute `forward`, found by class, so a PEFT-wrapped
 model works the same), and the instance's previous `forward` attribute, if it had one, is kept for
@@ -48,7 +54,7 @@ from transformers import PreTrainedModel
 
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
-from lightning_ft.kernels.swiglu import swiglu
+from lightning_ft.kernels.swiglu import swiglu, swiglu_concat
 from lightning_ft.model.lora import _fused_lora_forward, lora_linear_adapters
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
@@ -77,12 +83,36 @@ class PatchTable:
     # its RoPE (ours) rotates them in place; Qwen3's q/k pass through q_norm/k_norm first.
     kept_linears: tuple[str, ...] = ()
     moe: MoEClasses | None = None  # the MoE block's classes (`lightning_ft.model.moe`); None: a dense model
+    fused_gate_up: bool = False  # the MLPs compute down_proj(act(gate) * up) from one gate_up_proj ([gate | up])
+    stock: tuple[tuple[str, str], ...] = ()  # (kernel switch, why it runs as transformers does) for pieces left out
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 PATCH_TABLES: dict[str, PatchTable] = {
     "llama": PatchTable(
         "transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",), ("v_proj", "o_proj", *_MLP_LINEARS)
+    ),
+    # q/k/v carry biases (frozen, added by the base layer); windows per layer_types, through attention
+    "qwen2": PatchTable(
+        "transformers.models.qwen2.modeling_qwen2", ("Qwen2RMSNorm",), ("Qwen2MLP",), ("v_proj", "o_proj", *_MLP_LINEARS)
+    ),
+    # sliding_window (when set) on every layer, through attention
+    "mistral": PatchTable(
+        "transformers.models.mistral.modeling_mistral", ("MistralRMSNorm",), ("MistralMLP",),
+        ("v_proj", "o_proj", *_MLP_LINEARS),
+    ),
+    # one qkv_proj (rotated in place by our RoPE: not kept) and one gate_up_proj; partial rotary allowed
+    "phi3": PatchTable(
+        "transformers.models.phi3.modeling_phi3", ("Phi3RMSNorm",), ("Phi3MLP",), ("o_proj", "gate_up_proj", "down_proj"),
+        fused_gate_up=True,
+    ),
+    # RoPE only: two RoPE bases (sliding / full layers) reach apply_rotary_pos_emb as cos/sin tables
+    "gemma3_text": PatchTable(
+        "transformers.models.gemma3.modeling_gemma3", (), (), ("v_proj", "o_proj", *_MLP_LINEARS),
+        stock=(
+            ("rms_norm", "Gemma's RMSNorm scales by (1 + weight) in fp32 and rounds once; our kernel scales by weight"),
+            ("swiglu", "its gated MLP is gelu-tanh, not SwiGLU"),
+        ),
     ),
     "qwen3": PatchTable(
         "transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",),
@@ -111,6 +141,11 @@ def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) 
 
 def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_gate_up_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate_up = self.gate_up_proj(x)
+    return self.down_proj(swiglu_concat(gate_up.flatten(0, -2)).view(*gate_up.shape[:-1], -1))
 
 
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:
@@ -203,48 +238,57 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
 
     `kernels` maps `rms_norm`, `rope`, `swiglu`, `lora` (and `fused_linear_cross_entropy`, ignored
     here) to bools; other keys are an error. A model patched before is reverted first. Returns one
-    line per kernel applied, e.g. "rms_norm: 9 x LlamaRMSNorm".
+    line per kernel switched on: what it patched, e.g. "rms_norm: 9 x LlamaRMSNorm", or why that
+    piece runs as transformers does, e.g. "swiglu: stock (no patch table for model_type 'gpt2')".
+
+    Raises:
+        ValueError: an unknown switch.
     """
     unknown = sorted(set(kernels) - set(KERNEL_KEYS))
     if unknown:
         raise ValueError(f"unknown kernel switches {unknown}; the known ones are {list(KERNEL_KEYS)}")
     revert_kernels(model)
-    wanted = {name for name in ("rms_norm", "rope", "swiglu", "lora") if kernels.get(name, False)}
+    wanted = [name for name in ("lora", "rms_norm", "swiglu", "rope") if kernels.get(name, False)]
     if not wanted:
         return []
 
     hf_model = _hf_model(model)
     undo: list[Callable[[], None]] = []
-    applied = []
     setattr(hf_model, _RECORD_ATTR, undo)
     config = hf_model.config
     table = PATCH_TABLES.get(config.model_type)
-    if "lora" in wanted:
-        kept_linears = table.kept_linears if table is not None else ()
-        applied.append(f"lora: {_patch_lora(hf_model, undo, kept_linears)} x peft lora.Linear")
-        wanted.discard("lora")
-        if not wanted:
-            return applied
-    if table is None:
-        raise ValueError(
-            f"no kernel patch table for model_type {config.model_type!r} (have {sorted(PATCH_TABLES)}); "
-            "set every kernel switch to false (kernels=none) for this model"
-        )
-    if "swiglu" in wanted and config.hidden_act not in _SILU_ACTS:
-        raise ValueError(f"the swiglu kernel needs hidden_act silu, {config.model_type} uses {config.hidden_act!r}")
-
-    modeling = importlib.import_module(table.modeling_module)
-    for name, class_names, fused in (
-        ("rms_norm", table.rms_norm, _fused_rms_norm_forward),
-        ("swiglu", table.mlp, _fused_swiglu_mlp_forward),
-    ):
-        if name in wanted:
+    stock = _stock_reasons(config, table)
+    modeling = importlib.import_module(table.modeling_module) if table is not None else None
+    applied = []
+    for name in wanted:
+        if name in stock:
+            applied.append(f"{name}: stock ({stock[name]})")
+        elif name == "lora":
+            kept_linears = table.kept_linears if table is not None else ()
+            applied.append(f"lora: {_patch_lora(hf_model, undo, kept_linears)} x peft lora.Linear")
+        elif name == "rope":
+            _patch_rope(modeling, undo)
+            applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")
+        else:
+            class_names = table.rms_norm if name == "rms_norm" else table.mlp
+            fused = {
+                "rms_norm": _fused_rms_norm_forward,
+                "swiglu": _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward,
+            }[name]
             count = _patch_forwards(hf_model, tuple(getattr(modeling, c) for c in class_names), fused, undo)
             applied.append(f"{name}: {count} x {', '.join(class_names)}")
-    if "rope" in wanted:
-        _patch_rope(modeling, undo)
-        applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")
     return applied
+
+
+def _stock_reasons(config: object, table: PatchTable | None) -> dict[str, str]:
+    """Kernel switch -> why that piece runs as transformers does for ``config``'s architecture (``lora`` never)."""
+    if table is None:
+        why = f"no patch table for model_type {config.model_type!r}; tables exist for {sorted(PATCH_TABLES)}"
+        return dict.fromkeys(("rms_norm", "swiglu", "rope"), why)
+    reasons = dict(table.stock)
+    if "swiglu" not in reasons and getattr(config, "hidden_act", None) not in _SILU_ACTS:
+        reasons["swiglu"] = f"the MLP's hidden_act is {getattr(config, 'hidden_act', None)!r}, not silu"
+    return reasons
 
 
 def revert_kernels(model: torch.nn.Module) -> None:

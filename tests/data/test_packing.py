@@ -83,3 +83,12 @@ def test_step_sampler_gives_ranks_disjoint_whole_steps(rows, k, world):
     epoch0 = StepSampler(rows, k, world, 0, shuffle=True, seed=3)
     if rows // (k * world) >= 5:  # enough steps that two shuffles essentially never agree
         assert list(epoch0) != per_rank[0]
+
+
+def test_padded_rows_hold_one_document_each():
+    batch = collate_packed([([5, 6, 7], [5, 6, 7]), ([8], [8]), ([9, 10], [-100, 10])])
+    rows = batch.padded_rows(pad_id=0)
+    assert rows["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+    assert rows["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100], [-100, 10, -100]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2], [0, 0, 0], [0, 1, 0]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]

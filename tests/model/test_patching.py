@@ -26,6 +26,7 @@ from lightning_ft.model.lora import _fused_lora_forward
 from lightning_ft.model.patching import (
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
+    _fused_gate_up_mlp_forward,
     _fused_rms_norm_forward,
     _fused_swiglu_mlp_forward,
     apply_kernels,
@@ -35,7 +36,8 @@ from lightning_ft.model.patching import (
 
 ALL_ON = {"rms_norm": True, "rope": True, "swiglu": True, "lora": True, "fused_linear_cross_entropy": True}
 ALL_OFF = dict.fromkeys(ALL_ON, False)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
+FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe"]
 # Packed documents of length 3, 1, 4, 1, 1, 2: position_ids restart at 0 per document.
 POSITION_IDS = [0, 1, 2, 0, 0, 1, 2, 3, 0, 0, 0, 1]
 
@@ -55,6 +57,16 @@ def _tiny_config(model_type):
         return transformers.LlamaConfig(**common)
     if model_type == "qwen3":
         return transformers.Qwen3Config(**common)
+    if model_type == "qwen2":  # q/k/v biases; layer 1 slides over 3 tokens
+        return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    if model_type == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=3)
+    if model_type == "phi3":  # fused qkv_proj / gate_up_proj, partial rotary (12 of 16 dims)
+        return transformers.Phi3Config(**common, partial_rotary_factor=0.75, pad_token_id=0)
+    if model_type == "gemma3_text":  # a sliding and a full layer, two RoPE bases, query_pre_attn_scalar, tied
+        return transformers.Gemma3TextConfig(
+            **common, sliding_window=3, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        )
     # Layer 0 dense (Qwen3MoeMLP, patched), layer 1 sparse (Qwen3MoeExperts, left alone).
     return transformers.Qwen3MoeConfig(
         **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]
@@ -82,7 +94,7 @@ def _step(model, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_all_on_matches_all_off_and_reverts(model_type, device):
     model = _tiny_lora_model(model_type, device)
     table = PATCH_TABLES[model_type]
@@ -99,9 +111,12 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     norms = [m for m in model.modules() if isinstance(m, norm_classes)]
     mlps = [m for m in model.modules() if isinstance(m, mlp_classes)]
     loras = [m for m in model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
-    assert norms and mlps and loras
+    stock = dict(table.stock)  # pieces the table leaves to transformers (Gemma 3's norm and MLP)
+    assert loras and bool(norms) != ("rms_norm" in stock) and bool(mlps) != ("swiglu" in stock)
+    assert [line for line in applied if "stock" in line] == [f"{name}: stock ({why})" for name, why in stock.items()]
     assert all(m.forward.__func__ is _fused_rms_norm_forward for m in norms)
-    assert all(m.forward.__func__ is _fused_swiglu_mlp_forward for m in mlps)
+    fused_mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
+    assert all(m.forward.__func__ is fused_mlp for m in mlps)
     assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
     assert modeling.apply_rotary_pos_emb is _fused_apply_rotary_pos_emb
     logits_on, loss_on, grads_on = _step(model, device)
@@ -175,14 +190,17 @@ def test_applying_twice_replaces_the_first_patch():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_rejects_unknown_switches_and_architectures():
+def test_rejects_unknown_switches_and_runs_an_unknown_architecture_stock():
     model = _tiny_lora_model("llama", "cpu")
     with pytest.raises(ValueError, match="unknown kernel switches"):
         apply_kernels(model, {"rmsnorm": True})
     model.config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="no kernel patch table"):
-        apply_kernels(model, {"rms_norm": True})
-    assert apply_kernels(model, ALL_OFF) == []  # kernels=none works for any architecture
+    lines = apply_kernels(model, ALL_ON)
+    assert lines[0].startswith("lora: ") and lines[0].endswith(" x peft lora.Linear")
+    for line, name in zip(lines[1:], ["rms_norm", "swiglu", "rope"], strict=True):
+        assert line.startswith(f"{name}: stock (no patch table for model_type 'gpt2'; tables exist for ['gemma3_text', ")
+    assert not any("forward" in m.__dict__ for m in model.modules() if "RMSNorm" in type(m).__name__)
+    assert apply_kernels(model, ALL_OFF) == []
 
 
 @pytest.mark.parametrize("model_type", sorted(PATCH_TABLES))

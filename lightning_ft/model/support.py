@@ -1,0 +1,179 @@
+"""What of the hot path an architecture takes: packed rows and the chunked CE, checked on a tiny copy of it.
+
+Any causal LM transformers builds trains; what differs per architecture is whether two of our
+shortcuts compute what its own code computes:
+
+    packing   a packed row (documents side by side, ``position_ids`` restarting at 0, attention kept
+              inside each document by `lightning_ft.model.attention`) gives every document the
+              hidden states it gets alone. Not so where attention does not go through transformers'
+              attention-function registry (Bloom's ALiBi), where a layer carries state along the
+              row (Mamba, RWKV, hybrid SSM models), where the positions are not read from
+              ``position_ids``, or where the model does not pass our keyword down to attention.
+    lm head   the logits are ``lm_head(hidden)``, so the chunked linear cross-entropy may compute
+              the loss from the hidden states. Not so where the model's forward changes them
+              after the head (Gemma 2/3's final logit softcapping, Cohere's logit scale).
+
+`architecture_support` answers both from the real config: it builds a tiny copy of the
+architecture (`tiny_config`: the config's structure with small sizes, each distinct layer type
+kept, sliding windows shrunk to 2 tokens so they act on the probe) with random fp32 weights on the
+CPU, runs two documents packed and each alone, and compares with transformers' own eager
+implementation (atol 1e-5). A few hundred milliseconds, once per architecture and process. Where
+the tiny copy cannot be built, both answers are no: the model trains as transformers computes it.
+Without packing the rows run padded (`lightning_ft.data.packing.PackedBatch.padded_rows`) through
+the model's stock attention.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+__all__ = ["ArchitectureSupport", "architecture_support", "tiny_config"]
+
+# config fields shrunk for the probe, and their values: hidden 32, 2 heads (1 key/value head) of 16
+_TINY_SIZES = {
+    "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 48,
+    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "vocab_size": 64, "max_position_embeddings": 64,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+    "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "query_pre_attn_scalar": 16,
+    "global_head_dim": 16, "attention_chunk_size": 4,
+}  # fmt: skip
+_PROBE_WINDOW = 2  # sliding windows shorter than the probe's documents (3 and 4 tokens)
+_PROBE_DOCS = ((3, 7, 1), (5, 2, 9, 4))
+_ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    """Whether an architecture takes packed rows and the chunked CE; each ``None`` where it does, else why not."""
+
+    packing: str | None
+    plain_head: str | None
+
+
+def tiny_config(config: Any) -> Any:
+    """``config`` with small sizes (hidden 32, 2 heads of 16, vocab 64, 4 experts of top 2) and one layer per
+    distinct entry of its ``layer_types`` (2 layers without them), sliding windows of 2 tokens.
+
+    Only fields the config has are changed; the rest of its structure (activation, norms, biases,
+    RoPE type, tied embeddings, which layers are sparse or slide) is kept.
+
+    Raises:
+        Exception: what the config class raises for the shrunk values (e.g. an SSM's head count
+            that must divide its width).
+    """
+    values = config.to_dict()
+    values.pop("transformers_version", None)
+    aliases = getattr(type(config), "attribute_map", {})  # e.g. GPT-2's hidden_size -> n_embd
+    for key, value in _TINY_SIZES.items():
+        key = aliases.get(key, key)
+        if values.get(key) is not None:
+            values[key] = value
+    layer_types = values.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        values["layer_types"] = list(dict.fromkeys(layer_types))
+        if len(values["layer_types"]) == 1:
+            values["layer_types"] *= 2
+        values[aliases.get("num_hidden_layers", "num_hidden_layers")] = len(values["layer_types"])
+    elif values.get(layers := aliases.get("num_hidden_layers", "num_hidden_layers")) is not None:
+        values[layers] = 2
+    if values.get("sliding_window"):
+        values["sliding_window"] = _PROBE_WINDOW
+    values.pop("mlp_only_layers", None)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocabulary
+        if values.get(key) is not None:
+            values[key] = [0] if isinstance(values[key], list) else 0
+    return type(config)(**values)
+
+
+def architecture_support(config: Any) -> ArchitectureSupport:
+    """Whether packed rows and the chunked CE compute what transformers computes, for ``config``'s architecture.
+
+    Cached per config structure (sizes aside). See the module docstring for what is compared.
+    """
+    try:
+        tiny = tiny_config(config).to_dict()
+    except Exception as err:  # the config class's validation of the shrunk values
+        why = f"no tiny copy of {config.model_type} to check it on ({type(err).__name__}: {err})"
+        return ArchitectureSupport(why, why)
+    return _support(json.dumps(tiny, sort_keys=True, default=str), type(config))
+
+
+@lru_cache(maxsize=None)
+def _support(tiny_json: str, config_class: type) -> ArchitectureSupport:
+    tiny = json.loads(tiny_json)
+    tiny.pop("model_type", None)
+    return _probe(config_class(**tiny))
+
+
+def _probe(config: Any) -> ArchitectureSupport:
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.data.packing import collate_packed
+    from lightning_ft.model.attention import register_packed_attention
+
+    fork = torch.random.fork_rng(devices=[])
+    with fork, torch.no_grad(), torch.device("cpu"):
+        torch.manual_seed(0)
+        try:
+            stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+        except Exception as err:
+            why = f"the tiny copy of {config.model_type} does not build ({type(err).__name__}: {err})"
+            return ArchitectureSupport(why, why)
+        backbone = getattr(stock, stock.base_model_prefix)
+        docs = [torch.tensor([ids]) for ids in _PROBE_DOCS]
+        alone = [backbone(input_ids=ids, use_cache=False).last_hidden_state for ids in docs]
+        logits = [stock(input_ids=ids, use_cache=False).logits for ids in docs]
+        head = stock.get_output_embeddings()
+        plain = all(torch.allclose(head(h), out, atol=_ATOL, rtol=0) for h, out in zip(alone, logits))
+        plain_head = None if plain else "the model changes its logits after the LM head (e.g. logit softcapping or scaling)"
+        packing = _packing_differs(stock, alone, collate_packed([(d[0].tolist(),) * 2 for d in docs]), register_packed_attention())
+    return ArchitectureSupport(packing, plain_head)
+
+
+def _packing_differs(stock: torch.nn.Module, alone: list[torch.Tensor], batch: Any, attention: str) -> str | None:
+    """Why ``batch`` (the documents of ``alone``, packed) does not reproduce ``alone`` through our attention, or None."""
+    packed = copy.deepcopy(stock)
+    if not packed._supports_attention_backend:
+        return "its attention does not go through transformers' attention-function registry"
+    packed.set_attn_implementation(attention)
+    try:
+        hidden = getattr(packed, packed.base_model_prefix)(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
+        ).last_hidden_state
+    except Exception as err:
+        return f"its forward fails on a packed row ({type(err).__name__}: {err})"
+    if torch.allclose(hidden, torch.cat(alone, dim=1), atol=_ATOL, rtol=0):
+        return None
+    return "documents of a packed row see each other (state or positions carried along the row)"
+
+
+def fast_path_lines(model_type: str, support: ArchitectureSupport, kernels: dict[str, bool], applied: list[str]) -> list[str]:
+    """The start log: for ``model_type``, packing and each kernel switch, fused or stock (and why) or off.
+
+    Args:
+        support: `architecture_support` of the model.
+        kernels: the ``kernels`` config group.
+        applied: `lightning_ft.model.patching.apply_kernels`' lines ("<switch>: ...").
+    """
+    from lightning_ft.model.patching import KERNEL_KEYS
+
+    rows = "packed rows" if support.packing is None else f"stock, one document per padded row ({support.packing})"
+    lines = [f"{model_type} packing: {rows}"]
+    by_switch = {line.split(":", 1)[0]: line for line in applied}
+    for name in KERNEL_KEYS:
+        if not kernels.get(name, False):
+            lines.append(f"{model_type} kernel {name}: off (kernels.{name}=false)")
+        elif name in by_switch:
+            lines.append(f"{model_type} kernel {by_switch[name]}")
+        elif support.plain_head is None:  # fused_linear_cross_entropy, read by the LightningModule
+            lines.append(f"{model_type} kernel {name}: chunked over the vocabulary (no [T, vocab] logits)")
+        else:
+            lines.append(f"{model_type} kernel {name}: stock ({support.plain_head})")
+    return lines

@@ -1,0 +1,61 @@
+"""`lightning_ft.model.support`: which architectures take packed rows and the chunked CE, and the start log."""
+
+import re
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.model.patching import KERNEL_KEYS
+from lightning_ft.model.support import architecture_support, tiny_config
+
+
+@pytest.mark.parametrize(
+    ("model_type", "packing", "plain_head"),
+    [
+        ("mistral", None, None),
+        ("gpt2", None, None),  # learned absolute positions, read from position_ids
+        ("bloom", "its attention does not go through transformers' attention-function registry", None),
+        ("mamba", "its attention does not go through transformers' attention-function registry", None),
+        ("gemma2", r"its forward fails on a packed row \(ValueError: .*\['softcap'\] not supported", "the model changes its logits"),
+        ("cohere", None, "the model changes its logits after the LM head"),
+    ],
+)
+def test_each_architecture_is_checked_on_a_tiny_copy(model_type, packing, plain_head):
+    support = architecture_support(AutoConfig.for_model(model_type))
+    for got, expected in ((support.packing, packing), (support.plain_head, plain_head)):
+        assert got is None if expected is None else got is not None and re.match(expected, got)
+
+
+def test_a_tiny_config_keeps_the_structure():
+    big = AutoConfig.for_model("gemma3_text", sliding_window=4096, layer_types=["sliding_attention"] * 5 + ["full_attention"], num_hidden_layers=6)
+    tiny = tiny_config(big)
+    assert (tiny.hidden_size, tiny.num_hidden_layers, tiny.vocab_size, tiny.sliding_window) == (32, 2, 64, 2)
+    assert tiny.layer_types == ["sliding_attention", "full_attention"]
+    assert tiny.hidden_activation == big.hidden_activation and tiny.tie_word_embeddings == big.tie_word_embeddings
+    assert tiny_config(AutoConfig.for_model("gpt2")).n_embd == 32  # through attribute_map
+
+
+def test_a_config_whose_tiny_copy_cannot_be_built_trains_stock():
+    config = AutoConfig.for_model("bamba")  # mamba_n_heads must divide mamba_expand * hidden_size
+    support = architecture_support(config)
+    assert support.packing.startswith("no tiny copy of bamba to check it on") and support.plain_head == support.packing
+
+
+def test_the_start_log_lists_every_piece_for_an_architecture_without_a_table(caplog):
+    """kernels=all on an unknown model_type builds: the fused pieces that apply, the stock ones and why."""
+    model = {"init": "random", "config": {**tiny_config(AutoConfig.for_model("bloom")).to_dict(), "model_type": "bloom"}}
+    kernels = dict.fromkeys(KERNEL_KEYS, True) | {"rope": False}
+    with caplog.at_level("INFO"), pytest.warns(UserWarning, match=r"bloom: one document per padded row, not packed rows \(its attention"):
+        built = ModelBuilder(model=model, lora={"rank": 2, "alpha": 4, "dropout": 0.0, "target_modules": "all-linear"}, kernels=kernels)(torch.device("cpu"))
+    assert not built.packed and built.plain_head and built.fused_linear_cross_entropy
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bloom ")]
+    why = "no patch table for model_type 'bloom'"
+    assert lines[0].startswith("bloom packing: stock, one document per padded row (its attention does not go through")
+    assert lines[1].startswith(f"bloom kernel rms_norm: stock ({why}")
+    assert lines[2] == "bloom kernel rope: off (kernels.rope=false)"
+    assert lines[3].startswith(f"bloom kernel swiglu: stock ({why}")
+    assert lines[4].startswith("bloom kernel lora: ") and lines[4].endswith(" x peft lora.Linear")
+    assert lines[5] == "bloom kernel fused_linear_cross_entropy: chunked over the vocabulary (no [T, vocab] logits)"
+    assert len(lines) == 6
