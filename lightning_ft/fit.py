@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_ft.atomic import out_of_space
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.hydra_record import HydraRecord
 from lightning_ft.callbacks.summary import RunSummary
@@ -33,6 +34,7 @@ from lightning_ft.run_dir import (
     check_new_run_dir,
     check_resumed_config,
     checkpoint_dirs,
+    exported,
     finished_at,
     first_process,
     keep_previous_metrics,
@@ -264,8 +266,8 @@ def _train(
         check_last_checkpoint(callbacks)
     if cfg.ckpt_path:
         finished = finished_at(cfg.ckpt_path, callbacks, trainer_kwargs)
-        if finished is not None:  # a scheduler re-running a finished job: a success that changes nothing
-            checkpoint, reached = finished
+        if finished is not None and exported(run_dir, finished[2]):  # a scheduler re-running a finished job
+            checkpoint, reached, _ = finished
             log.warning(
                 "ckpt_path=%s: %s %s: the run is finished, nothing is trained and the run folder is left as it was; "
                 "to train on, resume with a larger %s",
@@ -273,10 +275,13 @@ def _train(
             )
             summary_file = run_dir / "summary.json"
             return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+        if finished is not None:  # trained to the end, stopped while exporting: RunSummary.on_fit_end exports
+            log.warning("ckpt_path=%s: %s %s, but the run's adapter and summary were not written: nothing is trained, "
+                        "they are exported from the checkpoint", cfg.ckpt_path, finished[0], " and ".join(finished[1].values()))
         keep_previous_metrics(run_dir)
-        if first_process():
-            for partial in remove_partial_checkpoints(checkpoint_dirs(callbacks)):
-                log.info("resume: removed %s, a checkpoint write the interrupted run did not finish", partial)
+    if first_process():
+        for partial in remove_partial_checkpoints(checkpoint_dirs(callbacks)):
+            log.info("removed %s, a checkpoint write the interrupted run did not finish", partial)
     _check_strategy(trainer_kwargs.get("strategy"), cfg.eval.generate)
     try:
         trainer = L.Trainer(
@@ -304,6 +309,14 @@ def _train(
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
         raise TrainingStopped(stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
+    except Exception as err:
+        full = out_of_space(err)
+        if full is None:
+            raise
+        # every write here is atomic (checkpoints, adapter, summary): what was written before is whole
+        what = f"a write that found no room ({full.filename or 'a file'}: {os.strerror(full.errno)})"
+        raise TrainingStopped(stopped_message(trainer, summary, run_dir, what)
+                              + "; free disk space first (the checkpoints and the adapter written before are intact)") from err
     except SystemExit as err:
         if not trainer.interrupted:
             raise

@@ -23,6 +23,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
+from lightning_ft.atomic import PARTIAL_SUFFIX
 from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,17 @@ def check_new_run_dir(run_dir: Path, resumed_from: str | None = None) -> None:
     checkpoint outside ``run_dir`` (``resumed_from``, another run's) is a new run in this folder:
     checked the same way (its step checkpoints would rotate this folder's out).
 
+    Unfinished checkpoint writes (``*.tmp``: a run killed before its first checkpoint was whole)
+    do not count either.
+
     Raises:
-        ValueError: ``run_dir`` holds ``summary.json`` of a run that trained, or files under ``checkpoints/``.
+        ValueError: ``run_dir`` holds ``summary.json`` of a run that trained, or checkpoints under ``checkpoints/``.
     """
     if not first_process():
         return
     found = [p.name for p in (run_dir / "summary.json",) if p.exists() and not _never_trained(p)]
     checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if checkpoints.is_dir() and any(not p.name.endswith(PARTIAL_SUFFIX) for p in checkpoints.iterdir()):
         found.append("checkpoints/")
     if found and resumed_from:
         raise ValueError(
@@ -110,9 +114,18 @@ def stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: 
             f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written yet "
             "(Ctrl-C saves none; they are written every callbacks.checkpoint.every_n_train_steps steps, and on SIGTERM)"
         )
-    saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", None)
+    saved = checkpoint_step(last)  # not the callback's own count: a resumed process starts it at 0
     at = f" (step {saved}: steps after it run again)" if saved is not None and saved < trainer.global_step else ""
     return f"training stopped at step {trainer.global_step} by {by}; resume from {last}{at} with: {resume_command(run_dir)}"
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The ``global_step`` of the Lightning checkpoint at ``path``; None for a file that does not read as one."""
+    try:  # mmap: the weights and optimizer state are not read
+        step = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("global_step")
+    except Exception:  # noqa: BLE001 - a missing or unreadable file: no step to name
+        return None
+    return step if isinstance(step, int) else None
 
 
 def resume_command(run_dir: Path) -> str:
@@ -181,8 +194,8 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if old == new else [(prefix, old, new)]
 
 
-def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str]] | None:
-    """(checkpoint file, {limit: how it is reached}) when the checkpoint ``ckpt_path`` resumes from (for
+def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str], int] | None:
+    """(checkpoint file, {limit: how it is reached}, its global step) when the checkpoint ``ckpt_path`` resumes from (for
     ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``trainer.max_steps`` or
     ``trainer.max_epochs`` already (Lightning stops at whichever comes first), where Lightning would
     train nothing; None otherwise, and for a file that does not read as a checkpoint (Lightning's own
@@ -213,7 +226,19 @@ def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, 
     epochs = _epochs_done(state)
     if max_epochs != -1 and epochs is not None and epochs >= max_epochs:
         reached["trainer.max_epochs"] = f"has finished {epochs} epochs and trainer.max_epochs={max_epochs}"
-    return (checkpoint, reached) if reached else None
+    return (checkpoint, reached, step) if reached else None
+
+
+def exported(run_dir: Path, step: int) -> bool:
+    """Whether ``run_dir`` holds the export of a run that finished at optimizer step ``step``: ``adapter/`` and a
+    ``summary.json`` saying ``completed`` after ``step`` steps (written last, `RunSummary`). False when the run was
+    killed while exporting, or the summary is of an earlier, shorter run in the folder."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (run_dir / "adapter").is_dir() and isinstance(summary, dict) and summary.get("status") == "completed" \
+        and summary.get("steps") == step
 
 
 def _epochs_done(checkpoint: dict[str, Any]) -> int | None:

@@ -374,3 +374,26 @@ def test_micro_benchmark_results_become_rows_of_their_own_table_and_a_report_sec
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## kernels" in text and "| rms_norm | fwd | 16384x4096 bf16 | `ours` | 0.043 | 10.37× | 6,242 | 2026-11-29 (abc1234) |" in text
     assert "## moe" in text and "## attention" in text
+
+
+def test_fault_drill_rows_become_a_report_section_and_refuse_other_columns(tmp_path):
+    from lightning_ft.bench.report import main
+    from lightning_ft.bench.table import DRILL, TableError, append_rows, read_rows
+
+    row = {"table": "fault_drill", "run": "2026-12-05T08:30Z", "date": "2026-12-05 08:30", "commit": "abc1234",
+           "machine": "AMD EPYC, 2 cores", "steps": 20, "seed": 0, "kills": 20, "kills_step": 7, "kills_checkpoint": 7,
+           "kills_export": 6, "partial_writes_left": 14, "restarted": 1, "resumed": 20, "equal_losses": 20, "equal_adapter": 20,
+           "unreadable": 0, "max_loss_diff": 0.0, "max_adapter_diff": 0.0, "wall_s": 251.4,
+           "command": "python benchmarks/fault_drill.py --kills 20 --seed 0", "torch": "2.13.0"}
+    drills = tmp_path / "drills.csv"
+    append_rows(drills, [row], DRILL)
+    assert read_rows(drills, DRILL)[0]["max_loss_diff"] == 0.0
+    with pytest.raises(TableError, match=r"unknown columns \['gpu'\]"):
+        append_rows(drills, [{**row, "gpu": "x"}], DRILL)
+    append_rows(tmp_path / "results.csv", [_table_row()])
+    main(["--table", str(tmp_path / "results.csv"), "--out", str(tmp_path / "RESULTS.md")])  # drills.csv beside the table
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "[fault-drills](#fault-drills)" in text and "# Fault drills" in text
+    assert ("| 20 (7 / 7 / 6) | 14 | 20/20 | 20/20 | 20/20 | 0 | 0, 0 | 20 | 251 | AMD EPYC, 2 cores | 2026-12-05 (abc1234) |"
+            in text)
+    assert "- `python benchmarks/fault_drill.py --kills 20 --seed 0` (2026-12-05, abc1234)" in text

@@ -6,8 +6,8 @@ For each table (the ``table`` column, one per bench preset) the report shows the
 peer that did not run in that run gives no ratio. The table's text is the leading comment of its
 preset (``configs/bench/<table>.yaml``); the plot (tokens/s and peak memory against the length)
 goes to ``<plots>/<table>.png``. The micro-benchmarks' table (``micro.csv``) follows, one section per
-script with the latest row of each (op, mode, shape, provider). The same table files give the same
-RESULTS.md and PNGs.
+script with the latest row of each (op, mode, shape, provider), then the fault drills (``drills.csv``),
+every row. The same table files give the same RESULTS.md and PNGs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lightning_ft.bench.table import COLUMNS, MICRO, MICRO_COMMANDS, read_rows
+from lightning_ft.bench.table import COLUMNS, DRILL, MICRO, MICRO_COMMANDS, read_rows
 
 #: the order of the sections (tables not listed follow, by name)
 TABLE_ORDER = ("qwen3_moe", "qwen3_moe_long", "unsloth_qwen3_moe", "llama8b", "unsloth_llama8b")
@@ -206,8 +206,39 @@ def micro_sections(rows: list[dict[str, Any]]) -> list[str]:
     return parts
 
 
-def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[dict[str, Any]] | None = None) -> str:
-    """RESULTS.md's text for the table's ``rows``; writes one plot per table into ``plots_dir``."""
+DRILL_TEXT = """\
+The main job (the built-in CPU default, bounded by `trainer.max_steps`, a checkpoint after every step,
+LoRA dropout on) killed with SIGKILL at random points, in turn inside an optimizer step, while a
+checkpoint file was being written and while the adapter was being exported, then resumed with
+`ckpt_path=last` (run again when it was killed before its first checkpoint). Each resumed run is
+compared with one never killed: its per-step losses and adapter weights bitwise, and every checkpoint
+and adapter file it leaves loaded, after the kill and after the resume. *Mid-write* counts the kills
+that left an unfinished temporary file behind (a write the kill landed in). See
+`benchmarks/fault_drill.py`."""
+
+
+def drill_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The fault drills' section: every row of the drills table (``drills.csv``), in date order."""
+    head = ["kills (step / checkpoint / export)", "mid-write", "resumed", "losses equal", "adapter equal", "unreadable files",
+            "max diff (loss, weight)", "steps", "wall s", "machine", "run (commit)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("machine", "run (commit)") else "---:" for h in head) + "|"]
+    for r in sorted(rows, key=lambda r: r["date"]):
+        n = r["kills"]
+        cells = [f"{n} ({r['kills_step']} / {r['kills_checkpoint']} / {r['kills_export']})", _num(r["partial_writes_left"], "d"),
+                 f"{r['resumed']}/{n}", f"{r['equal_losses']}/{n}", f"{r['equal_adapter']}/{n}", _num(r["unreadable"], "d"),
+                 f"{_num(r['max_loss_diff'], '.3g')}, {_num(r['max_adapter_diff'], '.3g')}", _num(r["steps"], "d"),
+                 _num(r["wall_s"], ".0f"), r["machine"], f"{r['date'][:10]} ({r['commit']})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    commands = list(dict.fromkeys((r["command"], r["date"][:10], r["commit"]) for r in rows))
+    return ["# Fault drills", "", DRILL_TEXT, "",
+            "Reproduce: `python benchmarks/fault_drill.py --kills 20 --seed 0 --record benchmarks/drills.csv`", "", *lines, "",
+            "Measured with:", "", *[f"- `{c}` ({d}, {commit})" for c, d, commit in commands], ""]
+
+
+def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[dict[str, Any]] | None = None,
+           drills: list[dict[str, Any]] | None = None) -> str:
+    """RESULTS.md's text for the table's ``rows`` (then the ``micro`` and ``drills`` tables' rows); writes one plot per
+    table into ``plots_dir``."""
     by_table: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         if r["table"]:
@@ -222,7 +253,7 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
     parts += [f"[results.csv](results.csv) holds {len(rows)} rows of {len({r['run'] for r in rows})} runs; "
               f"{history} older or unassigned rows are not shown here.", ""]
     micro = micro or []
-    links = order + [b for b in MICRO_SECTIONS if any(r["table"] == b for r in micro)]
+    links = order + [b for b in MICRO_SECTIONS if any(r["table"] == b for r in micro)] + (["fault-drills"] if drills else [])
     parts += ["Tables: " + ", ".join(f"[{t}](#{t})" for t in links), ""] if links else []
     for table in order:
         table_rows = shown[table]
@@ -248,6 +279,8 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
     if micro:
         parts += ["# Micro-benchmarks", "", "Single ops and blocks, timed alone on the GPU, from [micro.csv](micro.csv).", ""]
         parts += micro_sections(micro)
+    if drills:
+        parts += drill_section(drills)
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -263,8 +296,23 @@ def parser() -> argparse.ArgumentParser:
         description="Regenerate RESULTS.md and its plots from the bench results table (benchmarks/results.csv): one "
                     "section per table (bench preset) with the latest row of each (system, layers, seq_len), the ratios "
                     "against the peers of the same run, the settings, the commands that measured them and a plot; "
-                    "then the micro-benchmarks (benchmarks/micro.csv) by script.",
+                    "then the micro-benchmarks (benchmarks/micro.csv) by script and the fault drills (benchmarks/drills.csv).",
     )
+
+
+def _side_table(p: argparse.ArgumentParser, given: str | None, beside: Path, schema: Any, what: str) -> list[dict[str, Any]]:
+    """The rows of a table given by its option (an error if missing) or found ``beside`` the results table (none if missing)."""
+    from lightning_ft.bench.table import TableError
+
+    path = Path(given) if given else beside
+    if not path.exists():
+        if given:
+            p.error(f"no {what} table at {path}")
+        return []
+    try:
+        return read_rows(path, schema)
+    except TableError as err:
+        p.error(str(err))
 
 
 def main(argv: list[str]) -> int:
@@ -275,6 +323,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plots", default=None, help="folder of the PNG plots (default: plots/ beside --out)")
     p.add_argument("--micro", default=None,
                    help="the micro-benchmarks' table (default: micro.csv beside --table, when it exists)")
+    p.add_argument("--drills", default=None, help="the fault drills' table (default: drills.csv beside --table, when it exists)")
     args = p.parse_args(argv)
     table, out = Path(args.table), Path(args.out)
     if not table.exists():
@@ -286,17 +335,10 @@ def main(argv: list[str]) -> int:
         rows = read_rows(table)
     except TableError as err:
         p.error(str(err))
-    micro_path = Path(args.micro) if args.micro else table.parent / "micro.csv"
-    micro = []
-    if micro_path.exists():
-        try:
-            micro = read_rows(micro_path, MICRO)
-        except TableError as err:
-            p.error(str(err))
-    elif args.micro:
-        p.error(f"no micro-benchmark table at {micro_path}")
+    micro = _side_table(p, args.micro, table.parent / "micro.csv", MICRO, "micro-benchmark")
+    drills = _side_table(p, args.drills, table.parent / "drills.csv", DRILL, "fault drill")
     plots = Path(args.plots) if args.plots else out.parent / "plots"
-    text = render(rows, plots, out, micro)
+    text = render(rows, plots, out, micro, drills)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out} and {len({r['table'] for r in rows if r['table']})} plots in {plots}")

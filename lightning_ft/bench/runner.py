@@ -23,11 +23,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from lightning_ft.atomic import write_json_atomic
 from lightning_ft.bench import table as results_table
 from lightning_ft.bench.report import finish_plot
 from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
-from lightning_ft.callbacks.summary import allocator_settings, write_json_atomic
+from lightning_ft.callbacks.summary import allocator_settings
 from lightning_ft.config import command_schema, key_hint
 
 log = logging.getLogger(__name__)

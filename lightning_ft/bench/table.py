@@ -5,6 +5,8 @@
 - `MICRO` (``benchmarks/micro.csv``): one row per (op, mode, shape, provider) of the micro-benchmarks
   ``benchmarks/kernels_bench.py``, ``moe_bench.py`` and ``attention_bench.py`` (``--record PATH``;
   `micro_rows` turns a script's JSON result into rows).
+- `DRILL` (``benchmarks/drills.csv``): one row per run of the fault drill ``benchmarks/fault_drill.py``
+  (``--record PATH``): runs killed with SIGKILL and resumed, against a run never killed.
 
 ``python -m lightning_ft bench report`` regenerates ``benchmarks/RESULTS.md`` and its plots from them
 (`lightning_ft.bench.report`). The schemas live here and nowhere else: each `Schema` has its columns
@@ -91,6 +93,35 @@ MICRO_COLUMNS: tuple[tuple[str, type, str], ...] = (
 )
 
 
+DRILL_COLUMNS: tuple[tuple[str, type, str], ...] = (
+    ("table", str, "fault_drill"),
+    ("run", str, "the drill's id (its UTC start time)"),
+    ("date", str, "the drill's UTC start, YYYY-MM-DD HH:MM"),
+    ("commit", str, "git commit of the code drilled (as in the step table)"),
+    ("machine", str, "the CPU's name and the cores the drill could use"),
+    ("steps", int, "trainer.max_steps of the drilled run (a checkpoint after every step)"),
+    ("seed", int, "the seed that picked the kill points"),
+    ("kills", int, "runs killed with SIGKILL (each then resumed)"),
+    ("kills_step", int, "kills at a random time inside an optimizer step"),
+    ("kills_checkpoint", int, "kills while a checkpoint's temporary file was being written"),
+    ("kills_export", int, "kills while the adapter was being exported"),
+    ("partial_writes_left", int, "kills that left an unfinished temporary file (*.tmp): landed mid-write"),
+    ("restarted", int, "kills before the first checkpoint: run again from the start, not resumed"),
+    ("resumed", int, "resumed (or restarted) runs that completed"),
+    ("equal_losses", int, "runs whose per-step losses are bitwise those of the run never killed"),
+    ("equal_adapter", int, "runs whose adapter weights are bitwise those of the run never killed"),
+    ("unreadable", int, "checkpoints or adapter files that did not load, after a kill or after its resume"),
+    ("max_loss_diff", float, "largest per-step loss difference from the run never killed"),
+    ("max_adapter_diff", float, "largest adapter weight difference from the run never killed"),
+    ("wall_s", float, "the drill's wall time (s)"),
+    ("command", str, "the drill's command line (output paths left out)"),
+    ("torch", str, "version"),
+    ("transformers", str, "version"),
+    ("peft", str, "version"),
+    ("lightning", str, "version"),
+)
+
+
 @dataclass(frozen=True)
 class Schema:
     """A table's columns (name, type, meaning), the columns an appended row must fill, and its version."""
@@ -111,12 +142,15 @@ class Schema:
 
 STEP = Schema("step", SCHEMA_VERSION, COLUMNS, REQUIRED)
 MICRO = Schema("micro", 1, MICRO_COLUMNS, ("table", "run", "date", "commit", "gpu", "op", "mode", "shape", "provider"))
+DRILL = Schema("drill", 1, DRILL_COLUMNS, ("table", "run", "date", "commit", "machine", "kills", "resumed"))
 #: the distributions whose versions are recorded, and their columns
 VERSIONED = {"torch": "torch", "triton": "triton", "transformers": "transformers", "peft": "peft", "lightning": "lightning",
              "liger-kernel": "liger_kernel", "unsloth": "unsloth", "unsloth-zoo": "unsloth_zoo"}
 #: decimals written per float column (rounded so that the file reads and diffs well); 3 for the others
 _DIGITS = {"mfu": 4, "loss_last": 4, "tokens_per_s": 1, "tflops_per_s": 2, "peak_bf16_tflops": 1, "gbps": 1, "tflops": 2,
            "peak_mib": 1, "ms": 4}
+#: float columns written with 3 significant digits (differences that may be tiny, zero or inf)
+_SIGNIFICANT = ("max_loss_diff", "max_adapter_diff")
 
 
 class TableError(ValueError):
@@ -143,7 +177,7 @@ def _cell(name: str, value: Any, schema: Schema) -> str:
         return ""
     kind = schema.types[name]
     if kind is float:
-        return f"{float(value):.{_DIGITS.get(name, 3)}f}"
+        return f"{float(value):.3g}" if name in _SIGNIFICANT else f"{float(value):.{_DIGITS.get(name, 3)}f}"
     if kind is int:
         return str(int(value))
     return " ".join(str(value).split())  # one line per row
@@ -292,7 +326,7 @@ def settings_text(config: dict[str, Any], system: str) -> str:
 #: command-line items left out of the recorded command: where the output went, not what was measured
 _OUTPUT_KEYS = ("hydra.run.dir=", "out_dir=", "results_table=", "timeout_s=")
 #: the same for the micro-benchmark scripts: flags followed by a path
-_OUTPUT_FLAGS = ("--out", "--record", "--data")
+_OUTPUT_FLAGS = ("--out", "--record", "--data", "--work")
 
 
 def command_text(command: str) -> str:

@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from typing_extensions import override
 
-from lightning_ft.callbacks.summary import write_text_atomic
+from lightning_ft.atomic import write_text_atomic
 
 SUBDIR = ".hydra"  # Hydra's default hydra.output_subdir
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -16,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_ft.atomic import atomic_file, atomic_folder, out_of_space, recover_folder, write_json_atomic
 from lightning_ft.callbacks.throughput import TokenThroughput
 from lightning_ft.errors import TrainingStopped
 from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
@@ -39,20 +39,8 @@ def allocator_settings() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PYTORCH_") and k.endswith("ALLOC_CONF")}
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file and a rename: never half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename."""
-    write_text_atomic(path, json.dumps(payload, indent=2, default=str) + "\n")
-
-
 def plot_loss_curve(losses: list[float | None], path: Path, title: str = "training loss") -> None:
-    """Save a PNG of the per-step training loss (None: a skipped step, left as a gap)."""
+    """Save a PNG of the per-step training loss (None: a skipped step, left as a gap), whole or not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +53,8 @@ def plot_loss_curve(losses: list[float | None], path: Path, title: str = "traini
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 
@@ -75,8 +64,11 @@ class RunSummary(L.Callback):
     - ``adapter/``: the PEFT adapter (``save_pretrained``; loads with ``PeftModel.from_pretrained``)
       or, for full fine-tuning, the whole model; plus the tokenizer. Not written when training
       stopped on an error. Under FSDP2 the weights are first gathered to rank 0, which writes them.
-    - ``summary.json``: ``status`` (``completed``; ``stopped`` by SIGTERM, Ctrl-C or one of our checks
-      (`TrainingStopped`); ``failed`` on any other error; the last two with ``error``),
+      Written into ``adapter.tmp/`` and swapped in whole (`lightning_ft.atomic.atomic_folder`): a
+      crash or a full disk leaves the previous ``adapter/`` (if any) as it was.
+    - ``summary.json``: ``status`` (``completed``; ``stopped`` by SIGTERM, Ctrl-C, one of our checks
+      (`TrainingStopped`) or a write that found no room (`lightning_ft.atomic.out_of_space`); ``failed``
+      on any other error; the last two with ``error``),
       ``initial_loss``, ``final_loss`` (first and last optimizer step that was not skipped),
       ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
       (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
@@ -92,6 +84,14 @@ class RunSummary(L.Callback):
 
     - ``config.json`` (``run_config``), when training starts (after the checkpoint of a resume is
       restored).
+
+    Each file is written whole or not at all (`lightning_ft.atomic`), ``summary.json`` last: a
+    ``completed`` summary says the adapter and the plot are there. On an error a summary that cannot
+    be written (a full disk) is logged, not raised over the error.
+
+    A resume of a run whose training finished but whose export did not (killed while writing the
+    adapter) trains nothing: Lightning then calls no ``on_train_*`` hook, and the export is done in
+    ``on_fit_end`` from the restored checkpoint (``tokens_per_s`` and the peaks are then unknown).
 
     A resumed run that fails before training starts (a checkpoint that does not load) leaves the
     interrupted run's ``summary.json`` and ``config.json`` as they were: the error is the CLI's message.
@@ -139,6 +139,14 @@ class RunSummary(L.Callback):
         self._write(trainer, pl_module, state_dict=gathered)
 
     @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._started or trainer.global_step == 0:
+            return
+        # a resume from a checkpoint whose training was done: Lightning ran no batch and no on_train_* hook
+        log.info("training was finished at step %d: exporting the adapter and the summary", trainer.global_step)
+        self._write(trainer, pl_module, state_dict=gather_state_dict(pl_module.model, trainable_only=hasattr(pl_module.model, "peft_config")))
+
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if trainer.state.fn != "fit":
             return
@@ -163,10 +171,13 @@ class RunSummary(L.Callback):
         adapter_dir = self.run_dir / "adapter"
         datamodule = trainer.datamodule
         if error is None:
-            # state_dict: the full weights gathered from FSDP2 shards (None: the model's own)
-            pl_module.model.save_pretrained(adapter_dir, **({} if state_dict is None else {"state_dict": state_dict}))
-            if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
-                datamodule.tokenizer.save_pretrained(adapter_dir)
+            with atomic_folder(adapter_dir) as tmp:
+                # state_dict: the full weights gathered from FSDP2 shards (None: the model's own)
+                pl_module.model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
+                if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
+                    datamodule.tokenizer.save_pretrained(tmp)
+        else:
+            recover_folder(adapter_dir)  # an export a crash interrupted: the previous adapter back in place
         throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
         losses = pl_module.step_losses
         trained = [x for x in losses if x is not None]
@@ -219,16 +230,26 @@ class RunSummary(L.Callback):
                 "their reloads were prefetched",
                 graphs["offloaded_inputs"], graphs["offloaded_bytes"] / 2**30, graphs["prefetched_loads"],
             )
-        write_json_atomic(self.run_dir / "summary.json", self.summary)
+        if error is not None:  # a full disk must not hide the error that stopped the run
+            try:
+                self._write_files(losses)
+            except OSError as err:
+                log.warning("could not write the run's summary: %s", err)
+            return
+        self._write_files(losses)
+
+    def _write_files(self, losses: list[float | None]) -> None:
         if losses:
             plot_loss_curve(losses, self.run_dir / "loss_curve.png")
+        write_json_atomic(self.run_dir / "summary.json", self.summary)  # last: a completed summary means all is there
         log.info("summary: %s", self.run_dir / "summary.json")
 
 
 def _status(error: BaseException | None) -> str:
     if error is None:
         return "completed"
-    return "stopped" if isinstance(error, (KeyboardInterrupt, SIGTERMException, TrainingStopped)) else "failed"
+    stopped = isinstance(error, (KeyboardInterrupt, SIGTERMException, TrainingStopped)) or out_of_space(error) is not None
+    return "stopped" if stopped else "failed"
 
 
 def _describe(error: BaseException) -> str:

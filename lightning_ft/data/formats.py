@@ -94,8 +94,8 @@ def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[d
         split: the split to read from a dataset name.
 
     Raises:
-        ValueError: malformed JSON or text that is not UTF-8 (names the file and line), an
-            unreadable file, or no rows.
+        ValueError: malformed JSON or text that is not UTF-8 (names the file and line, and says
+            when the file is cut short), an unreadable (corrupt) file, or no rows.
         FileNotFoundError: ``path`` looks like a local file and does not exist.
     """
     import datasets
@@ -113,7 +113,8 @@ def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[d
             try:
                 rows = datasets.load_dataset(_FILE_TYPES[suffix], data_files=str(local), split="train").to_list()
             except Exception as err:  # datasets wraps parser errors in its own types (no position)
-                raise ValueError(f"{local}: could not read it as {suffix} ({err})") from err
+                reason = " ".join(str(err).split())  # pyarrow's messages can end in a newline
+                raise ValueError(f"{local}: could not read it as {suffix} ({reason}); is it corrupt or truncated?") from err
     else:
         try:
             rows = datasets.load_dataset(path, split=split).to_list()
@@ -127,29 +128,48 @@ def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[d
     return rows
 
 
-def _decode(path: Path, raw: bytes, first_line: int = 1) -> str:
-    """``raw`` as UTF-8 text (a leading byte-order mark dropped); a ValueError naming ``path:line`` otherwise."""
+_TRUNCATED = "the file ends inside this {}: it is truncated (cut short while being written or copied)"
+
+
+def _decode(path: Path, raw: bytes, first_line: int = 1, at_end: bool = True) -> str:
+    """``raw`` as UTF-8 text (a leading byte-order mark dropped); a ValueError naming ``path:line`` otherwise
+    (``at_end``: ``raw`` runs to the end of the file, where a character cut short means a truncated file)."""
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = first_line + raw.count(b"\n", 0, err.start)
+        if at_end and err.reason == "unexpected end of data":
+            raise ValueError(f"{path}:{line}: {_TRUNCATED.format('UTF-8 character')}") from None
         raise ValueError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as UTF-8"
         ) from None
 
 
+def _json_error(err: json.JSONDecodeError) -> str:
+    """``err``'s message and column, e.g. "Expecting ',' delimiter at column 12"."""
+    return f"{err.msg}{'' if err.msg.endswith(' at') else ' at'} column {err.colno}"
+
+
+def _ran_out(err: json.JSONDecodeError, text: str) -> bool:
+    """Whether the JSON ``text`` ends before its value does (a truncated file), rather than holding a wrong character."""
+    return err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
+
+
 def _read_json_lines(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSON Lines file; a ValueError naming ``path:line`` for the first line that is not a JSON object."""
+    """The rows of a JSON Lines file; a ValueError naming ``path:line`` for the first line that is not a JSON
+    object (and saying so when it is the last line, cut short: a truncated file)."""
     rows = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            line = _decode(path, raw, lineno)
+            last = not raw.endswith(b"\n")  # only a file's last line can lack its newline
+            line = _decode(path, raw, lineno, at_end=last)
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+                cut = "; " + _TRUNCATED.format("line") if last and _ran_out(err, line) else ""
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({_json_error(err)}){cut}") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
             rows.append(row)
@@ -165,7 +185,8 @@ def _read_json(path: Path) -> list[dict[str, Any]] | None:
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):  # JSON Lines in a .json file
             return _read_json_lines(path)
-        raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+        cut = "; " + _TRUNCATED.format("array") if _ran_out(err, text) else ""
+        raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}){cut}") from None
     if not isinstance(data, list):
         return None
     for i, row in enumerate(data):

@@ -137,3 +137,35 @@ def test_reads_jsonl_and_parquet(tmp_path):
 
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     assert read_rows(str(tmp_path / "d.parquet")) == rows
+
+
+_CUT = r"the file ends inside this {}: it is truncated \(cut short while being written or copied\)"
+
+
+@pytest.mark.parametrize(
+    "name, data, error",
+    [
+        ("cut.jsonl", b'{"text": "ok"}\n{"text": "brok', r"cut.jsonl:2: not valid JSON \(Unterminated string starting at column 10\); " + _CUT.format("line")),
+        ("cut.jsonl", b'{"text": "ok"}\n{"text": "ok"', r"cut.jsonl:2: not valid JSON \(Expecting ',' delimiter at column 14\); " + _CUT.format("line")),
+        ("cut.jsonl", b'{"text": "ok"}\n{"text": "caf\xc3', r"cut.jsonl:2: " + _CUT.format("UTF-8 character")),  # inside a 2-byte é
+        ("cut.json", b'[{"text": "a"},\n {"text": "b', r"cut.json:2:11: not valid JSON \(Unterminated string starting at\); " + _CUT.format("array")),
+        # not cut short: a wrong character in the middle is not called truncated
+        ("bad.jsonl", b'{"text": "ok"}}\n{"text": "b"}\n', r"bad.jsonl:1: not valid JSON \(Extra data at column 15\)$"),
+    ],
+)
+def test_a_truncated_file_is_named_with_its_line_and_called_truncated(tmp_path, name, data, error):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=error):
+        read_rows(str(tmp_path / name))
+
+
+def test_a_corrupt_or_truncated_parquet_file_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"text": "x" * 40}] * 50), tmp_path / "d.parquet")
+    data = (tmp_path / "d.parquet").read_bytes()
+    for corrupt in (data[: len(data) // 2], data[:8] + bytes(len(data) - 16) + data[-8:]):
+        (tmp_path / "bad.parquet").write_bytes(corrupt)
+        with pytest.raises(ValueError, match=r"bad.parquet: could not read it as .parquet \(.*\); is it corrupt or truncated\?"):
+            read_rows(str(tmp_path / "bad.parquet"))
