@@ -390,12 +390,16 @@ class PackedDataModule(L.LightningDataModule):
         world_size = self.trainer.world_size if self.trainer is not None else 1
         return world_size * self.accumulate_grad_batches
 
-    def _loader(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepDataLoader:
+    def _sampler(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepSampler:
         world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        return StepSampler(len(rows), micro_batches, world_size, rank, shuffle, self.seed)
+
+    def _loader(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepDataLoader:
+        sampler = self._sampler(rows, micro_batches, shuffle)
         return StepDataLoader(
-            _RowDataset(rows, micro_batches * world_size),
+            _RowDataset(rows, micro_batches * sampler.world_size),
             batch_size=1,
-            sampler=StepSampler(len(rows), micro_batches, world_size, rank, shuffle, self.seed),
+            sampler=sampler,
             collate_fn=_first,
             num_workers=self.num_workers,
             # its own generator: creating an iterator then draws no number from the global RNG,
@@ -403,8 +407,25 @@ class PackedDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def train_batches_per_epoch(self) -> int:
+        """The micro-batches this rank's training loader yields in an epoch (``len(train_dataloader())``),
+        counted without making the loader (`lightning_ft.module.training_steps` sizes the LR schedule with it).
+
+        Raises:
+            RuntimeError: before `setup` has read the data.
+        """
+        if self._train_rows is None:
+            raise RuntimeError("PackedDataModule.train_batches_per_epoch: call setup() first")
+        return len(self._sampler(self._train_rows, self.accumulate_grad_batches, shuffle=True))
+
     def train_dataloader(self) -> StepDataLoader:
         self._train_loader = self._loader(self._train_rows, self.accumulate_grad_batches, shuffle=True)
+        if self.trainer is not None:
+            # Note: the epoch the fit loop is at (a resumed run's, restored by now). Lightning makes the loader's
+            # iterator right after this call, and with workers it draws its first indices at once, before the
+            # loop's own set_epoch (at the epoch start); a resume at an epoch end loads no loader state (Lightning
+            # restores loader states only inside an epoch or with trainer.max_steps), so nothing else sets it.
+            self._train_loader.sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
         return self._train_loader
 
     def val_dataloader(self) -> DataLoader:
