@@ -140,7 +140,9 @@ class StepDataLoader(DataLoader):
     """The training `DataLoader` over a `StepSampler`, resumable mid-epoch.
 
     Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before it
-    first iterates the loader of a resumed run (any loader with both methods is stateful to it).
+    first iterates the loader of a resumed run (any loader with both methods is stateful to it),
+    except at an epoch end of a run bounded by ``trainer.max_epochs``, where the next epoch starts at
+    its first step (`PackedDataModule.train_dataloader` sets the sampler's epoch).
 
     Attributes:
         consumed: micro-batches of the current epoch the training loop has taken; the owner
