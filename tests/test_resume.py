@@ -48,19 +48,26 @@ def _bound(bound: str, epochs: int) -> tuple[str, str]:
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("bound", ["max_epochs", "max_steps"])
 def test_resume_trains_the_rows_and_losses_of_the_uninterrupted_run(tmp_path, bound, workers):
-    """Resumed from step 8 (epoch 0's last batch), from step 11 (inside epoch 1), and (max_epochs) a
-    finished 1-epoch run extended to 2 epochs: every step after the resume has the uninterrupted run's loss."""
+    """Resumed from step 8 (epoch 0's last batch) and from step 11 (inside epoch 1), and a finished run
+    (1 epoch; with max_steps also 11 steps) extended to 2 epochs: every step after the resume has the
+    uninterrupted run's loss."""
     common = (*_bound(bound, 2), f"data.num_workers={workers}")
     full = _fit(tmp_path / "full", *common, "callbacks.checkpoint.every_n_train_steps=1", "callbacks.checkpoint.save_top_k=-1")
     assert len(full) == 2 * EPOCH and None not in full
+    # the extended runs' learning rate is constant (a schedule is rebuilt for the new length), so their reference too
+    constant = _fit(tmp_path / "constant", *common, "scheduler=null")
     runs = {}
     for step in (EPOCH, EPOCH + 3):
         checkpoint = tmp_path / "full" / "checkpoints" / f"step{step:06d}.ckpt"
         runs[f"resumed from step {step}"] = (step, _fit(tmp_path / f"from{step}", *common, f"ckpt_path={checkpoint}"))
-    if bound == "max_epochs":
-        _fit(tmp_path / "extended", *_bound(bound, 1), f"data.num_workers={workers}")
-        runs["extended"] = (EPOCH, _fit(tmp_path / "extended", *common, "ckpt_path=last"))
+    # a finished run extended to 2 epochs: one that ended at an epoch end and (max_steps) one that ended inside an epoch
+    for steps in (EPOCH,) if bound == "max_epochs" else (EPOCH, EPOCH + 3):
+        first = tmp_path / f"extended{steps}"
+        shorter = _bound(bound, 1) if bound == "max_epochs" else (f"trainer.max_steps={steps}", "trainer.max_epochs=-1")
+        _fit(first, *shorter, f"data.num_workers={workers}", "scheduler=null")
+        runs[f"extended from step {steps}"] = (steps, _fit(first, *common, "scheduler=null", "ckpt_path=last"))
     for name, (first, losses) in runs.items():
+        expected = constant if name.startswith("extended") else full
         assert len(losses) == 2 * EPOCH, name
         for step in range(first, 2 * EPOCH):
-            assert abs(losses[step] - full[step]) <= 1e-6, (name, step + 1, losses[step], full[step])
+            assert abs(losses[step] - expected[step]) <= 1e-6, (name, step + 1, losses[step], expected[step])

@@ -97,8 +97,8 @@ class StepSampler(Sampler[int]):
     ``shuffle`` (a partial last step stays last); Lightning calls `set_epoch` at every epoch start.
     ``start`` skips that many of this rank's indices at the next iteration only (resuming mid-epoch),
     and only in the epoch it was set for: a resumed run that Lightning moves on to the next epoch
-    (a run that reached ``trainer.max_steps`` mid-epoch, extended with a larger one) starts that epoch
-    at its first step.
+    (from a checkpoint written after its epoch was closed, e.g. by ``every_n_epochs``) starts that
+    epoch at its first step.
     """
 
     def __init__(self, num_rows: int, micro_batches: int, world_size: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
