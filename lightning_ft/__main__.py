@@ -111,8 +111,8 @@ def _pin_sweep_dir() -> None:
 
     Lightning starts ranks 1, 2, ... with this process's command line (``sys.argv``) plus
     ``hydra.run.dir``; in a sweep each of them runs the same sweep in step with this process, and
-    would otherwise evaluate the default ``hydra.sweep.dir`` (``multirun/${now:...}``) again, seconds
-    later, and write its log and config.json into a second sweep folder.
+    would otherwise evaluate the default ``hydra.sweep.dir`` (``multirun/<date>/<run_name>``) again, with
+    its own process id, and write its log and config.json into a second sweep folder.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -9,6 +9,9 @@ lets through) is refused when the run starts (`unknown_schema_keys`). Group opti
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Mapping
+from datetime import datetime
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -144,13 +147,42 @@ COMMAND_CONFIGS = {"fit": "fit", "bench": "benchmark"}
 ADDED_GROUPS = {"fit": "experiment", "bench": "bench"}
 
 
+def run_name(environ: Mapping[str, str] | None = None) -> str:
+    """The last part of the default run folder (``hydra.run.dir``: ``outputs/<date>/<run_name>``) and
+    sweep folder (``hydra.sweep.dir``), Hydra's resolver ``${lightning_ft.run_name:}``; resolved once
+    per job and cached like Hydra's ``${now:}`` (a sweep's jobs share their sweep's value).
+
+    Runs started together get folders of their own:
+
+    - in a SLURM job step (``srun``: ``SLURM_STEP_ID`` set): ``slurm-<job>.<step>``, where ``<job>`` is
+      ``<array job>_<task>`` for an array task (SLURM's ``%A_%a``) or the job id: different for every
+      job, array task and step, and the same for every task of one step (the ranks of a multi-node job
+      share one folder);
+    - otherwise: the local time to the millisecond and the process id, ``HH-MM-SS.mmm_p<pid>``, with
+      ``_slurm-<job>`` before the pid in a SLURM batch script.
+
+    Args:
+        environ: the environment to read the SLURM variables from (default: ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID")
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    if job and env.get("SLURM_STEP_ID"):
+        return f"slurm-{job}.{env['SLURM_STEP_ID']}"
+    now = datetime.now()
+    return f"{now:%H-%M-%S}.{now.microsecond // 1000:03d}" + (f"_slurm-{job}" if job else "") + f"_p{os.getpid()}"
+
+
 def register_configs() -> None:
-    """Register `FitConfig` as ``fit_schema`` in Hydra's ConfigStore and the ``lightning_ft.groups``
-    resolver of the ``--help`` page (`groups_help`); idempotent."""
+    """Register `FitConfig` as ``fit_schema`` in Hydra's ConfigStore, the ``lightning_ft.groups``
+    resolver of the ``--help`` page (`groups_help`) and the ``lightning_ft.run_name`` resolver of the
+    default run folders (`run_name`, cached like Hydra's ``now``); idempotent."""
     from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="fit_schema", node=FitConfig)
     OmegaConf.register_new_resolver("lightning_ft.groups", groups_help, replace=True)
+    OmegaConf.register_new_resolver("lightning_ft.run_name", run_name, use_cache=True, replace=True)
 
 
 def config_groups(command: str) -> dict[str, list[str]]:

@@ -42,6 +42,7 @@ losses and the skip counters, so a resumed run replays an uninterrupted one exac
 from __future__ import annotations
 
 import inspect
+import math
 import random
 from functools import partial
 from typing import Any, Callable
@@ -51,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import SumMetric
@@ -79,7 +82,7 @@ class FinetuneModule(L.LightningModule):
         model: the `ModelBuilder` that makes the model to train (called once, in `configure_model`).
         optimizer: a partial optimizer taking the trainable parameters (Hydra ``_partial_``).
         scheduler: a partial LR scheduler taking the optimizer, or None; it gets ``num_training_steps``
-            (Lightning's ``estimated_stepping_batches``) only where its signature has that argument
+            (`training_steps`: Lightning's ``estimated_stepping_batches``) only where its signature has that argument
             (`scheduler_kwargs`): ``transformers.get_constant_schedule_with_warmup`` needs none.
         on_nonfinite: ``stop`` or ``skip`` (``train.on_nonfinite``): what a NaN/Inf loss or gradient does.
 
@@ -368,7 +371,7 @@ class FinetuneModule(L.LightningModule):
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
             return optimizer
-        kwargs = scheduler_kwargs(self.scheduler_factory, self.trainer.estimated_stepping_batches)
+        kwargs = scheduler_kwargs(self.scheduler_factory, training_steps(self.trainer))
         scheduler = self.scheduler_factory(optimizer, **kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -401,6 +404,26 @@ class FinetuneModule(L.LightningModule):
             )
             return
         self._rng_states_to_restore = states[self.trainer.global_rank]
+
+
+def training_steps(trainer: L.Trainer) -> int | float:
+    """The optimizer steps of the run, as Lightning's ``Trainer.estimated_stepping_batches`` counts them
+    (``min(ceil(batches per epoch / accumulate_grad_batches) × max_epochs, max_steps)``, the batches cut to
+    ``trainer.limit_train_batches``), with the batches per epoch from the datamodule
+    (``train_batches_per_epoch``, `PackedDataModule`) where it has them; float("inf") for a run bounded by
+    neither steps nor epochs.
+
+    Note: bounded by ``trainer.max_epochs``, Lightning's own count sets up the training loader and
+    starts its iterator (and its workers) here, in ``configure_optimizers``, before a resumed run's loop
+    state is restored; the loader then never receives its saved position, and a resumed run would train
+    the epoch's first rows again (or, with workers, the rows of the epoch the iterator started in).
+    """
+    count = getattr(trainer.datamodule, "train_batches_per_epoch", None)
+    if trainer.max_epochs == -1 or count is None:  # max_epochs=-1: Lightning's count reads max_steps only
+        return trainer.estimated_stepping_batches
+    batches = _parse_num_batches(RunningStage.TRAINING, count(), trainer.limit_train_batches)
+    steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(trainer.max_epochs, 1)
+    return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
 
 
 def scheduler_kwargs(scheduler: Callable[..., Any], num_training_steps: int) -> dict[str, Any]:

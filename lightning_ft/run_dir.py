@@ -178,7 +178,7 @@ def check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) 
         )
     stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
     if stretched and config.get("scheduler") and first_process():
-        # the schedule is built from trainer.estimated_stepping_batches, i.e. the new length
+        # the schedule is built from the run's length (lightning_ft.module.training_steps), i.e. the new length
         log.warning(
             "resume with %s: the learning-rate schedule is rebuilt for the new length, so the rate from the resumed "
             "step on differs from the interrupted run's", ", ".join(stretched),

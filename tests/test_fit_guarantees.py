@@ -9,6 +9,7 @@ import csv
 import json
 import logging
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -234,8 +235,9 @@ def test_adapter_bypassed_by_the_forward_stops_the_run_with_its_name(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_runs_each_job_in_its_folder_and_writes_a_summary_table(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = run_cli(tmp_path, "-m", "lora.rank=4,8", "trainer.max_steps=5", *FAST, f"hydra.sweep.dir={sweep}")
+    proc = run_cli(tmp_path, "-m", "lora.rank=4,8", "trainer.max_steps=5", *FAST)
+    (sweep,) = tmp_path.glob("multirun/*/*")  # the default sweep folder: one for all its jobs
+    assert re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}_p\d+", sweep.name), sweep
     jobs = [summary(sweep / str(i)) for i in (0, 1)]
     assert [j["config"]["lora"]["rank"] for j in jobs] == [4, 8]
     table = (sweep / "sweep_summary.md").read_text().splitlines()
@@ -512,3 +514,43 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path):
         proc = run_cli(tmp_path, *FAST, "trainer.max_steps=2", ok=False)
     assert "another run is using this folder" in proc.stderr
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_runs_started_together_get_folders_of_their_own(tmp_path):
+    """Two runs started at once with the default folders (no hydra.run.dir; one-second timestamps would
+    collide): each finishes in its own folder."""
+    import os
+    import subprocess
+    import sys
+
+    from cli_helpers import TESTS_DIR
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID"):
+        env.pop(name, None)
+    fit = [sys.executable, "-m", "lightning_ft", "fit"]
+    tiny = [*FAST, "trainer.max_steps=1"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in ([*fit, *tiny], [*fit, *tiny])]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-3000:] for o in outputs)
+    runs = sorted(p.parent for p in tmp_path.glob("outputs/*/*/summary.json"))
+    assert len(runs) == 2 and all(summary(r)["status"] == "completed" for r in runs), runs
+    assert all(re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}_p\d+", r.name) for r in runs), runs
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, r"\d\d-\d\d-\d\d\.\d{3}_p\d+"),
+        ({"SLURM_JOB_ID": "77"}, r"\d\d-\d\d-\d\d\.\d{3}_slurm-77_p\d+"),  # a batch script
+        ({"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}, r"\d\d-\d\d-\d\d\.\d{3}_slurm-77_3_p\d+"),
+        ({"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3", "SLURM_STEP_ID": "0"}, r"slurm-77_3\.0"),
+        ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "2"}, r"slurm-77\.2"),  # every srun task of the step: one folder
+    ],
+)
+def test_default_run_folder_names_the_slurm_job_and_otherwise_the_time_and_process(environ, expected):
+    from lightning_ft.config import run_name
+
+    assert re.fullmatch(expected, run_name(environ)), run_name(environ)

@@ -432,3 +432,35 @@ def test_the_cli_prints_the_bad_config_key_without_a_traceback(tmp_path, overrid
 
     proc = run_cli(tmp_path, override, "trainer.max_steps=2", *FAST, ok=False)
     assert line in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+class _Counted(Exception):
+    """Raised by `_CountSteps.configure_optimizers` with (`training_steps`, Lightning's estimated_stepping_batches)."""
+
+
+@pytest.mark.parametrize(
+    ("max_epochs", "max_steps", "accumulate", "limit"),
+    [(2, -1, 1, 1.0), (3, -1, 2, 1.0), (3, 10, 2, 1.0), (None, -1, 1, 1.0), (-1, 20, 1, 1.0), (2, -1, 2, 0.5), (2, -1, 3, 4)],
+)
+def test_training_steps_counts_as_lightning_does_without_the_train_loader(max_epochs, max_steps, accumulate, limit):
+    """15 packed rows; `training_steps` is read before Lightning's own count, which then sets the loader up."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ft.data.datamodule import PackedDataModule
+    from lightning_ft.data.tokenization import load_tokenizer
+    from lightning_ft.module import training_steps
+
+    class _CountSteps(BoringModel):
+        def configure_optimizers(self):
+            ours = training_steps(self.trainer)
+            assert self.trainer.train_dataloader is None  # not set up for it
+            raise _Counted(ours, self.trainer.estimated_stepping_batches)
+
+    data = PackedDataModule(load_tokenizer("builtin"), num_examples=60, max_tokens=128, accumulate_grad_batches=accumulate)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=max_epochs, max_steps=max_steps, accumulate_grad_batches=accumulate,
+                        limit_train_batches=limit, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    with pytest.raises(_Counted) as counted:
+        trainer.fit(_CountSteps(), datamodule=data)
+    ours, lightnings = counted.value.args
+    assert ours == lightnings and data.train_batches_per_epoch() == 15

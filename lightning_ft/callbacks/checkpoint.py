@@ -16,7 +16,10 @@ from typing_extensions import override
 class StepCheckpoint(ModelCheckpoint):
     """Lightning's `ModelCheckpoint` that also writes a step checkpoint and ``last.ckpt`` when SIGTERM
     stops training, so a preempted job resumes from the step it reached rather than from the last
-    periodic save (``every_n_train_steps``; before the first one there would be nothing to resume).
+    periodic save (``every_n_train_steps``; before the first one there would be nothing to resume),
+    and that writes ``last.ckpt`` of a run ended by ``trainer.max_steps`` at its last step, inside the
+    epoch, so that the run extended with a larger ``trainer.max_steps`` trains the rows the longer run
+    would have (Lightning writes it after closing the epoch, from where it resumes at the wrong row).
 
     Lightning 2.6 raises `SIGTERMException` only between batches (the training loop's
     ``on_advance_end``, after every callback's ``on_train_batch_end``; on every DDP/FSDP2 rank at the
@@ -37,6 +40,26 @@ class StepCheckpoint(ModelCheckpoint):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # Note: last.ckpt of a run that trainer.max_steps ends is written here, inside the epoch, as a periodic save
+        # writes it. Lightning writes it after closing the epoch (on_train_epoch_end / on_train_end), and a run
+        # extended from there (a larger trainer.max_steps) skips the rest of that epoch or of the next one (its fit
+        # loop counts the epoch done but keeps the epoch's batch count); from an in-epoch one it carries on exactly.
+        if _reached_max_steps(trainer) and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not (_reached_max_steps(trainer) and self._last_global_step_saved == trainer.global_step):  # kept in-epoch
+            super().on_train_epoch_end(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not (_reached_max_steps(trainer) and self._last_global_step_saved == trainer.global_step):  # kept in-epoch
+            super().on_validation_end(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -91,3 +114,7 @@ class StepCheckpoint(ModelCheckpoint):
                 **{key: moved(state_dict[key]) for key in ("last_model_path", "best_model_path") if state_dict.get(key)},
             }
         super().load_state_dict(state_dict)
+
+
+def _reached_max_steps(trainer: L.Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps

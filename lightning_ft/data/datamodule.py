@@ -97,8 +97,8 @@ class StepSampler(Sampler[int]):
     ``shuffle`` (a partial last step stays last); Lightning calls `set_epoch` at every epoch start.
     ``start`` skips that many of this rank's indices at the next iteration only (resuming mid-epoch),
     and only in the epoch it was set for: a resumed run that Lightning moves on to the next epoch
-    (a run that reached ``trainer.max_steps`` mid-epoch, extended with a larger one) starts that epoch
-    at its first step.
+    (from a checkpoint written after its epoch was closed, e.g. by ``every_n_epochs``) starts that
+    epoch at its first step.
     """
 
     def __init__(self, num_rows: int, micro_batches: int, world_size: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
@@ -140,7 +140,9 @@ class StepDataLoader(DataLoader):
     """The training `DataLoader` over a `StepSampler`, resumable mid-epoch.
 
     Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before it
-    first iterates the loader of a resumed run (any loader with both methods is stateful to it).
+    first iterates the loader of a resumed run (any loader with both methods is stateful to it),
+    except at an epoch end of a run bounded by ``trainer.max_epochs``, where the next epoch starts at
+    its first step (`PackedDataModule.train_dataloader` sets the sampler's epoch).
 
     Attributes:
         consumed: micro-batches of the current epoch the training loop has taken; the owner
@@ -390,12 +392,16 @@ class PackedDataModule(L.LightningDataModule):
         world_size = self.trainer.world_size if self.trainer is not None else 1
         return world_size * self.accumulate_grad_batches
 
-    def _loader(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepDataLoader:
+    def _sampler(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepSampler:
         world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        return StepSampler(len(rows), micro_batches, world_size, rank, shuffle, self.seed)
+
+    def _loader(self, rows: list[list[Document]], micro_batches: int, shuffle: bool) -> StepDataLoader:
+        sampler = self._sampler(rows, micro_batches, shuffle)
         return StepDataLoader(
-            _RowDataset(rows, micro_batches * world_size),
+            _RowDataset(rows, micro_batches * sampler.world_size),
             batch_size=1,
-            sampler=StepSampler(len(rows), micro_batches, world_size, rank, shuffle, self.seed),
+            sampler=sampler,
             collate_fn=_first,
             num_workers=self.num_workers,
             # its own generator: creating an iterator then draws no number from the global RNG,
@@ -403,8 +409,25 @@ class PackedDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def train_batches_per_epoch(self) -> int:
+        """The micro-batches this rank's training loader yields in an epoch (``len(train_dataloader())``),
+        counted without making the loader (`lightning_ft.module.training_steps` sizes the LR schedule with it).
+
+        Raises:
+            RuntimeError: before `setup` has read the data.
+        """
+        if self._train_rows is None:
+            raise RuntimeError("PackedDataModule.train_batches_per_epoch: call setup() first")
+        return len(self._sampler(self._train_rows, self.accumulate_grad_batches, shuffle=True))
+
     def train_dataloader(self) -> StepDataLoader:
         self._train_loader = self._loader(self._train_rows, self.accumulate_grad_batches, shuffle=True)
+        if self.trainer is not None:
+            # Note: the epoch the fit loop is at (a resumed run's, restored by now). Lightning makes the loader's
+            # iterator right after this call, and with workers it draws its first indices at once, before the
+            # loop's own set_epoch (at the epoch start); a resume at an epoch end loads no loader state (Lightning
+            # restores loader states only inside an epoch or with trainer.max_steps), so nothing else sets it.
+            self._train_loader.sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
         return self._train_loader
 
     def val_dataloader(self) -> DataLoader:
