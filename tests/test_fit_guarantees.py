@@ -138,7 +138,7 @@ def test_adapter_trained_elsewhere_with_peft_continues_training(tmp_path):
     before = load_file(tmp_path / "elsewhere" / "adapter_model.safetensors")
 
     proc = run_cli(tmp_path / "run", *FAST, f"lora.init_from={tmp_path / 'elsewhere'}", "trainer.max_steps=3")
-    assert "rank 6, alpha 12, targets ['q_proj', 'v_proj'] (lora.rank/alpha/targets ignored)" in proc.stdout + proc.stderr
+    assert "rank 6, alpha 12, targets ['q_proj', 'v_proj'], modules_to_save [] (lora.rank/alpha/targets/modules_to_save ignored)" in proc.stdout + proc.stderr
     out = summary(tmp_path / "run")
     adapter_config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["r"] == 6 and sorted(adapter_config["target_modules"]) == ["q_proj", "v_proj"]
@@ -183,7 +183,7 @@ def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
     proc = run_cli(tmp_path, "trainer.max_step=3", ok=False)  # not in the trainer config, nor a Trainer argument
     assert "hint: trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
     proc = run_cli(tmp_path, "model=qwen3_tiny", ok=False)
-    assert "hint: model=qwen3_tiny: not an option of the `model` group; did you mean qwen3_moe_tiny? options: llama3_1_8b, " in proc.stderr
+    assert "hint: model=qwen3_tiny: not an option of the `model` group; did you mean qwen3_moe_tiny? options: gemma3_1b, " in proc.stderr
     proc = run_cli(tmp_path / "plus", "+data.max_token=3", "+lora.rnk=4", ok=False)  # `+` adds them: refused, not ignored
     assert "not keys of the config, nothing would read them: data.max_token (did you mean data.max_tokens?), lora.rnk (did you mean lora.rank?)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "plus" / "config.json").exists()
