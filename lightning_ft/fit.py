@@ -236,6 +236,7 @@ def _train(
         kernels=OmegaConf.to_container(cfg.kernels, resolve=True),
         moe=OmegaConf.to_container(cfg.moe, resolve=True),
         vocab_size=len(tokenizer),
+        seed=cfg.seed,
     )
     module = FinetuneModule(
         builder,

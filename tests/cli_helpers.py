@@ -164,3 +164,19 @@ class DumpTrainedModel(L.Callback):
         weights = get_model_state_dict(pl_module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.is_global_zero:
             torch.save({"docs": docs, "loss_sum": loss_sum, "weights": weights}, self.path)
+
+
+class DumpLogits(L.Callback):
+    """At the end of training: the trained model's logits (eval mode, fp32 on the host) for a fixed batch of
+    token ids, saved with the ids to ``path``: the reference an exported model is compared with."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+        pl_module.model.eval()
+        with torch.no_grad():
+            logits = pl_module.model(input_ids=ids.to(pl_module.device)).logits.float().cpu()
+        pl_module.model.train()
+        torch.save({"input_ids": ids, "logits": logits}, self.path)
