@@ -94,13 +94,15 @@ def _start_task() -> None:
 
 
 def _fit_task(cfg) -> Any:
-    """Run `lightning_ft.fit.fit`; returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
+    """Run `lightning_ft.fit.fit` on the config with ``device`` resolved (`lightning_ft.device.resolve_device`); returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
     _start_task()
+    from lightning_ft.device import resolve_device
     from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
     _pin_sweep_dir()
     try:
+        cfg = resolve_device(cfg)
         summary = fit(cfg)
     except (ValueError, FileNotFoundError, TrainingStopped) as err:
         if not _raised_by_us(err):

@@ -23,8 +23,10 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 _EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
 
-#: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens
-FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=128", "trainer.log_every_n_steps=1")
+#: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens, as many
+#: epochs as the test's ``trainer.max_steps=N`` needs (the default stops after one epoch)
+FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=128", "trainer.log_every_n_steps=1",
+        "trainer.max_epochs=-1")
 
 
 def run_cli(run_dir: Path, *overrides: str, ok: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
