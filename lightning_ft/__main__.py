@@ -104,7 +104,7 @@ def _fit_task(cfg) -> Any:
     try:
         cfg = resolve_device(cfg)
         summary = fit(cfg)
-    except (ValueError, FileNotFoundError, TrainingStopped) as err:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, TrainingStopped) as err:
         if not _raised_by_us(err):
             raise
         raise RunError(f"error: {err}") from err
