@@ -309,12 +309,12 @@ def load_weights(model: Any, source: Path, lora: bool) -> Any:
             if not (source / "adapter_config.json").is_file():
                 raise ExportError(f"{source}: not a PEFT adapter folder (no adapter_config.json), and the run trained LoRA adapters")
             return PeftModel.from_pretrained(model, str(source))
-        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
 
-        shards = sorted(source.glob("*.safetensors"))
-        if not shards:
-            raise ExportError(f"{source}: no safetensors weights (a full fine-tuning run's adapter/ holds the model)")
-        state = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
+        if not (source / "config.json").is_file():
+            raise ExportError(f"{source}: not a model folder (no config.json), and the run trained every weight (lora=none)")
+        # through transformers: its files may lay weights out otherwise than the modules (MoE experts one by one)
+        state = AutoModelForCausalLM.from_pretrained(str(source), dtype=next(model.parameters()).dtype).state_dict()
     else:
         ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
         state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}

@@ -115,6 +115,17 @@ def test_full_fine_tuning_and_chat_data(tmp_path):
     assert s["steps"] == 4
     assert (Path(s["adapter_dir"]) / "config.json").exists()  # full model saved
 
+    # export: no adapter to write; --merge writes the model (from last.ckpt), the weights the run saved
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.export import main as export_main
+
+    assert export_main([str(tmp_path / "run")]) == 1
+    assert export_main([str(tmp_path / "run"), "--merge"]) == 0
+    saved = AutoModelForCausalLM.from_pretrained(s["adapter_dir"]).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "export" / "merged")).state_dict()
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+
 
 def test_optuna_search_space_names_real_keys(tmp_path):
     """configs/hparams_search/optuna.yaml searches keys of the fit config (composing it needs the optional plugin)."""
