@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     """Run the command; returns its exit status (an `ExportError` prints one line and returns 1)."""
     import warnings
 
-    import lightning  # noqa: F401  adds its own console handler, which would print each of its lines twice:
+    import lightning  # noqa: F401  adds its own console handler (removed below: with the root's, each line would print twice)
 
     args = parser().parse_args(argv)
     logging.getLogger("lightning").handlers.clear()
@@ -172,13 +172,17 @@ def export(
     return written
 
 
+#: what the export reads of the run's config (dotted keys, resolved); other keys may hold interpolations only Hydra resolves
+RUN_KEYS = ("model", "lora", "seed", "trainer.accelerator", "callbacks.checkpoint.dirpath")
+
+
 def run_config(run_dir: Path) -> dict[str, Any]:
-    """The run's config (``config.json``, written when training starts), resolved with ``run_dir`` as the run
-    folder (so a moved or copied folder reads its own checkpoints).
+    """The `RUN_KEYS` of the run's config (``config.json``, written when training starts), resolved with
+    ``run_dir`` as the run folder (so a moved or copied folder reads its own checkpoints).
 
     Raises:
-        ExportError: ``run_dir`` is not a folder, or holds no ``config.json`` (not a run folder, or a run
-            that stopped before training started).
+        ExportError: ``run_dir`` is not a folder, holds no ``config.json`` (not a run folder, or a run that
+            stopped before training started), or a key that does not resolve.
     """
     from omegaconf import OmegaConf
 
@@ -192,13 +196,21 @@ def run_config(run_dir: Path) -> dict[str, Any]:
         raise ExportError(f"{run_dir}: not a run folder (no {RUN_CONFIG}; {hint})")
     cfg = OmegaConf.create(json.loads(config_file.read_text()))
     cfg.run_dir = str(run_dir)
-    return OmegaConf.to_container(cfg, resolve=True)
+    resolved: dict[str, Any] = {}
+    for key in RUN_KEYS:
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            resolved[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        except Exception as err:  # an interpolation OmegaConf cannot resolve outside Hydra
+            raise ExportError(f"{config_file}: {key} does not resolve ({err})") from err
+    if not isinstance(resolved["model"], dict) or not isinstance(resolved["lora"], dict):
+        raise ExportError(f"{config_file}: no model or lora settings; not the config of a `fit` run")
+    return resolved
 
 
 def checkpoint_dir(run_dir: Path, cfg: dict[str, Any]) -> Path:
     """Where the run's checkpoint callback wrote (``callbacks.checkpoint.dirpath``; default ``run_dir/checkpoints``)."""
-    callback = (cfg.get("callbacks") or {}).get("checkpoint") or {}
-    return Path(callback.get("dirpath") or run_dir / "checkpoints")
+    return Path(cfg.get("callbacks.checkpoint.dirpath") or run_dir / "checkpoints")
 
 
 def weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) -> Path:
@@ -259,7 +271,7 @@ def base_device(run_dir: Path, cfg: dict[str, Any]) -> str:
         return "cpu"
     summary_file = run_dir / "summary.json"
     device = json.loads(summary_file.read_text()).get("device") if summary_file.is_file() else None
-    on_cuda = str(device).startswith("cuda") if device else (cfg.get("trainer") or {}).get("accelerator", "cpu") != "cpu"
+    on_cuda = str(device).startswith("cuda") if device else (cfg.get("trainer.accelerator") or "cpu") != "cpu"
     if not on_cuda:
         return "cpu"
     if not torch.cuda.is_available():
