@@ -11,8 +11,8 @@ experiment, ``hparams_search=...``) picked, exactly as if they had been typed:
     kernels     none       all   (none for an architecture without a patch table: its fused kernels do not exist)
     moe         hf         auto  (hf for a dense model: there are no experts to route)
 
-``device=gpu`` asks for the GPU path (an error without a CUDA GPU), ``device=cpu`` for the CPU path on
-a machine with a GPU. CUDA graphs and gradient checkpointing stay the model config's choice
+``device=gpu`` asks for the GPU path (an error without a CUDA GPU), ``device=cpu`` (or
+``trainer.accelerator=cpu`` on the command line) for the CPU path on a machine with a GPU. CUDA graphs and gradient checkpointing stay the model config's choice
 (``model.cuda_graphs``, ``model.gradient_checkpointing``; the GPU model configs switch both on). One
 line says what was picked. ``--cfg job`` prints the config before this choice.
 """
@@ -32,7 +32,7 @@ CPU_PATH = {"trainer": "cpu", "precision": "fp32", "kernels": "none", "moe": "hf
 GPU_PATH = {"trainer": "gpu", "precision": "bf16", "kernels": "all", "moe": "auto"}
 
 
-def device_choices(device: str, chosen: set[str], model_type: str | None) -> tuple[dict[str, str], str]:
+def device_choices(device: str, chosen: set[str], model_type: str | None, why: str | None = None) -> tuple[dict[str, str], str]:
     """The options of the device-dependent groups that nobody chose, and the line that says so.
 
     Args:
@@ -40,6 +40,7 @@ def device_choices(device: str, chosen: set[str], model_type: str | None) -> tup
         chosen: the groups picked on the command line or by a config (`chosen_groups`); they are kept.
         model_type: the model's ``model_type`` (None: unknown); on the GPU path ``kernels=all`` needs a
             patch table for it and ``moe=auto`` an MoE architecture.
+        why: what the line gives as the reason (default: the GPUs found, none, or ``device=...``).
 
     Returns:
         ``({group: option}, line)``: the options of `CPU_PATH` or `GPU_PATH` for the groups not in ``chosen``.
@@ -70,11 +71,11 @@ def device_choices(device: str, chosen: set[str], model_type: str | None) -> tup
     settings = " ".join(f"{group}={option}" for group, option in picked.items()) or "nothing left to pick"
     kept = f"; kept as chosen: {', '.join(sorted(chosen))}" if chosen else ""
     if on_gpu:
-        why = f"{torch.cuda.device_count()} CUDA GPU(s)" if device == "auto" else "device=gpu"
+        why = why or (f"{torch.cuda.device_count()} CUDA GPU(s)" if device == "auto" else "device=gpu")
         line = f"device: the GPU path ({why}): {settings}{kept}{''.join('; ' + n for n in notes)} (device=cpu: the CPU path)"
     else:
-        why = "no CUDA GPU here" if device == "auto" else "device=cpu"
-        line = f"device: the CPU path ({why}): {settings}{kept}; fp32 and no fused kernels, for the tiny default and tests"
+        why = why or ("no CUDA GPU here" if device == "auto" else "device=cpu")
+        line = f"device: the CPU path ({why}): {settings}{kept}; fp32 without fused kernels: fine for the tiny default, slow for real models"
     return picked, line
 
 
@@ -129,10 +130,12 @@ def resolve_device(cfg: DictConfig) -> DictConfig:
     choices = dict(hydra.runtime.choices)
     import torch
 
-    device = str(cfg.get("device", "auto"))
+    device, why = str(cfg.get("device", "auto")), None
+    if device == "auto" and f"trainer.accelerator={cfg.trainer.get('accelerator')}" in (o.lstrip("+") for o in overrides):
+        device, why = ("cpu", "trainer.accelerator=cpu") if cfg.trainer.accelerator == "cpu" else (device, None)
     chosen = chosen_groups(overrides, choices, config_dir())
     gpu_path = device == "gpu" or (device == "auto" and torch.cuda.is_available())
-    picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None)
+    picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None, why)
     log.info(line)
     added = {group: option for group, option in picked.items() if choices.get(group) != option}
     if not added:

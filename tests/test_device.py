@@ -78,11 +78,14 @@ def test_fit_on_a_gpu_composes_the_gpu_path_and_keeps_explicit_choices(cuda, tmp
     monkeypatch.setattr(fit_module, "fit", lambda cfg: seen.append(cfg) or {})
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # main would set it
-    for run, overrides in (("auto", []), ("chosen", ["trainer=cpu", "trainer.max_steps=3"]), ("cpu", ["device=cpu"])):
+    for run, overrides in (
+        ("auto", []), ("chosen", ["trainer=cpu", "trainer.max_steps=3"]), ("cpu", ["device=cpu"]), ("accelerator", ["trainer.accelerator=cpu"]),
+    ):
         cli.main(["fit", f"hydra.run.dir={tmp_path / run}", *overrides])
-    auto, chosen, cpu = seen
+    auto, chosen, cpu, accelerator = seen
     assert (auto.trainer.accelerator, auto.trainer.precision, auto.model.dtype) == ("gpu", "bf16-mixed", "bfloat16")
     assert auto.kernels.rms_norm and auto.kernels.fused_linear_cross_entropy and auto.moe.backend == "auto"
     assert (chosen.trainer.accelerator, chosen.trainer.max_steps, chosen.model.dtype) == ("cpu", 3, "bfloat16")
-    assert (cpu.trainer.accelerator, cpu.model.dtype, cpu.kernels.rms_norm, cpu.moe.backend) == ("cpu", "float32", False, "hf")
+    for cfg in (cpu, accelerator):
+        assert (cfg.trainer.accelerator, cfg.model.dtype, cfg.kernels.rms_norm, cfg.moe.backend) == ("cpu", "float32", False, "hf")
 
