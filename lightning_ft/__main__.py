@@ -94,7 +94,8 @@ def _start_task() -> None:
 
 
 def _fit_task(cfg) -> Any:
-    """Run `lightning_ft.fit.fit` on the config with ``device`` resolved (`lightning_ft.device.resolve_device`); returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
+    """Run `lightning_ft.fit.fit` on the config with ``device`` resolved (`lightning_ft.device.resolve_device`);
+    returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
     _start_task()
     from lightning_ft.device import resolve_device
     from lightning_ft.errors import TrainingStopped

@@ -139,8 +139,8 @@ class RunSummary(L.Callback):
         self._started = True
         if trainer.is_global_zero:
             log.info("training: %s", planned_steps(trainer))
-        if self.run_config is not None and trainer.is_global_zero:
-            write_json_atomic(self.run_dir / CONFIG_FILE, self.run_config)
+            if self.run_config is not None:
+                write_json_atomic(self.run_dir / CONFIG_FILE, self.run_config)
         if pl_module.device.type == "cuda":  # the peak of building (and sharding) the model, apart from training's
             self._setup_peak = torch.cuda.max_memory_allocated(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)
