@@ -9,6 +9,7 @@ Examples::
     python -m lightning_ft fit --cfg job                         # print the composed config
     python -m lightning_ft bench +bench=llama8b                 # side-by-side step benchmark (GPU)
     python -m lightning_ft bench report                         # benchmarks/RESULTS.md from benchmarks/results.csv
+    python -m lightning_ft export outputs/<date>/<time> --merge  # the run's PEFT adapter and a merged HF model
 
 Errors: a config that does not compose prints Hydra's message and then our hints (a close key
 name, the options of a group). An error the project raises on purpose (bad data, a missing model
@@ -38,12 +39,14 @@ PROG = "python -m lightning_ft"
 COMMANDS = {
     "fit": "fine-tune a causal LM (LoRA or full) on packed batches; the default command",
     "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU); bench report: RESULTS.md",
+    "export": "a run's PEFT adapter, and with --merge a merged Hugging Face model (vLLM, transformers); --help: its flags",
 }
 EXAMPLES = """examples:
   python -m lightning_ft fit                          # built-in default: tiny Qwen3-MoE, generated arithmetic, CPU, ~20 s
   python -m lightning_ft fit data=jsonl data.path=train.jsonl lora.rank=8
   python -m lightning_ft bench +bench=tiny_cpu        # the benchmark's CPU preset
   python -m lightning_ft bench report                 # RESULTS.md from the results table (--help: its flags)
+  python -m lightning_ft export outputs/<date>/<time> --merge   # adapter/ and merged/ in the run's export/
 
 `python -m lightning_ft fit --help` (or `bench --help`) lists a command's config groups and options."""
 #: the Hydra plugin an override needs: its module, its name, how to install it (an extra of pyproject.toml)
@@ -91,15 +94,18 @@ def _start_task() -> None:
 
 
 def _fit_task(cfg) -> Any:
-    """Run `lightning_ft.fit.fit`; returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
+    """Run `lightning_ft.fit.fit` on the config with ``device`` resolved (`lightning_ft.device.resolve_device`);
+    returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
     _start_task()
+    from lightning_ft.device import resolve_device
     from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
     _pin_sweep_dir()
     try:
+        cfg = resolve_device(cfg)
         summary = fit(cfg)
-    except (ValueError, FileNotFoundError, TrainingStopped) as err:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, TrainingStopped) as err:
         if not _raised_by_us(err):
             raise
         raise RunError(f"error: {err}") from err
@@ -178,10 +184,14 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_ft.bench.report import main as report_main
 
         raise SystemExit(report_main(argv[2:]))
+    if argv[:1] == ["export"]:  # plain flags too
+        from lightning_ft.export import main as export_main
+
+        raise SystemExit(export_main(argv[1:]))
     if argv and argv[0] in ("-h", "--help"):
         command_parser().print_help()
         return
-    if argv and argv[0] in COMMANDS:
+    if argv and argv[0] in COMMAND_CONFIGS:
         command, overrides = argv[0], argv[1:]
     elif not argv or "=" in argv[0] or argv[0].startswith(("-", "+")):
         # no command: `fit` (this is also how Lightning relaunches the other ranks under DDP)

@@ -126,6 +126,7 @@ class FitConfig:
     logger: Any = None  # a `_target_` Lightning logger, or null
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    device: str = "auto"  # auto | gpu | cpu: the options of trainer, precision, kernels and moe nobody chose (lightning_ft.device)
     seed: int = 42
     ckpt_path: Optional[str] = None  # resume: `last` or a checkpoint file
     run_dir: str = "."  # where outputs go: the Hydra run directory

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TrainingStopped(RuntimeError):
     """A check stopped training on purpose (a non-finite step, adapters that get no gradient).
@@ -20,3 +22,27 @@ def check_local_path(key: str, value: str | None) -> None:
 
     if value and value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
         raise FileNotFoundError(f"{key}={value!r}: no such folder (relative paths start from {Path.cwd()})")
+
+
+#: a Lightning logger class → (the modules it needs, any of them; how to install one)
+LOGGER_PACKAGES = {
+    "WandbLogger": (("wandb",), 'pip install wandb (or pip install -e ".[wandb]")'),
+    "MLFlowLogger": (("mlflow",), 'pip install mlflow (or pip install -e ".[mlflow]")'),
+    "TensorBoardLogger": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
+}
+
+
+def check_logger_installed(logger: Any) -> None:
+    """Raise ModuleNotFoundError naming the package and its install command when the ``logger`` config (a
+    ``_target_`` node, or None) is a Lightning logger of `LOGGER_PACKAGES` whose package is not installed;
+    Lightning would say so only after the data and the model have loaded.
+    """
+    import importlib.util
+
+    target = str((logger or {}).get("_target_", "")) if hasattr(logger, "get") else ""
+    modules, install = LOGGER_PACKAGES.get(target.rsplit(".", 1)[-1], ((), ""))
+    if modules and not any(importlib.util.find_spec(m) is not None for m in modules):
+        raise ModuleNotFoundError(
+            f"logger: {target} needs the {modules[0]} package, which is not installed: {install}; "
+            "or pick another logger (logger=csv needs nothing)"
+        )

@@ -26,7 +26,7 @@ from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
-from lightning_ft.errors import TrainingStopped, check_local_path
+from lightning_ft.errors import TrainingStopped, check_local_path, check_logger_installed
 from lightning_ft.model.build import ModelBuilder, check_model_switches
 from lightning_ft.module import FinetuneModule
 from lightning_ft.run_dir import (
@@ -66,6 +66,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             with no last checkpoint, a ``trainer.`` value of the wrong type or ``trainer.max_steps=0``,
             or a new run (no ``ckpt_path``) in a folder that holds a run already.
         FileNotFoundError: the tokenizer, a data file or ``ckpt_path`` cannot be found.
+        ModuleNotFoundError: the logger's package is not installed (`check_logger_installed`).
 
     Nothing is written into ``run_dir`` before every check that can be made without the model has
     passed: a refused run leaves the folder (a finished run's files too) as it was. Hydra's record
@@ -118,6 +119,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     check_local_path("model.tokenizer", cfg.model.tokenizer)
     check_data_path("data.path", cfg.data.path)
     check_data_path("data.val_path", cfg.data.val_path)
+    check_logger_installed(cfg.logger)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_dir_lock(run_dir):
         if not cfg.ckpt_path:
@@ -238,6 +240,7 @@ def _train(
         kernels=OmegaConf.to_container(cfg.kernels, resolve=True),
         moe=OmegaConf.to_container(cfg.moe, resolve=True),
         vocab_size=len(tokenizer),
+        seed=cfg.seed,
     )
     module = FinetuneModule(
         builder,

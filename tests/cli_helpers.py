@@ -23,8 +23,10 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 _EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
 
-#: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens
-FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=128", "trainer.log_every_n_steps=1")
+#: a small, fast run of the built-in default: 60 arithmetic rows packed into 15 rows of ≤ 128 tokens, as many
+#: epochs as the test's ``trainer.max_steps=N`` needs (the default stops after one epoch)
+FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=128", "trainer.log_every_n_steps=1",
+        "trainer.max_epochs=-1")
 
 
 def run_cli(run_dir: Path, *overrides: str, ok: bool = True, timeout: int = 300, preexec_fn=None) -> subprocess.CompletedProcess:
@@ -165,3 +167,19 @@ class DumpTrainedModel(L.Callback):
         weights = get_model_state_dict(pl_module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.is_global_zero:
             torch.save({"docs": docs, "loss_sum": loss_sum, "weights": weights}, self.path)
+
+
+class DumpLogits(L.Callback):
+    """At the end of training: the trained model's logits (eval mode, fp32 on the host) for a fixed batch of
+    token ids, saved with the ids to ``path``: the reference an exported model is compared with."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+        pl_module.model.eval()
+        with torch.no_grad():
+            logits = pl_module.model(input_ids=ids.to(pl_module.device)).logits.float().cpu()
+        pl_module.model.train()
+        torch.save({"input_ids": ids, "logits": logits}, self.path)

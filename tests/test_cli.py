@@ -27,7 +27,7 @@ def _compose(overrides):
 def test_every_experiment_composes(experiment, tmp_path):
     cfg = _compose([f"+experiment={experiment}", "data.path=x.jsonl", f"run_dir={tmp_path}"])
     assert cfg.model.config.model_type in ("qwen3_moe", "qwen3", "llama")
-    assert cfg.trainer.max_steps > 0
+    assert cfg.trainer.max_steps > 0 or cfg.trainer.max_epochs > 0
 
 
 def test_qwen3_moe_experiment_has_the_published_shape(tmp_path):
@@ -57,7 +57,7 @@ def test_help_names_the_command_and_lists_only_its_groups(command, own_group, ot
 
 @pytest.mark.slow
 def test_default_fit_learns_the_builtin_task_and_leaves_its_artifacts(tmp_path, monkeypatch):
-    """The built-in default exactly as README runs it (200 steps, ~20 s on 2 cores), on one thread:
+    """The built-in default exactly as README runs it (one epoch: 200 steps, ~20 s on 2 cores), on one thread:
     the losses depend on the CPU thread count (summation order; 0.01-0.02 apart by step 100 with 1
     or 2 threads), and the checked-in trace was made with one. They also depend on the CPU: on an
     AMD EPYC the same code and versions match the trace (made on another CPU model) to 1e-6 for
@@ -70,12 +70,15 @@ def test_default_fit_learns_the_builtin_task_and_leaves_its_artifacts(tmp_path, 
                 "adapter_dir", "checkpoint_path", "config"):
         assert s[key] is not None, key
     assert s["steps"] == 200
+    out = proc.stderr + proc.stdout
+    assert "device: the CPU path (no CUDA GPU here): trainer=cpu precision=fp32 kernels=none moe=hf" in out
+    assert "training: 200 optimizer steps (trainer.max_epochs=1 of 200 steps" in out
     assert s["final_loss"] < 0.5 * s["initial_loss"]
     assert s["config"]["model"]["config"]["model_type"] == "qwen3_moe"
     assert Path(s["checkpoint_path"]).exists()
     assert (tmp_path / "loss_curve.png").stat().st_size > 0
     assert (tmp_path / "logs" / "metrics.csv").exists()
-    assert "data: 4000 examples" in proc.stderr + proc.stdout
+    assert "data: 3200 examples" in out
     adapter_config = json.loads((Path(s["adapter_dir"]) / "adapter_config.json").read_text())
     assert adapter_config["r"] == s["config"]["lora"]["rank"]
     assert (Path(s["adapter_dir"]) / "tokenizer.json").exists()
@@ -111,6 +114,17 @@ def test_full_fine_tuning_and_chat_data(tmp_path):
     s = summary(tmp_path / "run")
     assert s["steps"] == 4
     assert (Path(s["adapter_dir"]) / "config.json").exists()  # full model saved
+
+    # export: no adapter to write; --merge writes the model (from last.ckpt), the weights the run saved
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.export import main as export_main
+
+    assert export_main([str(tmp_path / "run")]) == 1
+    assert export_main([str(tmp_path / "run"), "--merge"]) == 0
+    saved = AutoModelForCausalLM.from_pretrained(s["adapter_dir"]).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "export" / "merged")).state_dict()
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
 
 
 def test_optuna_search_space_names_real_keys(tmp_path):
@@ -171,10 +185,10 @@ def test_top_level_help_lists_the_commands_with_an_example_each(capsys):
 
     main(["--help"])
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m lightning_ft {fit,bench} ")
+    assert out.startswith("usage: python -m lightning_ft {fit,bench,export} ")
     commands = out.split("commands:\n")[1].split("\n\n")[0].splitlines()
-    assert [line.split()[0] for line in commands] == ["fit", "bench"] and "+bench=tiny_cpu" in commands[1]
-    for command in ("fit", "bench"):
+    assert [line.split()[0] for line in commands] == ["fit", "bench", "export"] and "+bench=tiny_cpu" in commands[1]
+    for command in ("fit", "bench", "export"):
         assert f"\n  python -m lightning_ft {command} " in out
     assert "`python -m lightning_ft fit --help`" in out
 
@@ -185,7 +199,7 @@ def test_argument_errors_name_the_program_as_it_is_run():
     assert proc.stderr.startswith("usage: python -m lightning_ft fit [--help]")
     assert "python -m lightning_ft fit: error: unrecognized arguments: --no-such-flag" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "lightning_ft", "tune"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "python -m lightning_ft: error: unknown command 'tune' (choose from fit, bench)" in proc.stderr
+    assert proc.returncode == 2 and "python -m lightning_ft: error: unknown command 'tune' (choose from fit, bench, export)" in proc.stderr
 
 
 @pytest.mark.parametrize("override", ["hparams_search=optuna", "+hparams_search=optuna"])

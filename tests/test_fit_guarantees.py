@@ -183,7 +183,9 @@ def test_unknown_key_or_group_option_gets_hydras_error_and_our_hint(tmp_path):
     proc = run_cli(tmp_path, "trainer.max_step=3", ok=False)  # not in the trainer config, nor a Trainer argument
     assert "hint: trainer.max_step: not an argument of lightning.Trainer; did you mean trainer.max_steps" in proc.stderr
     proc = run_cli(tmp_path, "model=qwen3_tiny", ok=False)
-    assert "hint: model=qwen3_tiny: not an option of the `model` group; did you mean qwen3_moe_tiny? options: gemma3_1b, " in proc.stderr
+    hint = next(line for line in proc.stderr.splitlines() if line.startswith("hint: model=qwen3_tiny"))
+    assert hint.startswith("hint: model=qwen3_tiny: not an option of the `model` group; did you mean qwen")
+    assert "options: " in hint and "qwen3_moe_tiny" in hint.split("options: ")[1]
     proc = run_cli(tmp_path / "plus", "+data.max_token=3", "+lora.rnk=4", ok=False)  # `+` adds them: refused, not ignored
     assert "not keys of the config, nothing would read them: data.max_token (did you mean data.max_tokens?), lora.rnk (did you mean lora.rank?)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "plus" / "config.json").exists()

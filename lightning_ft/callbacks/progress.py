@@ -16,8 +16,8 @@ class ProgressBar(RichProgressBar):
     """Lightning's `RichProgressBar`; the training bar reads "Epoch 3" when ``trainer.max_epochs`` is -1,
     and its total is the micro-batch of the epoch at which the epoch ends (`total_train_batches`).
 
-    Our runs are bounded by ``trainer.max_steps`` with ``max_epochs=-1``, for which Lightning prints
-    "Epoch 3/-2" (``max_epochs - 1``).
+    For a run bounded by ``trainer.max_steps`` with ``max_epochs=-1`` Lightning prints "Epoch 3/-2"
+    (``max_epochs - 1``).
     """
 
     @override

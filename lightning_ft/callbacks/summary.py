@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 from dataclasses import asdict
@@ -56,6 +57,21 @@ def plot_loss_curve(losses: list[float | None], path: Path, title: str = "traini
     with atomic_file(path) as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def planned_steps(trainer: L.Trainer) -> str:
+    """How many optimizer steps the run takes and what bounds them (``trainer.max_epochs`` or ``trainer.max_steps``),
+    from Lightning's ``estimated_stepping_batches``; after the data is set up (``on_train_start``)."""
+    per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+    total = trainer.estimated_stepping_batches
+    if math.isinf(total):
+        return "no bound: set trainer.max_epochs or trainer.max_steps"
+    if trainer.max_steps >= 0 and trainer.max_steps == total:
+        bound = f"trainer.max_steps={trainer.max_steps}; an epoch is {per_epoch} steps"
+    else:
+        bound = f"trainer.max_epochs={trainer.max_epochs} of {per_epoch} steps; trainer.max_steps=N stops after N"
+    resumed = f", resumed at step {trainer.global_step}" if trainer.global_step else ""
+    return f"{int(total)} optimizer step{'' if total == 1 else 's'} ({bound}){resumed}"
 
 
 class RunSummary(L.Callback):
@@ -121,8 +137,10 @@ class RunSummary(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = True
-        if self.run_config is not None and trainer.is_global_zero:
-            write_json_atomic(self.run_dir / CONFIG_FILE, self.run_config)
+        if trainer.is_global_zero:
+            log.info("training: %s", planned_steps(trainer))
+            if self.run_config is not None:
+                write_json_atomic(self.run_dir / CONFIG_FILE, self.run_config)
         if pl_module.device.type == "cuda":  # the peak of building (and sharding) the model, apart from training's
             self._setup_peak = torch.cuda.max_memory_allocated(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)

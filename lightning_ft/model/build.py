@@ -6,7 +6,8 @@
 1. the packed attention backend of ``model.attention`` registered with transformers
    (`lightning_ft.model.attention`; ``auto`` resolved and logged);
 2. the transformers causal LM (`load_causal_lm`: ``from_pretrained``, or random weights from a
-   config), ``use_cache`` off, optional gradient checkpointing;
+   config, drawn right after ``torch.manual_seed(seed)`` so that the base is a function of the
+   config and the seed alone), ``use_cache`` off, optional gradient checkpointing;
 3. LoRA through PEFT (`lightning_ft.model.lora.add_lora`), the MoE routers in its
    ``modules_to_save`` with ``moe.train_router``; or every weight trainable with
    ``lora.enabled=false`` (the routers only with ``moe.train_router``; `lightning_ft.model.router`);
@@ -266,6 +267,9 @@ class ModelBuilder:
             ``train_router`` (`lightning_ft.model.router`) and ``lora_slots`` (grouped_mm:
             `augment_expert_weights`).
         vocab_size: the tokenizer's size (for random-init models).
+        seed: with ``model.init=random``, ``torch.manual_seed(seed)`` right before the weights are drawn
+            (the run's ``seed``), so that ``python -m lightning_ft export`` rebuilds the same base on the
+            same kind of device (random draws differ between the CPU and CUDA); None: the current RNG state.
     """
 
     def __init__(
@@ -275,12 +279,14 @@ class ModelBuilder:
         kernels: dict[str, bool] | None = None,
         moe: dict[str, Any] | None = None,
         vocab_size: int | None = None,
+        seed: int | None = None,
     ):
         self.model_cfg = dict(model)
         self.lora_cfg = dict(lora)
         self.kernels_cfg = dict(kernels or {})
         self.moe_cfg = dict(moe or {})
         self.vocab_size = vocab_size
+        self.seed = seed
 
     def __call__(self, device: torch.device, precision: str | None = None, sharded: bool = False) -> BuiltModel:
         """Build the model on ``device`` (the current default device for a random init).
@@ -307,6 +313,8 @@ class ModelBuilder:
         check_model_switches(cfg)
         cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(cfg, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
+        if cfg.get("init", "pretrained") == "random" and self.seed is not None:
+            torch.manual_seed(self.seed)  # every device's generator: the base does not depend on what drew before
         model = load_causal_lm(
             cfg.get("name_or_path"),
             init=cfg.get("init", "pretrained"),

@@ -1,0 +1,105 @@
+"""``python -m lightning_ft export``: the exported adapter and merged model compute the trained model's logits."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cli_helpers import FAST, TESTS_DIR, run_cli
+from lightning_ft.export import main as export_main
+
+#: fp32 on the CPU: the same weights through another module tree (PEFT over a reloaded base; the merged
+#: W + B·A·scaling in fp32) differ by summation order only
+ATOL = RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The tiny default trained for 4 steps (checkpoints at steps 2 and 4), and its logits on fixed ids."""
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    run_cli(
+        run_dir, *FAST, "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=2",
+        f"+callbacks.logits._target_=cli_helpers.DumpLogits", f"+callbacks.logits.path={run_dir / 'logits.pt'}",
+    )
+    return run_dir
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "lightning_ft", "export", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+@pytest.mark.slow
+def test_exported_adapter_and_merged_model_compute_the_trained_logits(run, capsys):
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc = _export(str(run), "--merge")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run / "export"
+    assert {"adapter", "base", "merged"} <= {p.name for p in out.iterdir()} and not list(run.glob(".export.*"))
+    reference = torch.load(run / "logits.pt")
+    ids, trained = reference["input_ids"], reference["logits"]
+
+    # the adapter over the base it names (the random base, rebuilt from the run's seed)
+    base_path = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_path == str(out / "base")
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    base_logits = _logits(base, ids)
+    assert (base_logits - trained).abs().max() > 1e-3  # the adapter changes the output: the comparison means something
+    adapted = PeftModel.from_pretrained(base, str(out / "adapter"))
+    torch.testing.assert_close(_logits(adapted, ids), trained, atol=ATOL, rtol=RTOL)
+
+    # the merged folder: plain transformers, the base dtype, no trace of the training setup
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"))
+    assert merged.dtype == torch.float32 and not hasattr(merged, "peft_config")
+    torch.testing.assert_close(_logits(merged, ids), trained, atol=ATOL, rtol=RTOL)
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert config["use_cache"] is True and "lightning_ft" not in json.dumps(config)
+    assert (out / "merged" / "generation_config.json").is_file() and (out / "merged" / "tokenizer.json").is_file()
+
+    # README's lines: generate from the adapter
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out / "adapter"))
+    tok = AutoTokenizer.from_pretrained(str(out / "adapter"))
+    text = tok.decode(model.generate(**tok("What is 12 + 30?", return_tensors="pt"), max_new_tokens=4)[0])
+    assert text.startswith("What is 12 + 30?")
+
+    # an existing export is kept unless --force
+    before = (out / "merged" / "model.safetensors").stat().st_mtime_ns
+    assert export_main([str(run)]) == 1
+    assert "export exists: pass --force to replace it" in capsys.readouterr().err
+    assert (out / "merged" / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_export_picks_the_checkpoint_asked_for(run, tmp_path, capsys):
+    """--checkpoint best (the callback's best: step 4 here), a step checkpoint by path; refusals name the fix."""
+    assert export_main([str(run), "--checkpoint", "best", "--output", str(tmp_path / "best")]) == 0
+    assert export_main([str(run), "--checkpoint", str(run / "checkpoints" / "step000002.ckpt"), "--output", str(tmp_path / "two")]) == 0
+    capsys.readouterr()
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    best = torch.load(run / "checkpoints" / "step000004.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(last[k], best[k]) for k in last)
+    from safetensors.torch import load_file
+
+    exported = {name: load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors")) for name in ("best", "two")}
+    key = next(k for k in exported["best"] if "lora_B" in k)
+    assert not torch.equal(exported["best"][key], exported["two"][key])
+
+    assert export_main([str(tmp_path / "nowhere")]) == 1
+    assert "no such folder; expected a run folder" in capsys.readouterr().err
+    assert export_main([str(tmp_path)]) == 1  # holds only the exports above
+    assert "not a run folder (no config.json" in capsys.readouterr().err
+    no_checkpoints = tmp_path / "no_checkpoints"
+    no_checkpoints.mkdir()
+    (no_checkpoints / "config.json").write_text((run / "config.json").read_text())
+    assert export_main([str(no_checkpoints)]) == 1
+    assert "the run stopped before its first checkpoint" in capsys.readouterr().err
