@@ -11,9 +11,14 @@ Examples::
     python -m lightning_ft bench report                         # benchmarks/RESULTS.md from benchmarks/results.csv
     python -m lightning_ft export outputs/<date>/<time> --merge  # the run's PEFT adapter and a merged HF model
 
-Errors: a config that does not compose prints Hydra's message and then our hints (a close key
-name, the options of a group). An error the project raises on purpose (bad data, a missing model
-path, a stopped run) prints as one message without a traceback; ``HYDRA_FULL_ERROR=1`` shows it.
+Errors: a config that does not compose prints ``error:`` with Hydra's message and then our hints (a
+close key name, the options of a group). An error the project raises on purpose (bad config values,
+bad data, a missing model path, a stopped run) prints as one ``error: ...`` line without a traceback
+and exits with status 1; Ctrl-C prints one ``interrupted: ...`` line (with the command that resumes
+the run where a checkpoint exists) and exits with status 130. ``HYDRA_FULL_ERROR=1`` shows Hydra's
+report with the traceback instead; in a sweep (``-m``) such an error fails the job and the sweeper goes on.
+Any other exception shows its traceback. A run refused before it wrote anything removes the run
+folder Hydra created for it (`lightning_ft.run_dir.remove_unused_run_dir`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import os
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.errors import CompactHydraException
 
@@ -35,12 +40,15 @@ _task_started = False  # a failure before the task starts is a composition error
 _argv0 = sys.argv[0]  # the program; `main` shows Hydra's argument parser the command's name instead until the task starts
 
 PROG = "python -m lightning_ft"
-#: each command and its line in ``python -m lightning_ft --help``
+#: each command (and subcommand) and its line in ``python -m lightning_ft --help``
 COMMANDS = {
     "fit": "fine-tune a causal LM (LoRA or full) on packed batches; the default command",
-    "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU); bench report: RESULTS.md",
-    "export": "a run's PEFT adapter, and with --merge a merged Hugging Face model (vLLM, transformers); --help: its flags",
+    "bench": "time training steps beside stock transformers + PEFT and peers (GPU; +bench=tiny_cpu: CPU)",
+    "bench report": "benchmarks/RESULTS.md and its plots from the results table",
+    "export": "a run's PEFT adapter, and with --merge a merged Hugging Face model (vLLM, transformers)",
 }
+#: the first words of the commands
+_NAMES = [name for name in COMMANDS if " " not in name]
 EXAMPLES = """examples:
   python -m lightning_ft fit                          # built-in default: tiny Qwen3-MoE, generated arithmetic, CPU, ~20 s
   python -m lightning_ft fit data=jsonl data.path=train.jsonl lora.rank=8
@@ -48,7 +56,8 @@ EXAMPLES = """examples:
   python -m lightning_ft bench report                 # RESULTS.md from the results table (--help: its flags)
   python -m lightning_ft export outputs/<date>/<time> --merge   # adapter/ and merged/ in the run's export/
 
-`python -m lightning_ft fit --help` (or `bench --help`) lists a command's config groups and options."""
+`python -m lightning_ft fit --help` (or `bench --help`) lists a command's config groups and options;
+`bench report --help` and `export --help` list their flags."""
 #: the Hydra plugin an override needs: its module, its name, how to install it (an extra of pyproject.toml)
 PLUGINS = {
     choice: ("hydra_plugins.hydra_optuna_sweeper", "Hydra's Optuna sweeper (hydra-optuna-sweeper)", 'pip install -e ".[optuna]"')
@@ -62,9 +71,9 @@ class RunError(CompactHydraException):
 
 def command_parser() -> argparse.ArgumentParser:
     """The command line above the commands: ``--help`` and an unknown command (a command's own arguments are Hydra's)."""
-    commands = "".join(f"\n  {name:<7}{summary}" for name, summary in COMMANDS.items())
+    commands = "".join(f"\n  {name:<14}{summary}" for name, summary in COMMANDS.items())
     return argparse.ArgumentParser(
-        prog=PROG, usage=f"%(prog)s {{{','.join(COMMANDS)}}} [key=value ...] [+experiment=NAME] [-m]",
+        prog=PROG, usage=f"%(prog)s {{{','.join(_NAMES)}}} [key=value ...] [+experiment=NAME] [-m]",
         description=f"Fast, lean fine-tuning of Hugging Face causal LMs (Lightning + Hydra).\n\ncommands:{commands}",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -91,6 +100,8 @@ def _start_task() -> None:
     global _task_started
     _task_started = True
     sys.argv[0] = _argv0
+    if isinstance(sys.stderr, _HeldStderr):
+        sys.stderr.stream.write(sys.stderr.take())
 
 
 def _fit_task(cfg) -> Any:
@@ -101,14 +112,20 @@ def _fit_task(cfg) -> Any:
     from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
+    from lightning_ft.run_dir import remove_unused_run_dir
+
     _pin_sweep_dir()
     try:
         cfg = resolve_device(cfg)
         summary = fit(cfg)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, TrainingStopped) as err:
+        remove_unused_run_dir()
         if not _raised_by_us(err):
             raise
-        raise RunError(f"error: {err}") from err
+        _report(err)
+    except BaseException:
+        remove_unused_run_dir()
+        raise
     return summary.get(cfg.optimized_metric) if cfg.optimized_metric else None
 
 
@@ -128,6 +145,28 @@ def _pin_sweep_dir() -> None:
         sys.argv.append(f'hydra.sweep.dir="{hydra_cfg.sweep.dir}"')
 
 
+def _report(err: BaseException) -> NoReturn:
+    """End the command on ``err``, an error this package raised on purpose (its message says what to fix).
+
+    Ctrl-C (`lightning_ft.errors.Interrupted`): its one line, exit status 130. Otherwise ``error: <message>``
+    and status 1, printed here rather than by Hydra, which would wrap it in "Error executing job with
+    overrides" and HYDRA_FULL_ERROR advice. Raised to Hydra as a `RunError` instead with ``HYDRA_FULL_ERROR=1``
+    (Hydra then shows the traceback) and in a sweep (the sweeper records the failed job and goes on).
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from lightning_ft.errors import Interrupted
+
+    if isinstance(err, Interrupted):
+        sys.stderr.write(f"{err}\n")
+        raise SystemExit(130)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise RunError(f"error: {err}") from err
+    sys.stderr.write(f"error: {err}\n")
+    raise SystemExit(1)
+
+
 def _raised_by_us(err: BaseException) -> bool:
     """Whether ``err`` was raised in this package (a message we wrote), not deep in a library."""
     tb = err.__traceback__
@@ -145,7 +184,7 @@ def _bench_task(cfg) -> None:
     except ValueError as err:
         if not _raised_by_us(err):
             raise
-        raise RunError(f"error: {err}") from err
+        _report(err)
 
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -197,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         # no command: `fit` (this is also how Lightning relaunches the other ranks under DDP)
         command, overrides = "fit", argv
     else:
-        command_parser().error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
+        command_parser().error(f"unknown command {argv[0]!r} (choose from {', '.join(_NAMES)})")
     if error := missing_plugin(overrides):
         raise SystemExit(error)
     register_configs()
@@ -205,14 +244,63 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [f"{PROG} {command}", *overrides]
     task = {"fit": _fit_task, "bench": _bench_task}[command]
     app = hydra.main(version_base="1.3", config_path=config_dir(), config_name=COMMAND_CONFIGS[command])(task)
+    real_stderr = sys.stderr
+    sys.stderr = _held = _HeldStderr(real_stderr)
     try:
         app()
     except SystemExit as exit_:
         if exit_.code not in (0, None) and not _task_started:
             from lightning_ft.config import override_hints
 
-            sys.stderr.write("".join(f"hint: {line}\n" for line in override_hints(overrides, command)))
+            hints = override_hints(overrides, command)
+            real_stderr.write(_composition_error(_held.take(), bool(hints[:-1])))
+            real_stderr.write("".join(f"hint: {line}\n" for line in hints))
         raise
+    except KeyboardInterrupt:  # Ctrl-C before training started (Lightning handles it during training)
+        real_stderr.write(_held.take() + "interrupted: stopped by Ctrl-C (SIGINT) before training started\n")
+        raise SystemExit(130) from None
+    finally:
+        real_stderr.write(_held.take())
+        sys.stderr = real_stderr
+
+
+class _HeldStderr:
+    """``sys.stderr`` while Hydra composes the config: what is written is held (Hydra's report of a config that
+    does not compose, rewritten by `_composition_error`) until the task starts (`_start_task`), and passed on
+    from then on, also through logging handlers that took this object as their stream."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.held, self.holding = stream, [], True
+
+    def write(self, text: str) -> int:
+        if self.holding:
+            self.held.append(text)
+            return len(text)
+        return self.stream.write(text)
+
+    def take(self) -> str:
+        """What was held (emptied), and pass every later write on."""
+        text, self.held, self.holding = "".join(self.held), [], False
+        return text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+#: lines of Hydra's report of a config that does not compose that say nothing to a user of this command
+_HYDRA_ADVICE = ("Set the environment variable HYDRA_FULL_ERROR=1", "full_key:", "reference_type=", "object_type=")
+
+
+def _composition_error(report: str, hinted: bool) -> str:
+    """Hydra's ``report`` of a config that does not compose as ``error: <its message>`` without its
+    HYDRA_FULL_ERROR advice and OmegaConf's type details; where our hints name the override (``hinted``),
+    only its first line (Hydra's "To append to your config use +key=..." would add a key nothing reads, and
+    the hint lists the options). A report with a traceback or without Hydra's advice (an argument error)
+    is returned as it is."""
+    if "Traceback (most recent call last)" in report or _HYDRA_ADVICE[0] not in report:
+        return report
+    lines = [line for line in report.splitlines() if line.strip() and not line.strip().startswith(_HYDRA_ADVICE)]
+    return "error: " + "\n".join(lines[:1] if hinted else lines) + "\n"
 
 
 if __name__ == "__main__":

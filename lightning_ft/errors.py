@@ -12,6 +12,13 @@ class TrainingStopped(RuntimeError):
     """
 
 
+class Interrupted(TrainingStopped):
+    """Ctrl-C (SIGINT) stopped training; the message says where and, where a checkpoint exists, how to resume.
+
+    The command line prints it as one line and exits with status 130 (128 + SIGINT, as a shell does).
+    """
+
+
 def check_local_path(key: str, value: str | None) -> None:
     """Raise FileNotFoundError naming ``key`` when ``value`` is written as a local path that does not exist.
 

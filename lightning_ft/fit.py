@@ -26,7 +26,7 @@ from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
-from lightning_ft.errors import TrainingStopped, check_local_path, check_logger_installed
+from lightning_ft.errors import Interrupted, TrainingStopped, check_local_path, check_logger_installed
 from lightning_ft.model.build import ModelBuilder, check_model_switches
 from lightning_ft.module import FinetuneModule
 from lightning_ft.run_dir import (
@@ -324,7 +324,7 @@ def _train(
         if not trainer.interrupted:
             raise
         # Ctrl-C: Lightning tore the run down and exits with status 1 after its one-line notice
-        raise TrainingStopped(stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)")) from err
+        raise Interrupted("interrupted: " + stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)")) from err
     return summary.summary
 
 

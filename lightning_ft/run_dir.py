@@ -15,13 +15,17 @@ import json
 import logging
 import os
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from lightning_ft.atomic import PARTIAL_SUFFIX
 from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
@@ -37,6 +41,57 @@ _RESUMABLE_CHANGES = (
     "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.cuda_graphs_keep_projections",
     "model.cuda_graphs_keep_max_gib", "model.activation_offload", "moe.lora_slots",
 )
+
+
+#: (the run folder, the topmost folder Hydra creates for it) of this process's run, noted by `NewRunDir`
+_created: tuple[Path, Path] | None = None
+#: what a run writes into its folder before its checks pass: the lock, Hydra's record (and Hydra's log of the job)
+_SETUP_ENTRIES = (".lock", ".hydra")
+
+
+class NewRunDir(Callback):
+    """A Hydra callback (``hydra.callbacks`` in ``configs/fit.yaml``): before Hydra creates the run folder
+    (``hydra.run.dir``; single runs only, not sweeps), note which folders it will create, for
+    `remove_unused_run_dir`. A folder that exists already (a resume, a user's folder) is never noted."""
+
+    @override
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _created
+        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()  # resolved as Hydra's run_job does
+        new = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        _created = (run_dir, new[-1]) if new else None
+
+
+def remove_unused_run_dir() -> Path | None:
+    """Remove the run folder of a run that stopped before writing anything, where Hydra created it for this
+    run (`NewRunDir`), with the parents created with it that are left empty (``outputs/<date>/``).
+
+    "Nothing written": the folder holds only what a run writes before its checks pass (`_SETUP_ENTRIES` and
+    Hydra's log of the job, whose handler is closed). A folder with anything else (``summary.json``,
+    ``logs/``, checkpoints) is kept, as is every folder that existed before the run; only the job's first
+    process removes. Returns the folder removed, or None.
+    """
+    global _created
+    if _created is None or not first_process():
+        return None
+    run_dir, top = _created
+    if not run_dir.is_dir():
+        return None
+    root = logging.getLogger()
+    logs = [h for h in root.handlers if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir]
+    log_names = {Path(h.baseFilename).name for h in logs}
+    if any(p.name not in _SETUP_ENTRIES and p.name not in log_names for p in run_dir.iterdir()):
+        return None
+    for handler in logs:
+        root.removeHandler(handler)
+        handler.close()
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if not parent.is_relative_to(top) or any(parent.iterdir()):
+            break
+        parent.rmdir()
+    _created = None
+    return run_dir
 
 
 def first_process() -> bool:

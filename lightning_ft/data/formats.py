@@ -58,6 +58,23 @@ class Example:
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
+class Rows(list):
+    """Rows read by `read_rows`, with the line each starts on in a JSON Lines file (for error messages).
+
+    Attributes:
+        lines: ``lines[i]`` is the 1-based line of row ``i``; None where rows have no line (parquet, `datasets`).
+    """
+
+    def __init__(self, rows: Iterable[dict[str, Any]] = (), lines: list[int] | None = None):
+        super().__init__(rows)
+        self.lines = lines
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # `rows[:n]` keeps the lines of the rows kept
+            return Rows(super().__getitem__(index), None if self.lines is None else self.lines[index])
+        return super().__getitem__(index)
+
+
 def check_data_path(key: str, path: str | None) -> None:
     """Raise when ``path`` names a local data file that cannot be one (before any work starts).
 
@@ -80,8 +97,9 @@ def check_data_path(key: str, path: str | None) -> None:
         raise FileNotFoundError(f"{key}={path!r}: no such file (relative paths start from {Path.cwd()})")
 
 
-def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[dict[str, Any]]:
-    """Read all rows of a local file or a `datasets` name (``key``: the config key that named it, for errors).
+def read_rows(path: str, split: str = "train", key: str = "data.path") -> Rows:
+    """Read all rows of a local file or a `datasets` name (``key``: the config key that named it, for errors);
+    rows of a JSON Lines file carry their line numbers (`Rows`).
 
     A ``.jsonl`` file, and a ``.json`` file holding an array of objects (or JSON Lines), are parsed
     with the `json` module, every value exactly as written: `datasets`' JSON reader infers one Arrow
@@ -125,7 +143,7 @@ def read_rows(path: str, split: str = "train", key: str = "data.path") -> list[d
             ) from err
     if not rows:
         raise ValueError(f"{path}: the file has no rows")
-    return rows
+    return rows if isinstance(rows, Rows) else Rows(rows)
 
 
 _TRUNCATED = "the file ends inside this {}: it is truncated (cut short while being written or copied)"
@@ -155,10 +173,10 @@ def _ran_out(err: json.JSONDecodeError, text: str) -> bool:
     return err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
 
 
-def _read_json_lines(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSON Lines file; a ValueError naming ``path:line`` for the first line that is not a JSON
-    object (and saying so when it is the last line, cut short: a truncated file)."""
-    rows = []
+def _read_json_lines(path: Path) -> Rows:
+    """The rows of a JSON Lines file with their line numbers; a ValueError naming ``path:line`` for the first
+    line that is not a JSON object (and saying so when it is the last line, cut short: a truncated file)."""
+    rows = Rows(lines=[])
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             last = not raw.endswith(b"\n")  # only a file's last line can lack its newline
@@ -173,10 +191,11 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
             rows.append(row)
+            rows.lines.append(lineno)
     return rows
 
 
-def _read_json(path: Path) -> list[dict[str, Any]] | None:
+def _read_json(path: Path) -> Rows | list[dict[str, Any]] | None:
     """The rows of a .json file holding an array of objects (or JSON Lines); None for another layout
     (`datasets` reads it). Raises a ValueError naming ``path:line:column`` where the file stops being JSON."""
     text = _decode(path, path.read_bytes())
@@ -214,8 +233,18 @@ def detect_format(row: dict[str, Any], source: str = "") -> str:
     if "text" in fields:
         return "text"
     expected = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in _REQUIRED.items())
+    known = sorted({name for names in _REQUIRED.values() for f in names for name in f.split(" | ")} | {"input", "instances"})
     found = sorted(fields)
-    raise ValueError(f"{source}: cannot tell the data format from the fields {found}; expected one of: {expected}")
+    raise ValueError(
+        f"{source}: cannot tell the data format from the fields {found}; expected one of: {expected}{_close_keys(found, known)}"
+    )
+
+
+def _close_keys(given: Iterable[str], wanted: Iterable[str]) -> str:
+    """``"; did you mean 'answer' for 'answr'?"`` for each key of ``given`` that is not in ``wanted`` but close to one of them."""
+    wanted = list(wanted)
+    pairs = [(close[0], key) for key in given if key not in wanted and (close := difflib.get_close_matches(key, wanted, n=1))]
+    return "; did you mean " + ", ".join(f"{w!r} for {k!r}" for w, k in pairs) + "?" if pairs else ""
 
 
 def to_examples(
@@ -226,7 +255,8 @@ def to_examples(
     Args:
         rows: dicts as read by `read_rows`.
         fmt: one of `FORMATS`, or ``auto`` to detect it from the first row (logged).
-        source: a name for error messages (usually the file path).
+        source: a name for error messages (usually the file path); a row is named ``source:line`` where
+            ``rows`` has lines (`Rows` of a JSON Lines file), else ``source row N``.
         system_prompt: if given, a system message put first in every conversation that has none.
 
     Raises:
@@ -235,22 +265,26 @@ def to_examples(
     """
     if not rows:
         raise ValueError(f"{source}: no rows")
+    lines = getattr(rows, "lines", None)
+
+    def where(i: int) -> str:  # i: 1-based
+        return f"{source}:{lines[i - 1]}" if lines else f"{source} row {i}"
+
     if fmt == "auto":
-        fmt = detect_format(rows[0], f"{source} row 1")
+        fmt = detect_format(rows[0], where(1))
         log.info("data.format=auto: %s looks like the %r format", source, fmt)
     if fmt not in FORMATS:
         close = difflib.get_close_matches(str(fmt), FORMATS, n=1)
         raise ValueError(f"data.format={fmt!r}: {f'did you mean {close[0]}? ' if close else ''}expected auto or one of {FORMATS}")
     examples: list[Example] = []
     for i, row in enumerate(rows, start=1):
-        where = f"{source} row {i}"
-        for messages in _row_to_conversations(row, fmt, where):
+        for messages in _row_to_conversations(row, fmt, where(i)):
             if messages is None:
-                examples.append(Example(text=_string(row, "text", where), source=where))
+                examples.append(Example(text=_string(row, "text", where(i)), source=where(i)))
                 continue
             if system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": system_prompt}, *messages]
-            examples.append(Example(messages=tuple(messages), source=where))
+            examples.append(Example(messages=tuple(messages), source=where(i)))
     return examples
 
 
@@ -259,9 +293,11 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
     if fmt == "instruction" and row.get("output") is None and row.get("instances") is None:
         missing.append("output (or instances)")
     if missing:
+        has = sorted(k for k, v in row.items() if v is not None)
+        wanted = [name for f in _REQUIRED[fmt] for name in f.split(" | ")]
         raise ValueError(
             f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing or null: {missing} "
-            f"(the row has {sorted(k for k, v in row.items() if v is not None)})"
+            f"(the row has {has}{_close_keys(has, wanted)})"
         )
     if fmt == "text":
         yield None
@@ -277,7 +313,11 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
             raise ValueError(f"{where}: 'instances' must be a non-empty list of {{input, output}}")
         for j, inst in enumerate(instances):
             if not isinstance(inst, dict) or inst.get("output") is None:
-                raise ValueError(f"{where}: instances[{j}] needs an 'output' field")
+                has = sorted(inst) if isinstance(inst, dict) else []
+                raise ValueError(
+                    f"{where}: instances[{j}] needs an 'output' field"
+                    + (f" (it has {has}{_close_keys(has, ['input', 'output'])})" if isinstance(inst, dict) else f", got a {type(inst).__name__}")
+                )
             inst_where = where if flat else f"{where} instances[{j}]"
             given = inst.get("input")
             given = "" if given is None else _string(inst, "input", inst_where)
@@ -289,8 +329,13 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
             raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
         out = []
         for j, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"{where}: messages[{j}] must have 'role' and 'content'")
+            if not isinstance(m, dict):
+                raise ValueError(f"{where}: messages[{j}] must be an object with 'role' and 'content', got a {type(m).__name__}")
+            if absent := [k for k in ("role", "content") if k not in m]:
+                raise ValueError(
+                    f"{where}: messages[{j}] has no {' or '.join(map(repr, absent))} "
+                    f"(it has {sorted(m)}{_close_keys(sorted(m), ['role', 'content'])})"
+                )
             if m["role"] not in ROLES:
                 raise ValueError(f"{where}: messages[{j}] has the unknown role {m['role']!r}; expected one of {ROLES}")
             out.append(_msg(m["role"], _string(m, "content", f"{where} messages[{j}]")))

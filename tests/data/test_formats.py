@@ -72,8 +72,30 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
     instruction = {"instruction": "i", "input": "x", "output": "o"}
     mixed = read_rows(_jsonl(tmp_path / "mixed.jsonl", qa[:2] + [instruction] + qa[3:]))
     has = r"\(the row has \['input', 'instruction', 'output'\]\)"
-    with pytest.raises(ValueError, match=rf"data row 3: the 'qa' format needs .*{has}"):
+    with pytest.raises(ValueError, match=rf"data:3: the 'qa' format needs .*{has}"):  # the row's line
         to_examples(mixed)
+
+
+@pytest.mark.parametrize(
+    "rows, error",
+    [
+        ([{"question": "q", "answer": "a"}, {"question": "q", "answr": "a"}],
+         r"train.jsonl:4: the 'qa' format needs the fields \['question', 'answer'\]; missing or null: \['answer'\] "
+         r"\(the row has \['answr', 'question'\]; did you mean 'answer' for 'answr'\?\)"),
+        ([{"instruction": "i", "output": "o"}, {"instruction": "i", "instances": [{"input": "x", "ouptut": "o"}]}],
+         r"train.jsonl:4: instances\[0\] needs an 'output' field \(it has \['input', 'ouptut'\]; did you mean 'output' for 'ouptut'\?\)"),
+        ([{"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "user", "text": "x"}]}],
+         r"train.jsonl:4: messages\[0\] has no 'content' \(it has \['role', 'text'\]\)"),
+        ([{"question": "q", "answr": "a"}],
+         r"train.jsonl:1: cannot tell the data format from the fields \['answr', 'question'\]; .*; did you mean 'answer' for 'answr'\?"),
+    ],
+)
+def test_a_row_missing_a_field_is_named_by_file_line_and_the_field(tmp_path, rows, error):
+    """The row's line in the file (blank lines counted), the missing key, and the row's key closest to it."""
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n" + "".join(f"\n\n{json.dumps(r)}\n" for r in rows[1:]))
+    with pytest.raises(ValueError, match=error.replace("train.jsonl", str(path))):
+        to_examples(read_rows(str(path)), source=str(path))
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
@@ -90,7 +112,7 @@ def test_json_rows_are_read_as_written(tmp_path, suffix):
     assert read_rows(str(path)) == rows
     (first,) = to_examples(read_rows(str(path))[:1])
     assert first.messages[0]["content"] == "Repeat the code\n\n007"
-    with pytest.raises(ValueError, match=r"data row 2: field 'input' must be a string, got int"):
+    with pytest.raises(ValueError, match=r"data(:| row )2: field 'input' must be a string, got int"):  # :line in .jsonl
         to_examples(read_rows(str(path))[:2])
     assert to_examples(read_rows(str(path))[2:])[0].messages[1]["content"] == "1945-05-08"
 
