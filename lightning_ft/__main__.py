@@ -178,13 +178,18 @@ def _raised_by_us(err: BaseException) -> bool:
 def _bench_task(cfg) -> None:
     _start_task()
     from lightning_ft.bench.runner import run_bench
+    from lightning_ft.run_dir import remove_unused_run_dir
 
     try:
         run_bench(cfg)
     except ValueError as err:
+        remove_unused_run_dir()
         if not _raised_by_us(err):
             raise
         _report(err)
+    except BaseException:
+        remove_unused_run_dir()
+        raise
 
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")

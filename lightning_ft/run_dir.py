@@ -85,12 +85,15 @@ def remove_unused_run_dir() -> Path | None:
     for handler in logs:
         root.removeHandler(handler)
         handler.close()
-    shutil.rmtree(run_dir)
-    for parent in run_dir.parents:
-        if not parent.is_relative_to(top) or any(parent.iterdir()):
-            break
-        parent.rmdir()
     _created = None
+    try:  # another process of a job step (srun) may be removing it too
+        shutil.rmtree(run_dir)
+        for parent in run_dir.parents:
+            if not parent.is_relative_to(top) or any(parent.iterdir()):
+                break
+            parent.rmdir()
+    except OSError:
+        pass
     return run_dir
 
 

@@ -1,6 +1,7 @@
 """The real CLI and the real configs, the way a user runs them."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from cli_helpers import run_cli, summary
+from cli_helpers import FAST, run_cli, summary
 from lightning_ft.config import config_dir, register_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,6 +214,41 @@ def test_flag_commands_name_the_program_as_it_is_run(command, capsys):
     name = " ".join(["python -m lightning_ft", *command])
     assert exit_.value.code == 2 and err.startswith(f"usage: {name} [-h]") and "__main__" not in err
     assert f"{name}: error: " in err
+
+
+def _fit(cwd, *overrides):
+    """``python -m lightning_ft fit <overrides>`` run in ``cwd`` (the default run folder: ``cwd/outputs/...``)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, "-m", "lightning_ft", "fit", *overrides], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _hydra_wrapping(stderr):
+    return [s for s in ("Error executing job", "HYDRA_FULL_ERROR", "Traceback") if s in stderr]
+
+
+def test_a_refused_run_prints_one_error_exits_1_and_removes_the_run_folder_it_created(tmp_path):
+    proc = _fit(tmp_path, "data=jsonl")  # no data.path: refused by a check, after Hydra made outputs/<date>/<time>/
+    assert proc.returncode == 1 and not _hydra_wrapping(proc.stderr), proc.stderr
+    assert proc.stderr.splitlines()[-1] == "error: required but not set: data.path (e.g. data.path=train.jsonl)"
+    assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/, and no empty outputs/<date>/ either
+
+
+def test_a_refused_run_leaves_an_existing_folder_and_writes_no_summary(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    proc = _fit(tmp_path, "data=jsonl", "hydra.run.dir=run")
+    assert proc.returncode == 1 and "error: required but not set: data.path" in proc.stderr and not _hydra_wrapping(proc.stderr)
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine" and not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_ctrl_c_before_the_first_checkpoint_prints_one_line_and_exits_130(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=3", "+callbacks.int._target_=cli_helpers.SignalAtStep",
+                   "+callbacks.int.step=0", "+callbacks.int.signal_name=SIGINT", ok=False)
+    assert proc.returncode == 130 and not _hydra_wrapping(proc.stderr), proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        "interrupted: training stopped at step 0 by Ctrl-C (SIGINT); no checkpoint was written yet")
+    assert summary(tmp_path)["status"] == "stopped"  # the folder has the run's files: kept
 
 
 @pytest.mark.parametrize("override", ["hparams_search=optuna", "+hparams_search=optuna"])

@@ -9,6 +9,7 @@ transformers classes) never leak from one to the next.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -72,7 +73,9 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
 
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
-        raise ValueError(f"systems: unknown {unknown}; known: {list(SYSTEMS)}")
+        close = sorted({c for s in unknown for c in difflib.get_close_matches(str(s), list(SYSTEMS), n=1)})
+        suggestion = f"did you mean {', '.join(close)}? " if close else ""
+        raise ValueError(f"systems: unknown {unknown}; {suggestion}known: {list(SYSTEMS)}")
     schema = OmegaConf.structured(command_schema("bench"))
     try:  # the keys as `fit` reads the shared groups: a typo (`+warmup_step=`) or a bad value would be ignored or measure something else
         OmegaConf.merge(schema, cfg)

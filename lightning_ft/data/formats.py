@@ -47,7 +47,7 @@ class Example:
     Attributes:
         messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` or None.
         text: the document for the ``text`` format, or None.
-        source: where it came from (``file row N``), used in error messages.
+        source: where it came from (``file:line``, or ``file row N`` without lines), used in error messages.
     """
 
     messages: tuple[dict[str, str], ...] | None = None
