@@ -1,8 +1,9 @@
-"""Patch transformers' Qwen3-MoE sparse blocks with sync-free routing, grouped experts and split LoRA.
+"""Patch transformers' sparse MoE blocks with sync-free routing, grouped experts and split LoRA.
 
 `apply_moe` replaces, per instance and reversibly (`revert_moe`), the forward of every sparse MoE
-block that a patch table names (`lightning_ft.model.patching.MoEClasses`; Qwen3-MoE:
-``Qwen3MoeSparseMoeBlock``); the classes, the router and the weights are untouched. Shape suffixes as
+block that a patch table names (`lightning_ft.model.patching.MoEClasses`: Qwen3-MoE's
+``Qwen3MoeSparseMoeBlock``, Mixtral's ``MixtralSparseMoeBlock``, GLM-4.5's ``Glm4MoeMoE``,
+DeepSeek-V3's ``DeepseekV3MoE``); the classes, the router and the weights are untouched. Shape suffixes as
 in `lightning_ft.kernels.moe`: T tokens, K top_k, E experts, D hidden.
 
 Patched block forward, once per layer:
@@ -10,9 +11,14 @@ Patched block forward, once per layer:
     router_logits_TE, topk_weight_TK, topk_idx_TK = self.gate(x_TD)   # HF's router, a module call
     routing = sort_by_expert(topk_idx_TK, E)                          # stable sort, int32 offsets
     out_TD  = moe_experts(x_TD, topk_weight_TK, routing, W_gate_up, W_down, act, LoRA..., backend)
+    out_TD += self.shared_experts(x_TD)                               # GLM-4.5 / DeepSeek-V3 only
+
+Mixtral's ``router_jitter_noise`` (training only) scales the block's input by the same uniform draw
+as transformers' block. The first ``first_k_dense_replace`` layers of GLM-4.5 / DeepSeek-V3 hold a
+dense MLP, not a sparse block: the ``swiglu`` kernel's, like the shared experts.
 
 In the CUDA graphs' recompute of a decoder layer (`recomputing_for_backward`) the output of a block
-that is its decoder layer's ``mlp`` (``Qwen3MoeDecoderLayer``) only feeds the layer's residual sum, whose value nobody
+that is its decoder layer's ``mlp`` (the table's ``decoder_layer``) only feeds the layer's residual sum, whose value nobody
 reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
 needs neither). A block used anywhere else always computes its output.
 
@@ -26,13 +32,14 @@ routes again (the same kernels on the same input: the same order), so the kept r
 ``grouped_mm`` backend only; the others recompute (their forward offers nothing to keep).
 
 Router logits: transformers v5 collects ``output_router_logits`` with forward hooks that its
-``capture_outputs`` decorator installs on every ``Qwen3MoeTopKRouter`` (``OutputRecorder(index=0)``).
+``capture_outputs`` decorator installs on every router (``Qwen3MoeTopKRouter``, ...; ``OutputRecorder(index=0)``).
 The patched block calls ``self.gate`` as a module, exactly as the stock block does, so the hooks fire
 and the load-balancing loss (``router_aux_loss_coef``) sees what the installed transformers records.
-Note: the router itself is left stock on purpose. Its math (fp32 softmax, top-k, ``norm_topk_prob``)
-is `topk_routing`'s and is already sync-free, and what its first output holds has differed across
+Note: the router itself is left stock on purpose. Its math (the table's ``router_kind``:
+`topk_routing` or `grouped_topk_routing`, tested equal) is already sync-free, and what its first output holds has differed across
 transformers 5.x releases (some returned the softmax probabilities there), so keeping HF's module
-keeps the aux loss identical to stock on every version. Only its ``torch.topk`` call is served by our
+keeps the aux loss identical to stock on every version (and DeepSeek-V3's ``e_score_correction_bias``
+where transformers keeps it). Only its ``torch.topk`` calls on [T, E] rows are served by our
 kernel (`lightning_ft.kernels.moe.routing.topk`, through a torch function mode around the call: the
 same experts and weights; torch's radix select took ~60 µs per call at 8K tokens on the H200). Whether
 the router trains is the model builder's business (`lightning_ft.model.router`, ``moe.train_router``):
@@ -54,7 +61,8 @@ of a pass of its own.
 
 Order: either order with ``get_peft_model`` works; the LoRA is looked up per forward.
 
-Sources: transformers v5 ``models/qwen3_moe/modeling_qwen3_moe.py``, ``utils/output_capturing.py``;
+Sources: transformers v5 ``models/qwen3_moe/modeling_qwen3_moe.py``, ``models/mixtral/modeling_mixtral.py``,
+``models/glm4_moe/modeling_glm4_moe.py``, ``models/deepseek_v3/modeling_deepseek_v3.py``, ``utils/output_capturing.py``;
 PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper``).
 """
 
@@ -80,11 +88,11 @@ logger = logging.getLogger(__name__)
 
 _BACKEND_ATTR = "_lightning_ft_moe_backend"
 _PREVIOUS_FORWARD_ATTR = "_lightning_ft_moe_previous_forward"  # the block's instance `forward`, or None
-_FEEDS_RESIDUAL_ATTR = "_lightning_ft_moe_feeds_residual"  # the block is a Qwen3MoeDecoderLayer's mlp
+_FEEDS_RESIDUAL_ATTR = "_lightning_ft_moe_feeds_residual"  # the block is its decoder layer's mlp
 
 
 def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
-    """Patch every Qwen3-MoE sparse block of ``model`` (plain or PEFT-wrapped) to our MoE path.
+    """Patch every sparse MoE block a patch table names in ``model`` (plain or PEFT-wrapped) to our MoE path.
 
     Calling it again re-patches with the new settings.
 
@@ -172,7 +180,11 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
 
 
 def _sparse_moe_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Routed experts on [..., D] hidden states; same output as ``Qwen3MoeSparseMoeBlock.forward``."""
+    """Routed (and shared) experts on [..., D] hidden states; the output of the table's sparse block
+    (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``Glm4MoeMoE``, ``DeepseekV3MoE``)."""
+    jitter = getattr(self, "jitter_noise", 0.0)
+    if self.training and jitter > 0:  # Mixtral's router_jitter_noise: the same draw as transformers' (out of place)
+        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
     hidden_dim = hidden_states.shape[-1]
     x_TD = hidden_states.reshape(-1, hidden_dim)
     with _RouterTopK():  # HF's router, its torch.topk on our kernel
@@ -189,17 +201,20 @@ def _sparse_moe_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor
         gate_up_lora=loras.get("gate_up_proj"),
         down_lora=loras.get("down_proj"),
         backend=getattr(self, _BACKEND_ATTR),
-        # Qwen3MoeDecoderLayer returns residual + mlp(...): in the graphs' recompute nothing reads it
+        # the decoder layer returns residual + mlp(...): in the graphs' recompute nothing reads it
         output_needed=not (getattr(self, _FEEDS_RESIDUAL_ATTR) and recomputing_for_backward()),
         keep=kept.active("projections"),
     )
-    return out_TD.view_as(hidden_states)
+    out = out_TD.view_as(hidden_states)
+    shared_experts = getattr(self, "shared_experts", None)  # DeepSeek-V3 / GLM-4.5: a dense MLP on every token
+    return out if shared_experts is None else out + shared_experts(hidden_states)
 
 
 def _plain_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
     """``(input, k)`` of a ``torch.topk`` call that `topk` computes: a 2-D input along its last dim,
-    largest, sorted, no ``out``; else None."""
-    if isinstance(input, torch.Tensor) and input.dim() == 2 and dim in (-1, 1) and largest and sorted and out is None:
+    largest, no ``out``; else None. ``sorted=False`` too (DeepSeek-V3's and GLM-4.5's routers): it
+    promises no order, so `topk`'s sorted one serves, with the same selection."""
+    if isinstance(input, torch.Tensor) and input.dim() == 2 and dim in (-1, 1) and largest and out is None:
         return input, k
     return None
 

@@ -11,8 +11,9 @@ What gets patched, per kernel switch:
     swiglu    every instance of the table's dense MLP classes: `forward` becomes
               `down_proj(swiglu(gate_proj(x), up_proj(x)))`, or with ``fused_gate_up`` (Phi-3's one
               ``gate_up_proj``, gate first) `down_proj(swiglu_concat(gate_up_proj(x)))`. The
-              projections are called as they are, so PEFT's LoRA layers on them still apply. Qwen3-MoE's experts
-              (`Qwen3MoeExperts`) are not touched here: MoE dispatch lives in model/moe.py.
+              projections are called as they are, so PEFT's LoRA layers on them still apply. Routed
+              experts (`Qwen3MoeExperts`, ...) are not touched here: MoE dispatch lives in model/moe.py;
+              shared experts and dense layers of an MoE model are the table's MLP class.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
     lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
@@ -66,9 +67,10 @@ _RECORD_ATTR = "_lightning_ft_kernel_undo"
 class MoEClasses:
     """An architecture's sparse MoE classes, whose blocks `lightning_ft.model.moe.apply_moe` patches."""
 
-    sparse_block: str  # forward([..., D]) -> [..., D]; holds ``gate`` (the router) and ``experts``
+    sparse_block: str  # forward([..., D]) -> [..., D]; holds ``gate`` (the router), ``experts`` and any ``shared_experts``
     router: str  # the top-k router: its weight is frozen unless ``moe.train_router``
     decoder_layer: str  # returns ``residual + mlp(...)``: its ``mlp`` output feeds only that sum
+    router_kind: str = "softmax_topk"  # the router's math: a key of `lightning_ft.kernels.moe.routing.ROUTER_KINDS`
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,25 @@ PATCH_TABLES: dict[str, PatchTable] = {
         "transformers.models.qwen3_moe.modeling_qwen3_moe", ("Qwen3MoeRMSNorm",), ("Qwen3MoeMLP",),
         ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS),
         moe=MoEClasses("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeDecoderLayer"),
+    ),
+    # every MLP is an expert block (no dense MLP); router_jitter_noise applied as transformers does
+    "mixtral": PatchTable(
+        "transformers.models.mixtral.modeling_mixtral", ("MixtralRMSNorm",), (), ("v_proj", "o_proj"),
+        moe=MoEClasses("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralDecoderLayer"),
+        stock=(("swiglu", "no dense MLP: the experts' SwiGLU runs in the MoE backend (the moe group)"),),
+    ),
+    # the first first_k_dense_replace layers dense (Glm4MoeMLP, also the shared experts); partial rotary
+    "glm4_moe": PatchTable(
+        "transformers.models.glm4_moe.modeling_glm4_moe", ("Glm4MoeRMSNorm",), ("Glm4MoeMLP",),
+        ("v_proj", "o_proj", *_MLP_LINEARS),
+        moe=MoEClasses("Glm4MoeMoE", "Glm4MoeTopkRouter", "Glm4MoeDecoderLayer", router_kind="sigmoid_grouped"),
+    ),
+    # MLA attention stays transformers' (its RoPE included); the MoE as GLM-4.5's
+    "deepseek_v3": PatchTable(
+        "transformers.models.deepseek_v3.modeling_deepseek_v3", ("DeepseekV3RMSNorm",), ("DeepseekV3MLP",),
+        ("o_proj", *_MLP_LINEARS),
+        moe=MoEClasses("DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3DecoderLayer", router_kind="sigmoid_grouped"),
+        stock=(("rope", "MLA rotates a slice of q and k (interleaved with rope_interleave), which our in-place RoPE does not take"),),
     ),
 }  # fmt: skip
 

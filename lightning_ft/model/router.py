@@ -15,7 +15,8 @@ Router training (``moe.train_router``):
 says (a ``lora.init_from`` adapter or ``lora.modules_to_save`` that disagrees) and returns the
 warning for a router that the LM loss cannot move (`router_gradient_note`).
 
-Load-balancing loss (``model.config.output_router_logits`` and ``router_aux_loss_coef``):
+Load-balancing loss (``model.config.output_router_logits`` and ``router_aux_loss_coef``; Qwen3-MoE
+and Mixtral, refused for GLM-4.5 and DeepSeek-V3, whose transformers code computes none):
 `load_balancing_loss` is transformers' own ``load_balancing_loss_func`` of the model's modeling
 module (Switch Transformer, eqs. 4-6: ``num_experts · Σ_e f_e · P_e`` over every layer's tokens),
 called on the router logits that transformers' ``output_router_logits`` hooks collect, exactly as
@@ -163,9 +164,15 @@ def load_balancing_loss_function(model: torch.nn.Module) -> Callable[..., torch.
     """
     func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     if func is None:
+        bias = any(hasattr(router, "e_score_correction_bias") for _, router in _routers(model))
+        why = (
+            " (its routers balance the experts with e_score_correction_bias, DeepSeek-V3's auxiliary-loss-free bias, "
+            "which shifts the expert choice and is no trained weight: training leaves it as loaded)"
+            if bias else ""
+        )
         raise ValueError(
             f"model.config.output_router_logits=true: {type(model).__name__}'s module ({type(model).__module__}) has no "
-            "load_balancing_loss_func, so there is no load-balancing loss to add; set model.config.output_router_logits=false"
+            f"load_balancing_loss_func{why}, so there is no load-balancing loss to add; set model.config.output_router_logits=false"
         )
     return func
 

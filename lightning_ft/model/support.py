@@ -85,6 +85,9 @@ def tiny_config(config: Any) -> Any:
         values[layers] = 2
     if values.get("sliding_window"):
         values["sliding_window"] = _PROBE_WINDOW
+    if values.get("kv_lora_rank") is not None:  # MLA (DeepSeek-V3): keys and values come in every query head, and
+        values["num_key_value_heads"] = values["num_attention_heads"]  # the rotary tables span the RoPE part only
+        values["head_dim"] = values.get("qk_rope_head_dim", values["head_dim"])
     values.pop("mlp_only_layers", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocabulary
         if values.get(key) is not None:

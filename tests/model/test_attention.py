@@ -27,7 +27,23 @@ TINY = {
         model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=97,
     ),
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=97,
+    ),
+    "glm4_moe": dict(
+        model_type="glm4_moe", hidden_size=48, intermediate_size=96, moe_intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True, vocab_size=97,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", hidden_size=48, intermediate_size=96, moe_intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, vocab_size=97,
+    ),
 }
+MOE_KINDS = ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 CPU_BACKENDS = ["sdpa", "flex"]
 BUILDERS = {"sdpa": "block_causal_mask", "flex": "build_block_mask"}
 ATTEND = {"sdpa": attention.sdpa_attention, "flex": attention.flex_attention}
@@ -186,9 +202,14 @@ def test_varlen_glue_calls_the_api_as_documented(monkeypatch, takes_enable_gqa):
         attention.varlen_attention(q.float(), k.float(), v.float(), batch, None, None)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+@pytest.mark.parametrize("kind", [*MOE_KINDS, "llama"])
 def test_packed_loss_equals_documents_one_by_one(kind):
+    """Stock attention over packed rows; the MoE architectures through our MoE path (native_torch)."""
     model = _model(kind)
+    if kind in MOE_KINDS:
+        from lightning_ft.model.moe import apply_moe
+
+        apply_moe(model, "native_torch")
     docs = _docs([7, 1, 12, 2, 9])
     with torch.no_grad():
         packed = collate_packed(docs)

@@ -1,7 +1,10 @@
-"""apply_moe on a tiny Qwen3-MoE + PEFT LoRA (attention and experts) against the stock HF + PEFT path.
+"""apply_moe on tiny MoE models + PEFT LoRA (attention, experts, dense MLPs) against the stock HF + PEFT path.
 
-Stock = transformers' eager experts loop with PEFT's ``target_parameters`` LoRA, which adds the
-materialised B·A to every expert weight. Each test patches, compares, and reverts.
+Architectures (`ARCHS`, one per patch table with `MoEClasses`): Qwen3-MoE and Mixtral (softmax top-k),
+GLM-4.5 and DeepSeek-V3 (sigmoid scores, a random ``e_score_correction_bias``, group-limited top-k,
+``routed_scaling_factor``, shared experts, a dense first layer). Stock = transformers' eager experts
+loop with PEFT's ``target_parameters`` LoRA, which adds the materialised B·A to every expert weight.
+Each test patches, compares, and reverts.
 """
 
 import logging
@@ -10,12 +13,13 @@ import os
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from lightning_ft.kernels.moe import BACKENDS, grouped_mm
 from lightning_ft.strategies import kept
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, revert_moe
+from lightning_ft.model.patching import moe_classes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -26,28 +30,46 @@ def _skip_unless_runnable(backend: str, device: str) -> None:
         pytest.skip("the triton backend runs on the CPU only under TRITON_INTERPRET=1")
 
 
-def _config(**overrides) -> Qwen3MoeConfig:
-    values = dict(
-        vocab_size=64, hidden_size=40, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=5, num_key_value_heads=1, head_dim=8, num_experts=6, num_experts_per_tok=2,
-        norm_topk_prob=True, router_aux_loss_coef=0.01,
-    )
-    return Qwen3MoeConfig(**(values | overrides))
+COMMON = dict(
+    vocab_size=64, hidden_size=40, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=5, num_key_value_heads=1, head_dim=8, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+)
+GROUPED = dict(  # layer 0 dense, layers 1-2 sparse with shared experts
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, routed_scaling_factor=2.5, norm_topk_prob=True,
+)
+ARCHS = {
+    "qwen3_moe": dict(num_experts=6, norm_topk_prob=True),
+    "mixtral": dict(intermediate_size=16, num_local_experts=6),  # every MLP sparse, experts of intermediate_size
+    "glm4_moe": GROUPED | dict(n_group=2, topk_group=1, n_shared_experts=1, attention_bias=True),
+    "deepseek_v3": GROUPED | dict(  # MLA attention (stock), 3 of 8 experts from 2 of 4 groups
+        num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2, num_key_value_heads=5, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    ),
+}
 
 
-def _base_model(device="cpu", dtype=torch.float32, **overrides) -> Qwen3MoeForCausalLM:
+def _config(arch="qwen3_moe", **overrides):
+    return AutoConfig.for_model(arch, **(COMMON | ARCHS[arch] | overrides))
+
+
+def _base_model(device="cpu", dtype=torch.float32, arch="qwen3_moe", **overrides):
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(_config(**overrides))
+    model = AutoModelForCausalLM.from_config(_config(arch, **overrides))
     model.set_experts_implementation("eager")
+    gen = torch.Generator().manual_seed(5)
+    for router in _routers(model).values():  # transformers initialises it to zeros: make it choose
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape, generator=gen) * 0.01)
     return model.to(device, dtype)
 
 
 def _lora_config() -> LoraConfig:
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS)
+    # down_proj: the dense MLPs and shared experts of GLM-4.5 / DeepSeek-V3 (a no-match elsewhere)
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], target_parameters=EXPERT_PARAMS)
 
 
-def _peft_model(device="cpu", dtype=torch.float32, **overrides):
-    model = get_peft_model(_base_model(device, dtype, **overrides), _lora_config())
+def _peft_model(device="cpu", dtype=torch.float32, arch="qwen3_moe", **overrides):
+    model = get_peft_model(_base_model(device, dtype, arch, **overrides), _lora_config())
     gen = torch.Generator().manual_seed(1)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT initialises B to zero: make LoRA change the output and A's gradient
@@ -60,8 +82,10 @@ def _input_ids(device, batch=2, length=16):
 
 
 def _step(model, input_ids, **kwargs):
-    """Forward with labels and backward; returns the output and the trainable parameters' grads."""
+    """Forward with labels and backward; returns the output and the trainable parameters' grads.
+    The generator is seeded first: Mixtral's router jitter draws the same noise in every run."""
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
     out = model(input_ids=input_ids, labels=input_ids, **kwargs)
     out.loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
@@ -72,17 +96,24 @@ def _rel_err(actual, expected) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
 
 
+CASES = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_e5_top1": ("qwen3_moe", {"num_experts": 5, "num_experts_per_tok": 1, "norm_topk_prob": False}),
+    "mixtral_jitter": ("mixtral", {"router_jitter_noise": 0.1}),  # the model trains: the jitter applies
+    "glm4_moe": ("glm4_moe", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"num_experts": 5, "num_experts_per_tok": 1, "norm_topk_prob": False}],
-    ids=["e6_top2", "e5_top1"],
-)
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_patched_model_matches_stock_fp32(backend, overrides, device):
+def test_patched_model_matches_stock_fp32(backend, case, device):
     _skip_unless_runnable(backend, device)
-    model = _peft_model(device, **overrides)
-    num_experts = model.config.num_experts
+    arch, overrides = CASES[case]
+    model = _peft_model(device, arch=arch, **overrides)
+    assert model.training
+    num_experts = model.config.num_local_experts
     input_ids = _input_ids(device)
     ref, ref_grads = _step(model, input_ids)
     assert apply_moe(model, backend) == backend
@@ -134,8 +165,8 @@ def test_patched_model_bf16_as_close_as_stock(backend, device):
         assert _rel_err(grad, grads32[name]) <= limit, name
 
 
-def _routers(model) -> dict[str, Qwen3MoeTopKRouter]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, Qwen3MoeTopKRouter)}
+def _routers(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, moe_classes("router"))}
 
 
 def _record_routing(model) -> dict[str, torch.Tensor]:
@@ -391,8 +422,11 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(augmented, dtype, d
     revert_moe(block)
 
 
-def test_router_logits_aux_loss_and_gradient_checkpointing():
-    model = _peft_model()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_router_logits_aux_loss_and_gradient_checkpointing(arch):
+    """The router logits transformers records, and its aux_loss where it has one (Qwen3-MoE, Mixtral;
+    GLM-4.5 and DeepSeek-V3 balance through e_score_correction_bias and return none)."""
+    model = _peft_model(arch=arch)
     input_ids = _input_ids("cpu")
     ref, ref_grads = _step(model, input_ids, output_router_logits=True)
     apply_moe(model, "native_torch")
@@ -401,36 +435,46 @@ def test_router_logits_aux_loss_and_gradient_checkpointing():
     out, grads = _step(model, input_ids, output_router_logits=True)
     revert_moe(model)
 
-    assert len(out.router_logits) == 2
+    assert len(out.router_logits) == 2  # the sparse layers
     for logits, ref_logits in zip(out.router_logits, ref.router_logits):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out.aux_loss, ref.aux_loss)
+    assert (getattr(ref, "aux_loss", None) is None) == (arch in ("glm4_moe", "deepseek_v3"))
+    if arch in ("qwen3_moe", "mixtral"):
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss)
     torch.testing.assert_close(out.loss, ref.loss)  # includes router_aux_loss_coef * aux_loss
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6)
 
 
-def test_router_top_k_runs_our_kernel_and_other_torch_calls_stay(monkeypatch):
-    """HF's router runs as it is, but its torch.topk is `routing.topk` (two sparse layers: two
-    calls); a top-k our kernel does not compute (here: not sorted) reaches torch.topk."""
+TOPK_CALLS = {  # per sparse layer: the [T, E] top-k (GLM-4.5: also the top group of 2; its 3-D top-2 stays torch's)
+    "qwen3_moe": [((32, 6), 2)],
+    "glm4_moe": [((32, 2), 1), ((32, 8), 2)],
+}
+
+
+@pytest.mark.parametrize("arch", TOPK_CALLS)
+def test_router_top_k_runs_our_kernel_and_other_torch_calls_stay(arch, monkeypatch):
+    """HF's router runs as it is, but its 2-D torch.topk calls (sorted or not) are `routing.topk`
+    (two sparse layers: twice each); a top-k our kernel does not compute (here: smallest) reaches
+    torch.topk."""
     import lightning_ft.model.moe as moe_module
     from lightning_ft.kernels.moe import routing
 
     calls = []
     monkeypatch.setattr(moe_module, "topk", lambda x, k: calls.append((tuple(x.shape), k)) or routing.topk(x, k))
-    model = _peft_model()
+    model = _peft_model(arch=arch)
     input_ids = _input_ids("cpu")
     ref, ref_grads = _step(model, input_ids)
     apply_moe(model, "native_torch")
     out, grads = _step(model, input_ids)
     revert_moe(model)
-    assert calls == [((32, 6), 2)] * 2
+    assert calls == TOPK_CALLS[arch] * 2
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6)
     with moe_module._RouterTopK():
-        values, _ = torch.topk(torch.tensor([[1.0, 3.0, 2.0]]), 2, sorted=False)
-    assert len(calls) == 2 and sorted(values[0].tolist()) == [2.0, 3.0]
+        values, _ = torch.topk(torch.tensor([[1.0, 3.0, 2.0]]), 2, largest=False)
+    assert len(calls) == 2 * len(TOPK_CALLS[arch]) and values[0].tolist() == [1.0, 2.0]
 
 
 def test_a_trainable_router_gets_the_stock_gradient_and_apply_moe_leaves_requires_grad_alone():
@@ -512,7 +556,8 @@ def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):
         assert chosen == "native_torch"
     with pytest.raises(ValueError, match="unknown MoE backend"):
         apply_moe(model, "megablocks")
-    with pytest.raises(ValueError, match=r"has no sparse MoE block \(Qwen3MoeSparseMoeBlock\)"):
+    blocks = r"Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, Glm4MoeMoE, DeepseekV3MoE"
+    with pytest.raises(ValueError, match=rf"has no sparse MoE block \({blocks}\)"):
         apply_moe(torch.nn.Linear(2, 2), "auto")
 
 

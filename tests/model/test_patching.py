@@ -1,4 +1,4 @@
-"""Patch tables end to end: tiny random Llama / Qwen3 / Qwen3-MoE models with PEFT LoRA, kernels all
+"""Patch tables end to end: a tiny random model of every table's architecture with PEFT LoRA, kernels all
 on vs all off, forward and backward, and `revert_kernels` back to stock.
 
 Tolerances, kernels on vs off:
@@ -36,8 +36,11 @@ from lightning_ft.model.patching import (
 
 ALL_ON = {"rms_norm": True, "rope": True, "swiglu": True, "lora": True, "fused_linear_cross_entropy": True}
 ALL_OFF = dict.fromkeys(ALL_ON, False)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
-FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe"]
+LORA_TARGETS = [
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
+]  # fmt: skip
+FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 # Packed documents of length 3, 1, 4, 1, 1, 2: position_ids restart at 0 per document.
 POSITION_IDS = [0, 1, 2, 0, 0, 1, 2, 3, 0, 0, 0, 1]
 
@@ -67,6 +70,14 @@ def _tiny_config(model_type):
         return transformers.Gemma3TextConfig(
             **common, sliding_window=3, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
         )
+    if model_type == "mixtral":  # every MLP sparse: no dense MLP for swiglu
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    grouped = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1)
+    if model_type == "glm4_moe":  # layer 0 dense, layer 1 sparse with a shared expert (both patched); partial rotary
+        return transformers.Glm4MoeConfig(**common, **grouped, attention_bias=True)
+    if model_type == "deepseek_v3":  # as GLM-4.5, with MLA attention (its RoPE stays transformers')
+        mla = dict(num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        return transformers.DeepseekV3Config(**(common | mla), **grouped)
     # Layer 0 dense (Qwen3MoeMLP, patched), layer 1 sparse (Qwen3MoeExperts, left alone).
     return transformers.Qwen3MoeConfig(
         **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]
@@ -118,7 +129,8 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     fused_mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
     assert all(m.forward.__func__ is fused_mlp for m in mlps)
     assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
-    assert modeling.apply_rotary_pos_emb is _fused_apply_rotary_pos_emb
+    rope = stock_rope if "rope" in stock else _fused_apply_rotary_pos_emb
+    assert modeling.apply_rotary_pos_emb is rope
     logits_on, loss_on, grads_on = _step(model, device)
 
     torch.testing.assert_close(logits_on, logits_off, atol=1e-5, rtol=1e-5)
@@ -198,7 +210,7 @@ def test_rejects_unknown_switches_and_runs_an_unknown_architecture_stock():
     lines = apply_kernels(model, ALL_ON)
     assert lines[0].startswith("lora: ") and lines[0].endswith(" x peft lora.Linear")
     for line, name in zip(lines[1:], ["rms_norm", "swiglu", "rope"], strict=True):
-        assert line.startswith(f"{name}: stock (no patch table for model_type 'gpt2'; tables exist for ['gemma3_text', ")
+        assert line.startswith(f"{name}: stock (no patch table for model_type 'gpt2'; tables exist for ['deepseek_v3', ")
     assert not any("forward" in m.__dict__ for m in model.modules() if "RMSNorm" in type(m).__name__)
     assert apply_kernels(model, ALL_OFF) == []
 

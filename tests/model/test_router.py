@@ -5,6 +5,7 @@ same documents unpacked into padded rows with an ``attention_mask``.
 """
 
 import os
+from pathlib import Path
 import warnings
 
 import pytest
@@ -214,3 +215,34 @@ def test_router_training_refusals_name_the_keys(tmp_path):
     _module().model.save_pretrained(tmp_path)  # an adapter without the router
     with pytest.raises(ValueError, match=r"moe.train_router=true, but the MoE routers stay frozen: the lora.init_from adapter"):
         _module(lora={**LORA, "init_from": str(tmp_path)}, train_router=True)
+
+
+@pytest.mark.parametrize("name", ["mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
+def test_aux_loss_of_each_moe_family(name):
+    """Mixtral: the load-balancing loss is transformers' function of its router logits, with our MoE path.
+    GLM-4.5 and DeepSeek-V3 have none in transformers (their bias balances the experts): refused at build."""
+    import yaml
+
+    from lightning_ft.config import config_dir
+
+    model = yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
+    model["config"] |= AUX
+    lora = {**LORA, "target_modules": ["o_proj"]}  # in every family (MLA has no q_proj / v_proj with q_lora_rank)
+    builder = ModelBuilder(model=model, lora=lora, moe={"backend": "native_torch"}, vocab_size=64)
+    if name != "mixtral_tiny":
+        with pytest.raises(ValueError, match=r"output_router_logits=true: .*ForCausalLM's module .* no load_balancing_loss_func "
+                                             r"\(its routers balance the experts with e_score_correction_bias.*output_router_logits=false"):
+            FinetuneModule(builder).configure_model()
+        return
+    torch.manual_seed(0)
+    module = FinetuneModule(builder)
+    module.configure_model()
+    batch = collate_packed(_docs([11, 6, 9]))
+    _, aux_loss = module.loss_terms(batch)
+    with torch.no_grad():
+        logits = module.hf_model.model(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch,
+                                       output_router_logits=True).router_logits
+    from transformers.models.mixtral import modeling_mixtral
+
+    assert len(logits) == 2 and aux_loss > 0.5
+    torch.testing.assert_close(aux_loss, modeling_mixtral.load_balancing_loss_func(logits, 4, 2), rtol=1e-6, atol=0)

@@ -4,9 +4,17 @@ Shape suffixes: T tokens, K top_k, E num_experts, D hidden size, S = T*K routed 
 pairs. A tensor ending in ``_S`` is in expert-sorted order: the pairs of expert 0 first, then those
 of expert 1, ..., each expert's pairs in (token, k) order because the sort is stable.
 
-Math (as transformers' ``Qwen3MoeTopKRouter``): ``probs = softmax(router_logits)`` in fp32,
-``topk_weight, topk_idx = topk(probs, K)``, divided by their sum when ``norm_topk_prob``, cast back to
-the logits' dtype.
+Router kinds (`ROUTER_KINDS`; a patch table names its architecture's, `MoEClasses.router_kind`):
+
+    softmax_topk     `topk_routing` (Qwen3-MoE, Mixtral): ``probs = softmax(router_logits)`` in fp32,
+                     ``topk_weight, topk_idx = topk(probs, K)``, divided by their sum when
+                     ``norm_topk_prob`` (Mixtral always), cast back to the logits' dtype.
+    sigmoid_grouped  `grouped_topk_routing` (DeepSeek-V3, GLM-4.5): ``scores = sigmoid(logits)``;
+                     the choice ranks ``scores + bias`` (``e_score_correction_bias``) within the
+                     ``topk_group`` best of ``n_group`` expert groups (a group's rank: the sum of
+                     its two best); the weights are the chosen experts' unbiased scores,
+                     divided by their sum (+1e-20) when ``norm_topk_prob``, times
+                     ``routed_scaling_factor``.
 
 Grouping, with no device-to-host sync and no per-expert loop:
 
@@ -21,7 +29,8 @@ reads the input's min and max back to the host (two syncs per call) and ``histc`
 on the CPU; searchsorted is sync-free on every device, deterministic, and yields the cumulative
 offsets directly.
 
-Sources: transformers ``modeling_qwen3_moe.py`` (router) and ``integrations/moe.py`` (sort +
+Sources: transformers ``modeling_qwen3_moe.py``, ``modeling_mixtral.py``, ``modeling_deepseek_v3.py``
+and ``modeling_glm4_moe.py`` (routers) and ``integrations/moe.py`` (sort +
 histc grouping of its ``grouped_mm`` experts path); the offsets convention of ``torch._grouped_mm``.
 """
 
@@ -36,7 +45,8 @@ import triton.language as tl
 from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run
 
 __all__ = [
-    "ExpertRouting", "permute_tokens", "sort_by_expert", "sum_pairs", "topk", "topk_routing", "unpermute_tokens", "unread_output",
+    "ROUTER_KINDS", "ExpertRouting", "grouped_topk_routing", "permute_tokens", "sort_by_expert", "sum_pairs", "topk",
+    "topk_routing", "unpermute_tokens", "unread_output",
 ]  # fmt: skip
 
 TOPK_MAX_K = 32  # `topk`'s kernel unrolls its K selections
@@ -134,7 +144,7 @@ def topk_routing(
 
     The math of transformers' ``Qwen3MoeTopKRouter`` (the same values, tested; the top-k by `topk`,
     whose order among equal weights may differ), for callers that own their router: the benchmark's
-    routing rows and model-free use of these kernels. The Qwen3-MoE patch keeps HF's router module
+    routing rows and model-free use of these kernels. The MoE patch keeps HF's router module
     so that ``router_logits`` stay what transformers records (its top-k runs `topk` too).
 
     Args:
@@ -158,6 +168,74 @@ def topk_routing(
     if norm_topk_prob:
         topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(dim=-1, keepdim=True)
     return topk_weight_TK.to(router_logits_TE.dtype), topk_idx_TK
+
+
+def grouped_topk_routing(
+    router_logits_TE: torch.Tensor,
+    top_k: int,
+    bias_E: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores, a selection bias and group-limited top-k: DeepSeek-V3's routing.
+
+    The math of transformers' ``DeepseekV3TopkRouter`` and ``Glm4MoeTopkRouter`` (the same values
+    and experts, tested, ties and groups included): ``scores = sigmoid(logits)`` in fp32; each of
+    the ``n_group`` groups of E / n_group consecutive experts is ranked by the sum of its two best
+    ``scores + bias``; the experts of all but the ``topk_group`` best groups are masked out; the K
+    best remaining ``scores + bias`` choose the experts (`topk`: torch.topk's choice among equal
+    values on the GPU, torch.topk itself on the CPU); their weights are their unbiased scores,
+    divided by their sum (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``. With one
+    group (GLM-4.5-Air) the group stage is skipped: it masks nothing. Every step is a tensor op on
+    the device: no host sync.
+
+    Args:
+        router_logits_TE: [T, E] router logits, any float dtype (transformers computes them in fp32).
+        top_k: experts per token, 1 <= top_k <= topk_group * E / n_group.
+        bias_E: [E] ``e_score_correction_bias``: shifts which experts are chosen, not their weights.
+        n_group: expert groups, dividing E.
+        topk_group: groups a token may route to, 1 <= topk_group <= n_group.
+        norm_topk_prob: divide the k weights of a token by their sum.
+        routed_scaling_factor: multiplies every weight.
+
+    Returns:
+        ``topk_weight_TK`` [T, K] in the logits' dtype (computed in fp32) and ``topk_idx_TK`` [T, K]
+        int64 expert ids, in descending order of ``scores + bias``.
+
+    Raises:
+        ValueError: logits not 2-D, a bias of another length, or group sizes / ``top_k`` out of range.
+    """
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
+    num_experts = router_logits_TE.shape[1]
+    if bias_E.shape != (num_experts,):
+        raise ValueError(f"bias_E must be [E={num_experts}], got shape {tuple(bias_E.shape)}")
+    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and 1 <= topk_group={topk_group} <= n_group")
+    if not 1 <= top_k <= topk_group * (num_experts // n_group):
+        raise ValueError(
+            f"top_k={top_k} must be in [1, topk_group * num_experts / n_group = {topk_group * (num_experts // n_group)}]"
+        )
+    scores_TE = router_logits_TE.float().sigmoid()
+    choice_TE = scores_TE + bias_E.float()
+    if n_group > 1:
+        group_size = num_experts // n_group
+        group_scores_TG = choice_TE.view(-1, n_group, group_size).topk(min(2, group_size), dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores_TG, topk_group, dim=-1, sorted=False)[1]
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep_TE = keep_TG.unsqueeze(-1).expand(-1, n_group, group_size).reshape(-1, num_experts)
+        choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
+    topk_idx_TK = topk(choice_TE, top_k)[1]
+    topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
+    if norm_topk_prob:
+        topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return (topk_weight_TK * routed_scaling_factor).to(router_logits_TE.dtype), topk_idx_TK
+
+
+#: router kind (`lightning_ft.model.patching.MoEClasses.router_kind`) -> its routing math
+ROUTER_KINDS = {"softmax_topk": topk_routing, "sigmoid_grouped": grouped_topk_routing}
 
 
 class ExpertRouting(NamedTuple):

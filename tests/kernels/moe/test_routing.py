@@ -4,7 +4,17 @@ import pytest
 import torch
 
 from lightning_ft.kernels._utils import triton_can_run
-from lightning_ft.kernels.moe.routing import permute_tokens, sort_by_expert, topk, topk_routing, unpermute_tokens
+from lightning_ft.kernels.moe import routing as routing_module
+from lightning_ft.kernels.moe.routing import (
+    ROUTER_KINDS,
+    grouped_topk_routing,
+    permute_tokens,
+    sort_by_expert,
+    topk,
+    topk_routing,
+    unpermute_tokens,
+)
+from lightning_ft.model.patching import PATCH_TABLES
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -80,6 +90,91 @@ def test_topk_ranks_nan_first_and_falls_back(device):
     assert torch.equal(topk(wide, 4)[0], torch.topk(wide, 4, dim=-1)[0])
 
 
+MOE_TABLES = sorted(name for name, table in PATCH_TABLES.items() if table.moe is not None)
+# 8 experts, top-3; the grouped routers: 4 groups of 2, the best 2 groups, routed_scaling_factor 2.5
+ROUTER_CONFIGS = {
+    "qwen3_moe": dict(num_experts=8, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8),  # always renormalises
+    "glm4_moe": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+}
+GROUP_ROWS = [  # sigmoid scores, groups {0,1} {2,3} {4,5} {6,7}
+    [4.0, -4.0, 1.0, 1.0, 0.5, 0.5, -4.0, -4.0],  # the best expert's group loses on its two-best sum; 4/5 tie for 3rd
+    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0],  # three groups tie for the best two
+    [0.0, 2.0, 2.0, 0.0, -1.0, 3.0, 3.0, -1.0],  # a tie across two groups
+    [0.0] * 8,  # everything ties
+]
+
+
+def _router_case(case: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, 8], e_score_correction_bias [8]): random; quantised (ties within and across groups,
+    at the top-k boundary too); or `GROUP_ROWS` (zero bias)."""
+    if case == "random":
+        return torch.randn(40, 8, generator=gen), torch.randn(8, generator=gen) * 0.1
+    if case == "ties":
+        logits = torch.randint(-2, 3, (200, 8), generator=gen).float() * 0.5
+        return logits, torch.randint(0, 2, (8,), generator=gen).float() * 0.5
+    return torch.tensor(GROUP_ROWS), torch.zeros(8)
+
+
+def _routing_like(router, kind: str, logits: torch.Tensor):
+    """Our routing of ``kind`` with the settings of transformers' ``router`` module."""
+    if kind == "softmax_topk":
+        return ROUTER_KINDS[kind](logits, router.top_k, getattr(router, "norm_topk_prob", True))
+    return ROUTER_KINDS[kind](
+        logits, router.top_k, router.e_score_correction_bias, router.num_group, router.topk_group,
+        router.norm_topk_prob, router.routed_scaling_factor,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["random", "ties", "groups"])
+@pytest.mark.parametrize("model_type", MOE_TABLES)
+def test_router_kind_selects_and_weighs_as_the_transformers_router(model_type, case, device, monkeypatch):
+    """Each MoE table's ``router_kind`` (`ROUTER_KINDS`) against that architecture's own router module
+    on logits it is fed exactly (identity router weight): the same experts (as sets: transformers'
+    grouped routers return them unsorted) and the same weight per expert, ties and groups included.
+    On the CPU our top-k is torch.topk, as without ``TRITON_INTERPRET`` (the kernel's choice among
+    equal values is torch's CUDA one: `test_topk_selects_as_torch_topk` on the GPU)."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    if device == "cpu":
+        monkeypatch.setattr(routing_module, "triton_can_run", lambda *tensors: False)
+    moe = PATCH_TABLES[model_type].moe
+    config = AutoConfig.for_model(model_type, hidden_size=8, num_experts_per_tok=3, **ROUTER_CONFIGS[model_type])
+    router = getattr(importlib.import_module(PATCH_TABLES[model_type].modeling_module), moe.router)(config).to(device)
+    logits, bias = (t.to(device) for t in _router_case(case, torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8))
+        if moe.router_kind == "sigmoid_grouped":
+            router.e_score_correction_bias.copy_(bias)
+        hf_logits, hf_weight, hf_idx = router(logits)
+        assert torch.equal(hf_logits, logits)
+        weight, idx = _routing_like(router, moe.router_kind, logits)
+    assert idx.dtype == torch.int64 and weight.dtype == torch.float32
+    hf_order, order = hf_idx.sort(dim=-1), idx.sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(weight.gather(1, order.indices), hf_weight.gather(1, hf_order.indices), rtol=1e-6, atol=0)
+    if case == "groups" and moe.router_kind == "sigmoid_grouped":  # the group stage decided: expert 0 lost
+        assert 0 not in idx[0].tolist() and {2, 3} <= set(idx[0].tolist())
+
+
+def test_grouped_topk_routing_rejects_bad_arguments():
+    logits, bias = torch.randn(3, 8), torch.zeros(8)
+    with pytest.raises(ValueError, match="n_group=3 must divide num_experts=8"):
+        grouped_topk_routing(logits, 2, bias, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="topk_group=3"):
+        grouped_topk_routing(logits, 2, bias, 2, 3, True, 1.0)
+    with pytest.raises(ValueError, match=r"top_k=5 must be in \[1, topk_group \* num_experts / n_group = 4\]"):
+        grouped_topk_routing(logits, 5, bias, 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match=r"bias_E must be \[E=8\]"):
+        grouped_topk_routing(logits, 2, torch.zeros(4), 1, 1, True, 1.0)
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        grouped_topk_routing(torch.randn(8), 2, bias, 1, 1, True, 1.0)
+
+
 def test_topk_routing_rejects_bad_arguments():
     with pytest.raises(ValueError, match="top_k"):
         topk_routing(torch.randn(3, 4), 5, True)
@@ -149,6 +244,7 @@ def test_routing_has_no_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         weight, idx = topk_routing(logits, 8, True)
+        grouped_weight, grouped_idx = grouped_topk_routing(logits, 8, torch.zeros(128, device=device), 8, 4, True, 2.5)
         routing = sort_by_expert(idx, 128)
         weight_S = weight.reshape(-1).index_select(0, routing.pair_idx_S)
         out = unpermute_tokens(permute_tokens(x, routing) * weight_S[:, None], routing)
