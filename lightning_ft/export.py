@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Write a run's PEFT adapter (and with --merge a merged Hugging Face model) for inference.",
-        epilog="example: python -m lightning_ft export outputs/2026-12-06/10-00-00 --merge",
+        epilog="example: python -m lightning_ft export outputs/<date>/<run> --merge",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run folder written by `python -m lightning_ft fit`")
     p.add_argument("--merge", action="store_true", help="also write merged/: the adapter merged into the base (plain transformers)")
@@ -187,7 +187,7 @@ def run_config(run_dir: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     if not run_dir.is_dir():
-        raise ExportError(f"{run_dir}: no such folder; expected a run folder of `python -m lightning_ft fit` (outputs/<date>/<time>)")
+        raise ExportError(f"{run_dir}: no such folder; expected a run folder of `python -m lightning_ft fit` (outputs/<date>/<run>)")
     config_file = run_dir / RUN_CONFIG
     if not config_file.is_file():
         runs = sorted(p.parent.name + "/" for p in run_dir.glob("*/" + RUN_CONFIG))
