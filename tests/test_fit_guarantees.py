@@ -110,6 +110,8 @@ def test_killed_run_resumes_exactly_mid_epoch_and_at_an_epoch_boundary(tmp_path)
         assert len(losses) == 12
         for step in range(first, 12):
             assert abs(losses[step] - expected[step]) <= 1e-6, (resumed.name, step + 1, losses[step], expected[step])
+        # the loss curve's learning rates (RunSummary's state) go on from the checkpoint's
+        assert summary(resumed)["learning_rates"] == summary(tmp_path / "full")["learning_rates"]
     # the run folder keeps the last k = 2 step checkpoints
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.ckpt", "step000011.ckpt", "step000012.ckpt"]
 

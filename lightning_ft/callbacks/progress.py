@@ -79,11 +79,11 @@ class ProgressBar(RichProgressBar):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         fit_loop = trainer.fit_loop
-        if self.is_disabled or self.progress is None or not fit_loop.restarted_mid_epoch:
+        # a resume from a checkpoint of a step (not of an epoch's start): Lightning's fit loop calls no
+        # on_train_epoch_start (its `on_advance_start`) and its bar is made at the end of the first batch, from 0.
+        # Make it now at the restored count (0 where the restored batch ended the epoch: the next starts the next one)
+        if self.is_disabled or self.progress is None or not (fit_loop.restarted_mid_epoch or fit_loop.restarted_on_epoch_end):
             return
-        # a resume into an epoch: Lightning calls no on_train_epoch_start and makes the bar at the end of the first
-        # batch, from 0. Make it now at the restored count (0 where the restored batch ended the epoch: the next
-        # batch starts the next one)
         batches = fit_loop.epoch_loop.batch_progress
         self._epoch_position = 0 if batches.is_last_batch else batches.current.ready
         description = self._get_train_description(trainer.current_epoch)
