@@ -83,8 +83,9 @@ def test_flops_count_by_hand():
 def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
     rows = run_bench(tmp_path, "profile=true")
     assert [(r["system"], r["status"]) for r in rows] == [("hf_peft", "ok"), ("lightning_ft", "ok")]
-    # name: null names the results after the model option
-    assert json.loads((tmp_path / "results.json").read_text())["config"]["name"] == rows[0]["model"] == "qwen3_moe_tiny"
+    # name: null names the results after the model option; out_dir: null puts them in the run folder
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert config["name"] == rows[0]["model"] == "qwen3_moe_tiny" and config["out_dir"] == str(tmp_path)
     # same random model, same tokens, same optimizer: the same losses after two steps
     assert rows[1]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-4)
     assert rows[1]["x_vs_hf_peft"] > 0
