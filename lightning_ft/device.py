@@ -116,6 +116,7 @@ def resolve_device(cfg: DictConfig) -> DictConfig:
     """
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
+    from lightning.pytorch.utilities import rank_zero_only
     from omegaconf import open_dict, read_write
 
     from lightning_ft.config import config_dir
@@ -133,7 +134,8 @@ def resolve_device(cfg: DictConfig) -> DictConfig:
     chosen = chosen_groups(overrides, choices, config_dir())
     gpu_path = device == "gpu" or (device == "auto" and torch.cuda.is_available())
     picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None, why)
-    log.info(line)
+    if rank_zero_only.rank == 0:  # the processes Lightning starts for the other ranks compose the config again
+        log.info(line)
     added = {group: option for group, option in picked.items() if choices.get(group) != option}
     if not added:
         return cfg

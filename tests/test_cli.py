@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -317,3 +318,26 @@ def test_router_training_with_the_load_balancing_loss(tmp_path):
     for key, weight in saved.items():
         in_ckpt = "model." + key.replace("mlp.gate.weight", "mlp.gate.modules_to_save.default.weight")
         assert torch.equal(state[in_ckpt], weight), key
+
+
+@pytest.mark.slow
+def test_the_run_ends_with_a_result_line_a_compact_bar_and_validation_in_the_loss_curve(tmp_path, monkeypatch):
+    """Validation every 2 of 4 steps, the progress bar on, in an 80-column terminal."""
+    from cli_helpers import FAST
+
+    monkeypatch.setenv("COLUMNS", "80")
+    proc = run_cli(tmp_path, *(o for o in FAST if o != "callbacks.progress_bar=null"), "trainer.max_steps=4",
+                   "data.val_fraction=0.2", "eval.every_n_steps=2")
+    s = summary(tmp_path)
+    assert [step for step, _ in s["val_losses"]] == [2, 4] and s["val_losses"][-1][1] == s["val_loss"]
+    assert len(s["learning_rates"]) == 4 and s["learning_rates"][1] > s["learning_rates"][0]  # the warm-up
+    efficiency = 100 * s["data"]["packing_efficiency"]
+    assert (f"result: 4 steps; loss {s['initial_loss']:.3f} → {s['final_loss']:.3f}; val loss {s['val_loss']:.3f}; "
+            f"{s['train_tokens']:,} tokens at {s['tokens_per_s']:,.0f} tokens/s; packing efficiency {efficiency:.1f}% "
+            "(tokens / rows × data.max_tokens)") in proc.stdout + proc.stderr
+    # the bar's last frame: one line of at most 80 columns with the loss, the validation loss and tok/s
+    lines = proc.stdout.rstrip().splitlines()
+    bar = next(i for i, line in enumerate(lines) if line.startswith("Epoch 0"))
+    assert len(lines[bar].rstrip()) <= 80 and not lines[bar + 1:], lines[bar:]
+    assert re.search(r" 4/4 .* loss: \d+\.\d{3} val: \d+\.\d{3} tok/s: [\d,]+$", lines[bar].rstrip()), lines[bar]
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0

@@ -22,15 +22,18 @@ from cli_helpers import FAST, assert_first_step_grads_close, run_cli, summary
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_gives_the_gradients_of_one_process(tmp_path):
     """2 ranks × 1 micro-batch vs 1 rank × 2 micro-batches: the same rows, the same normalised step loss."""
-    common = (*FAST, "trainer.max_steps=1", "+callbacks.dump._target_=cli_helpers.DumpGradients")
+    # head_dim: a key Qwen3MoeConfig does not declare (logged), the value it derives (hidden_size / heads)
+    common = (*FAST, "trainer.max_steps=1", "+callbacks.dump._target_=cli_helpers.DumpGradients", "+model.config.head_dim=32")
     ddp = run_cli(tmp_path / "ddp", *common, "trainer.devices=2", f"+callbacks.dump.path={tmp_path / 'g2'}")
     run_cli(tmp_path / "one", *common, "trainer.accumulate_grad_batches=2", f"+callbacks.dump.path={tmp_path / 'g1'}")
 
     rank0, rank1 = (torch.load(tmp_path / "g2" / f"rank{r}.pt") for r in (0, 1))
     assert_first_step_grads_close(rank0, torch.load(tmp_path / "g1" / "rank0.pt"))
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)  # all-reduced
-    # rank 0 alone writes the summary and the adapter
-    assert (ddp.stdout + ddp.stderr).count("summary: ") == 1
+    # rank 0 alone writes the summary and the adapter, and says once what both ranks do
+    out = ddp.stdout + ddp.stderr
+    assert out.count("summary: ") == 1 and out.count("result: ") == 1
+    assert out.count("device: the CPU path") == 1 and out.count("model.config.head_dim: not a declared field") == 1
     assert summary(tmp_path / "ddp")["world_size"] == 2
     # trainer.strategy=auto with 2 devices: our DDP (strategy=ddp), not Lightning's
     assert "trainer.strategy=auto with several devices: lightning_ft_ddp" in ddp.stdout + ddp.stderr
@@ -107,6 +110,8 @@ def test_killed_run_resumes_exactly_mid_epoch_and_at_an_epoch_boundary(tmp_path)
         assert len(losses) == 12
         for step in range(first, 12):
             assert abs(losses[step] - expected[step]) <= 1e-6, (resumed.name, step + 1, losses[step], expected[step])
+        # the loss curve's learning rates (RunSummary's state) go on from the checkpoint's
+        assert summary(resumed)["learning_rates"] == summary(tmp_path / "full")["learning_rates"]
     # the run folder keeps the last k = 2 step checkpoints
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.ckpt", "step000011.ckpt", "step000012.ckpt"]
 

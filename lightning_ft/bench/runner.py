@@ -61,7 +61,7 @@ def environment() -> dict[str, Any]:
 
 
 def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
-    """Run every (seq_len, system) of ``cfg`` and write the result files to ``cfg.out_dir``.
+    """Run every (seq_len, system) of ``cfg`` and write the result files to ``cfg.out_dir`` (null: Hydra's run folder).
 
     Raises:
         ValueError: an unknown system name, a key that is not in the config (`command_schema`) or a value of the
@@ -85,10 +85,12 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
         raise ValueError(
             f"device={cfg.device}, but this machine has no CUDA GPU: run a CPU preset (+bench=tiny_cpu) or set device=cpu"
         )
-    if cfg.name is None:
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
 
+    if cfg.name is None:  # null defaults, so that --help shows no unresolved ${hydra:...}
         cfg.name = HydraConfig.get().runtime.choices.model
+    if cfg.out_dir is None:
+        cfg.out_dir = HydraConfig.get().runtime.output_dir
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_config = OmegaConf.to_container(cfg.model.config, resolve=True)

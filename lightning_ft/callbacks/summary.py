@@ -40,23 +40,75 @@ def allocator_settings() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PYTORCH_") and k.endswith("ALLOC_CONF")}
 
 
-def plot_loss_curve(losses: list[float | None], path: Path, title: str = "training loss") -> None:
-    """Save a PNG of the per-step training loss (None: a skipped step, left as a gap), whole or not at all."""
+def loss_curve_figure(
+    losses: list[float | None],
+    val_losses: list[tuple[int, float]] = (),
+    learning_rates: list[float] = (),
+    title: str = "training loss",
+) -> Any:
+    """A matplotlib figure of the run: the training loss of every optimizer step (None: a skipped step, left as
+    a gap) with the validation loss as a point at each validation's step, and below it (where given) the
+    learning rate of every step.
+
+    Args:
+        losses: per optimizer step, nats per target token.
+        val_losses: ``(optimizer step, loss)`` of each validation.
+        learning_rates: the learning rate of each optimizer step (the first parameter group's).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(range(1, len(losses) + 1), [float("nan") if x is None else x for x in losses], lw=1.2)
-    ax.set_xlabel("optimizer step")
+    panels = 2 if learning_rates else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(6, 3.5 + 1.5 * (panels - 1)), dpi=120, sharex=True, squeeze=False,
+                             height_ratios=[2.5, 1][:panels])
+    ax = axes[0, 0]
+    ax.plot(range(1, len(losses) + 1), [float("nan") if x is None else x for x in losses], lw=1.2, label="train")
+    if val_losses:
+        steps, values = zip(*val_losses)
+        ax.plot(steps, values, "o", ms=4, label="validation")
+        ax.legend()
     ax.set_ylabel("loss (nats / target token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    if learning_rates:
+        lr_ax = axes[1, 0]
+        lr_ax.plot(range(1, len(learning_rates) + 1), learning_rates, lw=1.2, color="tab:gray")
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        lr_ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
+    return fig
+
+
+def plot_loss_curve(
+    losses: list[float | None], path: Path, val_losses: list[tuple[int, float]] = (), learning_rates: list[float] = ()
+) -> None:
+    """Save `loss_curve_figure` as a PNG at ``path``, whole or not at all."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_curve_figure(losses, val_losses, learning_rates)
     with atomic_file(path) as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def result_line(summary: dict[str, Any]) -> str:
+    """The run's outcome in one line for the terminal, from a ``summary.json`` dict: first and last training
+    loss, the last validation loss, tokens trained and tokens/s, and the data's packing efficiency (tokens of
+    the packed documents over the packed rows' capacity, ``data.max_tokens`` each; ``PackingStats``)."""
+    parts = [f"{summary['steps']} steps"]
+    if summary["final_loss"] is not None:
+        parts.append(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f}")
+    if summary["val_loss"] is not None:
+        parts.append(f"val loss {summary['val_loss']:.3f}")
+    if summary["train_tokens"]:
+        parts.append(f"{summary['train_tokens']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s")
+    if summary["data"]:
+        parts.append(f"packing efficiency {100 * summary['data']['packing_efficiency']:.1f}% (tokens / rows × data.max_tokens)")
+    return "; ".join(parts)
 
 
 def planned_steps(trainer: L.Trainer) -> str:
@@ -90,13 +142,18 @@ class RunSummary(L.Callback):
       (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
       ``peak_memory_bytes`` (on CUDA also split into ``peak_memory_setup_bytes``, building and
       sharding the model, and ``peak_memory_train_bytes``), ``adapter_dir``, ``checkpoint_path``,
-      ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``), the data
-      statistics (``data``: examples, truncated, dropped, packing efficiency, ...), ``cuda_graphs``
+      ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``; the last
+      validation's), ``val_losses`` (``[optimizer step, loss]`` of every validation),
+      ``learning_rates`` (every optimizer step's, the first parameter group's), the data
+      statistics (``data``: examples, truncated, dropped, ``packing_efficiency``: the packed
+      documents' tokens over the rows' capacity, ``data.max_tokens`` each, ...), ``cuda_graphs``
       (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
       recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.
-    - ``loss_curve.png``.
+    - ``loss_curve.png``: training loss, validation points and learning rate (`loss_curve_figure`).
+
+    The outcome is also logged in one line (`result_line`): losses, tokens/s and packing efficiency.
 
     - ``config.json`` (``run_config``), when training starts (after the checkpoint of a resume is
       restored).
@@ -133,6 +190,27 @@ class RunSummary(L.Callback):
         self.summary: dict[str, Any] = {}
         self._setup_peak: int | None = None
         self._started = False
+        self.val_losses: list[tuple[int, float]] = []  # (optimizer step, loss) of each validation
+        self.learning_rates: list[float] = []  # of each optimizer step, the first parameter group's
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"val_losses": list(self.val_losses), "learning_rates": list(self.learning_rates)}  # a resume keeps the curves
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.val_losses = [tuple(v) for v in state_dict.get("val_losses", [])]
+        self.learning_rates = list(state_dict.get("learning_rates", []))
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self.learning_rates.append(float(optimizer.param_groups[0]["lr"]))
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and loss is not None:
+            self.val_losses.append((trainer.global_step, float(loss)))
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -223,6 +301,8 @@ class RunSummary(L.Callback):
             "adapter_dir": str(adapter_dir) if error is None else None,
             "checkpoint_path": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt else None,
             "val_loss": _float(metrics.get("val/loss")),
+            "val_losses": [list(v) for v in self.val_losses],
+            "learning_rates": list(self.learning_rates),
             "val_perplexity": _float(metrics.get("val/perplexity")),
             "val_exact_match": _float(metrics.get("val/exact_match")),
             "data": asdict(datamodule.stats) if datamodule is not None and hasattr(datamodule, "stats") else None,
@@ -258,8 +338,9 @@ class RunSummary(L.Callback):
 
     def _write_files(self, losses: list[float | None]) -> None:
         if losses:
-            plot_loss_curve(losses, self.run_dir / "loss_curve.png")
+            plot_loss_curve(losses, self.run_dir / "loss_curve.png", self.val_losses, self.learning_rates)
         write_json_atomic(self.run_dir / "summary.json", self.summary)  # last: a completed summary means all is there
+        log.info("result: %s", result_line(self.summary))
         log.info("summary: %s", self.run_dir / "summary.json")
 
 

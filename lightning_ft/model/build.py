@@ -25,7 +25,6 @@ With every kernel off and ``moe.backend=hf`` the result is stock transformers + 
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,6 @@ from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda
 
 __all__ = ["BuiltModel", "ModelBuilder", "check_model_switches", "load_causal_lm"]
 
-log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,7 +142,7 @@ def load_causal_lm(
 def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
     """Refuse a ``model.config`` key that is a near miss of a field of the model's config class (a typo:
     transformers stores any extra key as an attribute that nothing reads); log the other keys the class
-    does not declare (a model may read them with a default, as Qwen3-MoE reads ``head_dim``).
+    does not declare (a model may read them with a default, as Qwen3-MoE reads ``head_dim``), on rank 0 only.
 
     Raises:
         ValueError: a key within a character or two of a declared field (``num_hidden_layer``).
@@ -159,7 +157,7 @@ def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
         if close:
             raise ValueError(f"model.config.{key}: {cls.__name__} has no such field; did you mean model.config.{close[0]}?")
-        log.info("model.config.%s: not a declared field of %s; set on the config as given", key, cls.__name__)
+        rank_zero_info(f"model.config.{key}: not a declared field of {cls.__name__}; set on the config as given")
 
 
 def _config_value_error(err: Exception, overrides: dict[str, Any], name_or_path: str | None) -> ValueError:

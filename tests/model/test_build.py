@@ -70,14 +70,24 @@ def test_a_model_config_value_of_the_wrong_type_is_refused_by_key(config, messag
         ModelBuilder(model=model, lora=LORA)(CPU)
 
 
-def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog):
+def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog, monkeypatch):
     """transformers keeps any extra key as an attribute nothing reads: num_hidden_layer built the default depth."""
     model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "num_hidden_layer": 1}}
     with pytest.raises(ValueError, match=r"^model.config.num_hidden_layer: Qwen3MoeConfig has no such field; did you mean model.config.num_hidden_layers\?$"):
         ModelBuilder(model=model, lora=LORA)(CPU)
     # a key the class does not declare but a model may read (Qwen3-MoE's head_dim is one) is set as given
     model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "my_note": "x"}}
-    with caplog.at_level("INFO", logger="lightning_ft.model.build"):
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         built = ModelBuilder(model=model, lora=LORA)(CPU).model
     assert built.config.my_note == "x" and built.config.head_dim == 16
-    assert "model.config.my_note: not a declared field of Qwen3MoeConfig" in caplog.text
+    assert caplog.messages.count("model.config.my_note: not a declared field of Qwen3MoeConfig; set on the config as given") == 1
+    # said once a run: the other ranks of a multi-device run, which build the model too, say nothing
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_ft.model.build import _check_config_keys
+
+    caplog.clear()
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        _check_config_keys(built.config, {"my_note": "x"})
+    assert caplog.messages == []
