@@ -38,6 +38,13 @@ def out_of_space(err: BaseException) -> OSError | None:
     return None
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_folder(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -106,7 +113,7 @@ def recover_folder(path: str | Path) -> None:
 @contextlib.contextmanager
 def atomic_folder(path: str | Path) -> Iterator[Path]:
     """Yield an empty ``<path>.tmp/`` to write into; when the block ends without an error, fsync its files and
-    put it in place of ``path``: ``path`` (if any) is renamed to ``<path>.old/``, the new folder to ``path``, and
+    put it in place of ``path`` (its files get the umask's permissions, as `open` gives them): ``path`` (if any) is renamed to ``<path>.old/``, the new folder to ``path``, and
     the old one deleted. Readers find the old or the new folder whole; a crash between the two renames leaves the
     old one as ``<path>.old/``, which `recover_folder` (run first here) moves back.
 
@@ -121,10 +128,12 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        mode = 0o666 & ~_umask()  # what open() gives: safetensors writes its files 0600, unreadable to a server's user
         for file in tmp.rglob("*"):
             if file.is_file():
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
+                file.chmod(mode)
         _fsync_folder(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)

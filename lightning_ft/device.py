@@ -72,7 +72,7 @@ def device_choices(device: str, chosen: set[str], model_type: str | None, why: s
         line = f"device: the GPU path ({why}): {settings}{kept} (device=cpu: the CPU path)"
     else:
         why = why or ("no CUDA GPU here" if device == "auto" else "device=cpu")
-        line = f"device: the CPU path ({why}): {settings}{kept}; fp32 without fused kernels: fine for the tiny default, slow for real models"
+        line = f"device: the CPU path ({why}): {settings}{kept}; fine for the tiny default, slow for real models"
     return picked, line
 
 

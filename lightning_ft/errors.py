@@ -19,6 +19,30 @@ class Interrupted(TrainingStopped):
     """
 
 
+#: what runs out-of-memory advice suggests, cheapest change first
+MEMORY_HINT = (
+    "lower data.max_tokens (tokens per packed row), set model.gradient_checkpointing=true, or use a smaller model "
+    "or more devices (strategy=fsdp2)"
+)
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """The first line of ``err``'s message where it (or an exception it was raised from) is an allocation that failed:
+    `torch.OutOfMemoryError` (CUDA), `MemoryError`, or the CPU allocator's RuntimeError; None otherwise."""
+    import torch
+
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+            isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in text
+        ):
+            return (text.splitlines() or [type(err).__name__])[0]
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def check_local_path(key: str, value: str | None) -> None:
     """Raise FileNotFoundError naming ``key`` when ``value`` is written as a local path that does not exist.
 

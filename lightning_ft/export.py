@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from lightning_ft.atomic import atomic_folder
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,9 @@ def export(
     model = load_weights(model, source, lora)
     model.eval()
 
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     written: dict[str, Path] = {}
-    try:
-        random_base = cfg["model"].get("init") == "random"
+    random_base = cfg["model"].get("init") == "random"
+    with atomic_folder(output) as tmp:  # a crash or a full disk leaves the previous export (or none)
         if lora:
             peft_config = model.peft_config["default"]
             peft_config.base_model_name_or_path = str(output / "base") if random_base else _base_name(cfg["model"]["name_or_path"])
@@ -159,10 +156,6 @@ def export(
                 model = PeftModel.from_pretrained(model, str(tmp / "adapter")).merge_and_unload()
             _save_model(model, tokenizer, tmp / "merged")
             written["merged"] = output / "merged"
-        _replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if lora and not random_base and cfg["model"].get("config"):
         log.warning(
             "the run set model.config values over the checkpoint's (%s): the adapter's base is %s as it is, so load it "
@@ -366,12 +359,3 @@ def _save_model(model: Any, tokenizer: Any, folder: Path) -> None:
     """A Hugging Face model folder: config, safetensors shards, generation config, tokenizer."""
     model.to("cpu").save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def _replace(tmp: Path, output: Path) -> None:
-    """Move the finished ``tmp`` to ``output``; an existing ``output`` (``--force``) goes only once ``tmp`` is complete."""
-    old = output.with_name(f".{output.name}.old-{os.getpid()}")
-    if output.exists():
-        os.replace(output, old)
-    os.replace(tmp, output)
-    shutil.rmtree(old, ignore_errors=True)

@@ -26,7 +26,14 @@ from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import PackedDataModule
 from lightning_ft.data.formats import check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
-from lightning_ft.errors import Interrupted, TrainingStopped, check_local_path, check_logger_installed
+from lightning_ft.errors import (
+    MEMORY_HINT,
+    Interrupted,
+    TrainingStopped,
+    check_local_path,
+    check_logger_installed,
+    out_of_memory,
+)
 from lightning_ft.model.build import ModelBuilder, check_model_switches
 from lightning_ft.module import FinetuneModule
 from lightning_ft.run_dir import (
@@ -315,7 +322,10 @@ def _train(
     except Exception as err:
         full = out_of_space(err)
         if full is None:
-            raise
+            if (oom := out_of_memory(err)) is None:
+                raise
+            raise TrainingStopped(stopped_message(trainer, summary, run_dir, f"running out of memory ({oom})")
+                                  + f"; to fit: {MEMORY_HINT}") from err
         # every write here is atomic (checkpoints, adapter, summary): what was written before is whole
         what = f"a write that found no room ({full.filename or 'a file'}: {os.strerror(full.errno)})"
         raise TrainingStopped(stopped_message(trainer, summary, run_dir, what)

@@ -148,6 +148,11 @@ def check_new_run_dir(run_dir: Path, resumed_from: str | None = None) -> None:
             f"ckpt_path={resumed_from}: {run_dir} holds another run ({', '.join(found)}); resume from that checkpoint "
             "in an empty folder (hydra.run.dir=...), or resume this folder's own run with ckpt_path=last"
         )
+    if found and "checkpoints/" not in found:  # stopped before its first checkpoint: nothing to resume
+        raise ValueError(
+            f"{run_dir} holds a run that stopped before its first checkpoint ({', '.join(found)}): there is nothing to "
+            "resume; delete the folder to start it over, or start the new run in another folder (hydra.run.dir=...)"
+        )
     if found:
         raise ValueError(
             f"{run_dir} holds a run already ({', '.join(found)}): resume it with ckpt_path=last, or start the new run "
@@ -170,7 +175,8 @@ def stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: 
     if not last:
         return (
             f"training stopped at step {trainer.global_step} by {by}; no checkpoint was written yet "
-            "(Ctrl-C saves none; they are written every callbacks.checkpoint.every_n_train_steps steps, and on SIGTERM)"
+            "(Ctrl-C saves none; they are written every callbacks.checkpoint.every_n_train_steps steps, and on SIGTERM), "
+            f"so there is nothing to resume: delete {run_dir} and run again"
         )
     saved = checkpoint_step(last)  # not the callback's own count: a resumed process starts it at 0
     at = f" (step {saved}: steps after it run again)" if saved is not None and saved < trainer.global_step else ""

@@ -146,6 +146,18 @@ class SignalAtStep(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
+class OutOfMemoryAtStep(L.Callback):
+    """Raises the CPU allocator's out-of-memory RuntimeError once ``step`` optimizer steps are done."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] . DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 123456789 bytes.")
+
+
 class DumpTrainedModel(L.Callback):
     """At the end of training: the loss of a fixed packed batch as the running strategy computes it (every rank
     takes part) and the whole trained model's weights, gathered, saved by rank 0 to ``path``."""

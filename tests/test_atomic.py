@@ -98,5 +98,29 @@ def test_a_new_run_is_not_refused_for_what_a_run_killed_before_its_first_checkpo
     (tmp_path / "adapter").mkdir()
     (tmp_path / "summary.json").write_text('{"status": "completed", "steps": 1}')
     assert exported(tmp_path, 1) and not exported(tmp_path, 2)  # 2: a summary of an earlier, shorter run
+
     Path(tmp_path / "summary.json").write_text('{"status": "comp')  # cut short
     assert not exported(tmp_path, 1)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_a_resume(tmp_path):
+    from lightning_ft.run_dir import check_new_run_dir
+
+    (tmp_path / "summary.json").write_text('{"status": "stopped", "steps": 7}')
+    with pytest.raises(ValueError, match="stopped before its first checkpoint .*nothing to resume; delete the folder") as err:
+        check_new_run_dir(tmp_path)
+    assert "ckpt_path=last" not in str(err.value)
+
+
+def test_a_folder_s_files_get_the_umask_s_permissions(tmp_path):
+    """safetensors writes 0600; a served model must be readable by the server's user as the umask allows."""
+    from lightning_ft.atomic import atomic_folder
+
+    old = os.umask(0o022)
+    try:
+        with atomic_folder(tmp_path / "adapter") as tmp:
+            (tmp / "weights.bin").write_bytes(b"w")
+            (tmp / "weights.bin").chmod(0o600)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "adapter" / "weights.bin").stat().st_mode & 0o777 == 0o644

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from cli_helpers import FAST, run_cli, summary
 from lightning_ft.config import config_dir, register_configs
+from lightning_ft.errors import MEMORY_HINT
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -243,6 +244,16 @@ def test_a_refused_run_leaves_an_existing_folder_and_writes_no_summary(tmp_path)
     proc = _fit(tmp_path, "data=jsonl", "hydra.run.dir=run")
     assert proc.returncode == 1 and "error: required but not set: data.path" in proc.stderr and not _hydra_wrapping(proc.stderr)
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine" and not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_out_of_memory_is_one_error_line_naming_what_to_lower(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=3", "+callbacks.oom._target_=cli_helpers.OutOfMemoryAtStep",
+                   "+callbacks.oom.step=1", ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith("error: training stopped at step 1 by running out of memory (") and "can't allocate memory" in line
+    assert line.endswith("to fit: " + MEMORY_HINT)
+    assert summary(tmp_path)["status"] == "failed"
 
 
 def test_ctrl_c_before_the_first_checkpoint_prints_one_line_and_exits_130(tmp_path):
