@@ -1,15 +1,23 @@
-"""RMSNorm, forward and backward in one pass each (Llama / Qwen3 / Qwen3-MoE, q/k norms included).
+"""RMSNorm, forward and backward in one pass each (Llama / Qwen3 / Qwen3-MoE, q/k norms included; Gemma 3).
 
-Math, per row x of length N (the last dim), exactly as HF's LlamaRMSNorm / Qwen3RMSNorm:
+Math, per row x of length N (the last dim), with w = weight + offset (offset 0 for HF's
+LlamaRMSNorm / Qwen3RMSNorm, 1 for Gemma3RMSNorm's ``(1 + weight)``; the sum taken in fp32):
 
     rstd = 1 / sqrt(mean(x.float() ** 2) + eps)
-    n    = (x.float() * rstd).to(x.dtype)               # rounded to the input dtype, as HF does
-    y    = weight * n                                   # in promote(x.dtype, weight.dtype)
+    n32  = x.float() * rstd
 
-Gradients, with n32 = x.float() * rstd (unrounded) and dn = dy * weight:
+then, as HF's LlamaRMSNorm (``fp32_scale=False``):
+
+    n    = n32.to(x.dtype)                              # rounded to the input dtype
+    y    = w * n                                        # in promote(x.dtype, weight.dtype)
+
+or as HF's Gemma3RMSNorm (``fp32_scale=True``): y = (n32 * w).to(x.dtype), rounded once.
+
+Gradients, with dn = dy * w (the offset included) and n the value y was scaled from (rounded n for
+Llama's order, n32 for Gemma's):
 
     dx = rstd * (dn - n32 * mean(dn * n32))
-    dW = sum over rows of dy * n
+    dW = sum over rows of dy * n                        # the offset does not change it
 
 Accumulation: everything in fp32 in registers. dW is reduced without atomics: a persistent grid of
 P programs (4 per SM) each walks its own contiguous range of rows and writes one fp32 partial row,
@@ -20,7 +28,7 @@ Shapes: x [..., N] with any leading dims (flattened to M rows), weight [N]; N ne
 two (2880, 5120, 128 for the q/k norms all work). Tiles are [BLOCK_M, BLOCK_N] with BLOCK_N the
 next power of two of N and BLOCK_M > 1 rows per program when N is small.
 
-Source: the RMSNorm of Zhang & Sennrich (2019) with HF transformers' rounding order; the
+Source: the RMSNorm of Zhang & Sennrich (2019) with HF transformers' rounding orders; the
 persistent-grid dW reduction is the usual one (Triton's layer-norm tutorial, Liger Kernel).
 """
 
@@ -40,8 +48,8 @@ _TILE_ELEMS = 4096  # values per tensor per program: BLOCK_M * BLOCK_N
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD,
     stride_x, stride_y,
-    M, N, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    M, N, eps, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_SCALE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -52,8 +60,10 @@ def _rms_norm_fwd_kernel(
 
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-    n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    n = x * rstd[:, None]
+    if not FP32_SCALE:
+        n = n.to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     y = w[None, :] * n
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -63,13 +73,13 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_x, stride_dx,
-    M, N, rows_per_program,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    M, N, rows_per_program, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, FP32_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     row_start = pid * rows_per_program
@@ -89,7 +99,10 @@ def _rms_norm_bwd_kernel(
         dx = rstd[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / N)[:, None])
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
+            if FP32_SCALE:
+                dw += dy * n
+            else:
+                dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
 
     if COMPUTE_DW:
         tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
@@ -101,7 +114,7 @@ def _tile(n_cols: int) -> tuple[int, int]:
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns (y, x as [M, N] rows, rstd fp32 [M])."""
     n_cols = x.shape[-1]
@@ -109,21 +122,23 @@ def rms_norm_forward(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     n_rows = x2d.shape[0]
-    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y_dtype = x.dtype if fp32_scale else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty((n_rows, n_cols), dtype=y_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0:
         block_m, block_n = _tile(n_cols)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
             x2d, weight, y, rstd,
             x2d.stride(0), y.stride(0),
-            n_rows, n_cols, eps,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n),
+            n_rows, n_cols, eps, float(offset),
+            BLOCK_M=block_m, BLOCK_N=block_n, FP32_SCALE=fp32_scale, num_warps=num_warps_for(block_m * block_n),
         )
     return y.view(*x.shape[:-1], n_cols), x2d, rstd
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+    dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, fp32_scale: bool,
+    compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernel. Returns (dx [M, N] in x's dtype, dW in weight's dtype or None)."""
     n_rows, n_cols = x2d.shape
@@ -142,41 +157,68 @@ def rms_norm_backward(
     _rms_norm_bwd_kernel[(programs,)](
         dy2d, x2d, weight, rstd, dx, dw_partial,
         dy2d.stride(0), x2d.stride(0), dx.stride(0),
-        n_rows, n_cols, rows_per_program,
-        BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE_DW=compute_dw, num_warps=num_warps_for(block_m * block_n),
+        n_rows, n_cols, rows_per_program, float(offset),
+        BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE_DW=compute_dw, FP32_SCALE=fp32_scale,
+        num_warps=num_warps_for(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = weight * (x * rstd).to(x.dtype); saves x and rstd, computes dx and (when needed) dW."""
+    """y = (weight + offset) * rstd * x, rounded as `rms_norm` says; saves x and rstd, computes dx and (when needed) dW."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, x2d, rstd = rms_norm_forward(x, weight, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool) -> torch.Tensor:
+        y, x2d, rstd = rms_norm_forward(x, weight, eps, offset, fp32_scale)
         ctx.save_for_backward(x2d, weight, rstd)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.offset, ctx.fp32_scale = x.shape, offset, fp32_scale
         return y
 
     @staticmethod
     @once_differentiable  # a double backward raises instead of differentiating the kernel as a constant
     def backward(ctx, dy: torch.Tensor):
         x2d, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x2d, weight, rstd, compute_dw=ctx.needs_input_grad[1])
-        return dx.view(ctx.x_shape), dw, None
+        dx, dw = rms_norm_backward(
+            dy, x2d, weight, rstd, ctx.offset, ctx.fp32_scale, compute_dw=ctx.needs_input_grad[1]
+        )
+        return dx.view(ctx.x_shape), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Fused RMSNorm over the last dim of `x` (see the module docstring for the math)."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, fp32_scale: bool = False
+) -> torch.Tensor:
+    """Fused RMSNorm over the last dim of `x`, scaled by ``weight + offset`` (math in the module docstring).
+
+    Args:
+        x: [..., N] activations.
+        weight: [N] scale.
+        eps: added to the mean square.
+        offset: added to the weight (in fp32) before scaling: 0.0 for Llama's norm, 1.0 for Gemma's
+            ``(1 + weight)``. The weight's gradient does not depend on it.
+        fp32_scale: False: normalise, round to x's dtype, then scale; y in promote(x.dtype,
+            weight.dtype) (HF's LlamaRMSNorm). True: scale in fp32 and round once to x's dtype
+            (HF's Gemma3RMSNorm).
+
+    Returns:
+        y of x's shape, in the dtype ``fp32_scale`` names.
+    """
     if not triton_can_run(x):
         warn_fallback("rms_norm", x.device)
-        return rms_norm_reference(x, weight, eps)
-    return RMSNormFunction.apply(x, weight, eps)
+        return rms_norm_reference(x, weight, eps, offset=offset, fp32_scale=fp32_scale)
+    return RMSNormFunction.apply(x, weight, eps, offset, fp32_scale)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain-torch RMSNorm, op for op as HF's LlamaRMSNorm.forward."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, fp32_scale: bool = False
+) -> torch.Tensor:
+    """Plain-torch `rms_norm`: op for op as HF's LlamaRMSNorm.forward (offset 0, ``fp32_scale=False``)
+    or Gemma3RMSNorm.forward (offset 1, ``fp32_scale=True``)."""
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    n32 = x32 * torch.rsqrt(variance + eps)
+    if fp32_scale:
+        return (n32 * (offset + weight.float())).type_as(x)
+    if offset == 0.0:
+        return weight * n32.to(x.dtype)
+    return ((offset + weight.float()) * n32.to(x.dtype)).to(torch.promote_types(x.dtype, weight.dtype))

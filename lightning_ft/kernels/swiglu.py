@@ -1,23 +1,30 @@
-"""SwiGLU product of a gated MLP: y = silu(gate) * up, forward and backward fused.
+"""Gated linear units of a gated MLP: y = act(gate) * up, forward and backward fused.
 
-The projections stay outside (they are LoRA-wrapped nn.Linear layers in our models); this op fuses
-only the elementwise middle of `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
+SwiGLU (act = silu, Llama and most others) and GeGLU (act = gelu_tanh, GELU's tanh approximation:
+Gemma's ``gelu_pytorch_tanh``). The projections stay outside (they are LoRA-wrapped nn.Linear layers
+in our models); this op fuses only the elementwise middle of `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
 
-Math, elementwise, with s = sigmoid(g):
+Math, elementwise: both activations are g * sigmoid(k(g)), with
+
+    silu       k(g) = g                                   k'(g) = 1
+    gelu_tanh  k(g) = 2c (g + 0.044715 g^3)               k'(g) = 2c (1 + 3 * 0.044715 g^2),  c = sqrt(2 / pi)
+
+(0.5 (1 + tanh(z)) = sigmoid(2z)), so with s = sigmoid(k(g)):
 
     y  = g * s * u
-    dg = dy * u * s * (1 + g * (1 - s))
+    dg = dy * u * (s + g * s * (1 - s) * k'(g))
     du = dy * g * s
 
 Everything is computed in fp32 registers and rounded once to the input dtype (HF rounds twice in
-bf16: after silu and after the product, so bf16 results differ by about one ulp). Only gate and up
-are saved for backward; silu and sigmoid are recomputed there. dg and du are fresh tensors: gate
-and up are left intact for anything else that holds them.
+bf16: after the activation and after the product, so bf16 results differ by about one ulp). Only
+gate and up are saved for backward; the activation is recomputed there. dg and du are fresh
+tensors: gate and up are left intact for anything else that holds them.
 
 Shapes: gate and up of any identical shape (flattened; made contiguous if they are not), e.g.
 [B, T, intermediate] with intermediate = 14336 or 3072 or any odd size.
 
-Source: Shazeer, "GLU Variants Improve Transformer" (2020); fused forward/backward as in Liger Kernel.
+Source: Shazeer, "GLU Variants Improve Transformer" (2020); GELU's tanh approximation from Hendrycks
+& Gimpel, "Gaussian Error Linear Units" (2016); fused forward/backward as in Liger Kernel.
 """
 
 from __future__ import annotations
@@ -28,95 +35,134 @@ import triton.language as tl
 
 from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run, warn_fallback
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU
 _BLOCK = 2048
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, n_elements, BLOCK: tl.constexpr):
+def _activation(g, ACTIVATION: tl.constexpr):
+    """(act(g), act'(g)) of fp32 g, act(g) = g * sigmoid(k(g)) (the module docstring's k)."""
+    if ACTIVATION == "gelu_tanh":
+        k = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 sqrt(2 / pi) = 1.5957691216057308
+        dk = 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+    else:
+        k = g
+        dk = 1.0
+    s = tl.sigmoid(k)
+    return g * s, s + g * s * (1.0 - s) * dk
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    a, _ = _activation(g, ACTIVATION)
+    tl.store(Y + offs, (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, n_elements, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
-    tl.store(DG + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
+    a, da = _activation(g, ACTIVATION)
+    tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
 
 
 def _grid(n_elements: int) -> tuple[int]:
     return (triton.cdiv(n_elements, _BLOCK),)
 
 
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _check_activation(op: str, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """Launch the forward kernel on contiguous gate/up of one shape and dtype."""
     y = torch.empty_like(gate)
     n = gate.numel()
     if n > 0:
-        _swiglu_fwd_kernel[_grid(n)](gate, up, y, n, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK))
+        _swiglu_fwd_kernel[_grid(n)](gate, up, y, n, ACTIVATION=activation, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK))
     return y
 
 
-def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel. Returns (d gate, d up)."""
     dy = dy.contiguous()
     dg = torch.empty_like(gate)
     du = torch.empty_like(up)
     n = gate.numel()
     if n > 0:
-        _swiglu_bwd_kernel[_grid(n)](dy, gate, up, dg, du, n, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK))
+        _swiglu_bwd_kernel[_grid(n)](
+            dy, gate, up, dg, du, n, ACTIVATION=activation, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK)
+        )
     return dg, du
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """silu(gate) * up; saves gate and up only."""
+    """act(gate) * up; saves gate and up only."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        y = swiglu_forward(gate, up)
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+        y = swiglu_forward(gate, up, activation)
         ctx.save_for_backward(gate, up)
+        ctx.activation = activation
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
-        return swiglu_backward(dy, gate, up)
+        return *swiglu_backward(dy, gate, up, ctx.activation), None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Fused silu(gate) * up (see the module docstring). gate and up must have the same shape."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Fused act(gate) * up (see the module docstring): SwiGLU with ``silu``, GeGLU with ``gelu_tanh``.
+
+    Args:
+        gate, up: tensors of one shape (promoted to a common dtype).
+        activation: one of `ACTIVATIONS`.
+
+    Returns:
+        act(gate) * up, of gate's shape in the promoted dtype.
+
+    Raises:
+        ValueError: gate and up differ in shape, or an unknown activation.
+    """
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    _check_activation("swiglu", activation)
     if not triton_can_run(gate):
         warn_fallback("swiglu", gate.device)
-        return swiglu_reference(gate, up)
+        return swiglu_reference(gate, up, activation)
     dtype = torch.promote_types(gate.dtype, up.dtype)
-    return SwiGLUFunction.apply(gate.to(dtype).contiguous(), up.to(dtype).contiguous())
+    return SwiGLUFunction.apply(gate.to(dtype).contiguous(), up.to(dtype).contiguous(), activation)
 
 
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Plain-torch silu(gate) * up, as HF's MLP computes it."""
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Plain-torch act(gate) * up, as HF's MLP computes it (``silu``: ACT2FN["silu"];
+    ``gelu_tanh``: ACT2FN["gelu_pytorch_tanh"], torch's tanh-approximate GELU)."""
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     return torch.nn.functional.silu(gate) * up
 
 
 # Concatenated layout: the gate and up halves of one [rows, 2I] GEMM output (transformers' MoE experts
 # keep ``gate_up_proj`` stacked, so each expert GEMM yields h = [gate | up]). An optional per-row
-# weight w scales each row: y = silu(gate) * up * w (the MoE routing weight, see `swiglu_concat`).
+# weight w scales each row: y = act(gate) * up * w (the MoE routing weight, see `swiglu_concat`).
 
 
 @triton.jit
 def _swiglu_concat_fwd_kernel(
-    H, W, Y, HC, n_cols, stride_h, stride_y, stride_hc, HAS_WEIGHT: tl.constexpr, COPY_H: tl.constexpr, BLOCK: tl.constexpr
+    H, W, Y, HC, n_cols, stride_h, stride_y, stride_hc,
+    HAS_WEIGHT: tl.constexpr, COPY_H: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -128,7 +174,8 @@ def _swiglu_concat_fwd_kernel(
         tl.store(HC + row * stride_hc + n_cols + cols, u_in, mask=mask)
     g = g_in.to(tl.float32)
     u = u_in.to(tl.float32)
-    y = g * tl.sigmoid(g) * u
+    a, _ = _activation(g, ACTIVATION)
+    y = a * u
     if HAS_WEIGHT:
         y = y * tl.load(W + row).to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -137,7 +184,7 @@ def _swiglu_concat_fwd_kernel(
 @triton.jit
 def _swiglu_concat_bwd_kernel(
     DY, H, W, DH, DW, n_cols, stride_dy, stride_h, stride_dh,
-    HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row (the weight's gradient is a whole-row sum), column blocks in a loop."""
     row = tl.program_id(0).to(tl.int64)
@@ -151,12 +198,12 @@ def _swiglu_concat_bwd_kernel(
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
+        a, da = _activation(g, ACTIVATION)
         if WEIGHT_GRAD:
-            dw += dy * g * s * u
+            dw += dy * a * u
         dy = dy * w
-        tl.store(DH + row * stride_dh + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(DH.dtype.element_ty), mask=mask)
-        tl.store(DH + row * stride_dh + n_cols + cols, (dy * g * s).to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + row * stride_dh + cols, (dy * u * da).to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + row * stride_dh + n_cols + cols, (dy * a).to(DH.dtype.element_ty), mask=mask)
     if WEIGHT_GRAD:
         tl.store(DW + row, tl.sum(dw, axis=0).to(DW.dtype.element_ty))
 
@@ -169,11 +216,12 @@ def _concat_block(n_cols: int) -> int:
 
 
 class SwiGLUConcatFunction(torch.autograd.Function):
-    """silu(h[:, :I]) * h[:, I:] (* w) on a [rows, 2I] tensor; saves h (and w), its gradient is one [rows, 2I] tensor."""
+    """act(h[:, :I]) * h[:, I:] (* w) on a [rows, 2I] tensor; saves h (and w), its gradient is one [rows, 2I] tensor."""
 
     @staticmethod
     def forward(
-        ctx, h: torch.Tensor, row_weight: torch.Tensor | None, pad_out: int, pad_grad: int, h_copy: torch.Tensor | None
+        ctx, h: torch.Tensor, row_weight: torch.Tensor | None, pad_out: int, pad_grad: int, h_copy: torch.Tensor | None,
+        activation: str,
     ) -> torch.Tensor:
         rows, n_cols = h.shape[0], h.shape[1] // 2
         y = row_padded(rows, n_cols, pad_out, h)
@@ -182,10 +230,11 @@ class SwiGLUConcatFunction(torch.autograd.Function):
             _swiglu_concat_fwd_kernel[(rows, triton.cdiv(n_cols, block))](
                 h, h if row_weight is None else row_weight, y, h if h_copy is None else h_copy,
                 n_cols, h.stride(0), y.stride(0), 0 if h_copy is None else h_copy.stride(0),
-                HAS_WEIGHT=row_weight is not None, COPY_H=h_copy is not None, BLOCK=block, num_warps=num_warps_for(block),
+                HAS_WEIGHT=row_weight is not None, COPY_H=h_copy is not None, ACTIVATION=activation,
+                BLOCK=block, num_warps=num_warps_for(block),
             )  # fmt: skip
         ctx.save_for_backward(h, row_weight)
-        ctx.pad_grad = pad_grad
+        ctx.pad_grad, ctx.activation = pad_grad, activation
         return y
 
     @staticmethod
@@ -200,12 +249,12 @@ class SwiGLUConcatFunction(torch.autograd.Function):
             _swiglu_concat_bwd_kernel[(rows,)](
                 dy, h, h if row_weight is None else row_weight, dh, dh if d_weight is None else d_weight,
                 n_cols, dy.stride(0), h.stride(0), dh.stride(0),
-                HAS_WEIGHT=row_weight is not None, WEIGHT_GRAD=d_weight is not None,
+                HAS_WEIGHT=row_weight is not None, WEIGHT_GRAD=d_weight is not None, ACTIVATION=ctx.activation,
                 BLOCK=block, num_warps=num_warps_for(block),
             )  # fmt: skip
         elif d_weight is not None:
             d_weight.zero_()
-        return dh, d_weight, None, None, None
+        return dh, d_weight, None, None, None, None
 
 
 def swiglu_concat(
@@ -215,11 +264,12 @@ def swiglu_concat(
     pad_out: int = 0,
     pad_grad: int = 0,
     h_copy: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """Fused silu(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
+    """Fused act(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
 
-    The MoE experts' layout (one GEMM against the stacked ``gate_up_proj``): no chunk views, no silu
-    intermediate, and the backward writes the one [rows, 2I] gradient the GEMM's backward takes,
+    The MoE experts' layout (one GEMM against the stacked ``gate_up_proj``), also Phi-3's MLP: no
+    chunk views, no activation intermediate, and the backward writes the one [rows, 2I] gradient the GEMM's backward takes,
     instead of two halves that autograd would concatenate. Same math and rounding as `swiglu`.
 
     Args:
@@ -240,13 +290,14 @@ def swiglu_concat(
             write (not part of autograd). The MoE experts pass the kept gate/up output's buffer here
             when their slotted GEMM cannot write into it (`lightning_ft.kernels.moe`; a [rows, 2I]
             copy per layer and step otherwise: 201 MB at 8K tokens of Qwen3-30B-A3B).
+        activation: one of `ACTIVATIONS`, as in `swiglu`.
 
     Returns:
         [rows, I] in h's dtype.
 
     Raises:
         ValueError: h is not 2-D with an even number of columns, row_weight is not [rows] on h's
-            device, or h_copy does not match h as described.
+            device, h_copy does not match h as described, or an unknown activation.
     """
     if h.dim() != 2 or h.shape[1] % 2:
         raise ValueError(f"swiglu_concat: expected [rows, 2I], got {tuple(h.shape)}")
@@ -265,16 +316,19 @@ def swiglu_concat(
             f"(unit column stride, row stride >= {h.shape[1]}) and share no memory with h, got {tuple(h_copy.shape)} "
             f"{h_copy.dtype} on {h_copy.device} with strides {h_copy.stride()}"
         )
+    _check_activation("swiglu_concat", activation)
     if not triton_can_run(h):
         warn_fallback("swiglu_concat", h.device)
         if h_copy is not None:
             h_copy.copy_(h)
-        return swiglu_concat_reference(h, row_weight)
+        return swiglu_concat_reference(h, row_weight, activation)
     weight = None if row_weight is None else row_weight.contiguous()
-    return SwiGLUConcatFunction.apply(h.contiguous(), weight, pad_out, pad_grad, h_copy)
+    return SwiGLUConcatFunction.apply(h.contiguous(), weight, pad_out, pad_grad, h_copy, activation)
 
 
-def swiglu_concat_reference(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-torch `swiglu_concat`: silu(gate) * up, then times the row weight (cast to h's dtype)."""
-    y = swiglu_reference(*h.chunk(2, dim=-1))
+def swiglu_concat_reference(
+    h: torch.Tensor, row_weight: torch.Tensor | None = None, activation: str = "silu"
+) -> torch.Tensor:
+    """Plain-torch `swiglu_concat`: act(gate) * up, then times the row weight (cast to h's dtype)."""
+    y = swiglu_reference(*h.chunk(2, dim=-1), activation)
     return y if row_weight is None else y * row_weight.to(y.dtype)[:, None]
