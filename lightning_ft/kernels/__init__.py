@@ -3,9 +3,9 @@ torch.autograd.Function and a plain-torch reference of the same math (`lora` is 
 is a package). Nothing here imports transformers; the HF wiring lives in `lightning_ft.model.patching`
 and `lightning_ft.model.moe`.
 
-    rms_norm.rms_norm(x, weight, eps)                            RMSNorm (HF Llama/Qwen3 math)
+    rms_norm.rms_norm(x, weight, eps, offset=, fp32_scale=)       RMSNorm (HF Llama/Qwen3 math; Gemma's)
     rope.apply_rope(q, k, cos, sin)                               RoPE on q and k, in place
-    swiglu.swiglu(gate, up)                                       silu(gate) * up
+    swiglu.swiglu(gate, up, activation)                           act(gate) * up: SwiGLU (silu), GeGLU (gelu_tanh)
     linear_cross_entropy.fused_linear_cross_entropy(h, w, labels) chunked LM head + CE: (loss sum, count)
     lora.lora_linear(x, weight, bias, lora_A, lora_B, scaling)    x Wᵀ + b + scaling · (x Aᵀ) Bᵀ, three GEMMs
     moe.moe_experts(x, topk_weight, routing, ...)                 MoE experts with split LoRA on sync-free

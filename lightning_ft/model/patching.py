@@ -6,12 +6,15 @@ nothing is touched, so the model is stock HF + PEFT: the reference every speed-u
 
 What gets patched, per kernel switch:
 
-    rms_norm  every instance of the table's RMSNorm classes (decoder norms, final norm, Qwen3's q/k
-              norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`.
-    swiglu    every instance of the table's dense MLP classes: `forward` becomes
-              `down_proj(swiglu(gate_proj(x), up_proj(x)))`, or with ``fused_gate_up`` (Phi-3's one
-              ``gate_up_proj``, gate first) `down_proj(swiglu_concat(gate_up_proj(x)))`. The
-              projections are called as they are, so PEFT's LoRA layers on them still apply. Routed
+    rms_norm  every instance of the table's RMSNorm classes (decoder norms, final norm, Qwen3's and
+              Gemma 3's q/k norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`,
+              or for a class in ``rms_norm_offsets`` (Gemma's ``(1 + weight)``) `rms_norm(x,
+              self.weight, self.eps, offset=..., fp32_scale=True)`.
+    swiglu    every instance of the table's dense MLP classes, where the config's activation
+              (``hidden_activation``, else ``hidden_act``) is one of `GLU_ACTIVATIONS`' names (SwiGLU,
+              GeGLU): `forward` becomes `down_proj(swiglu(gate_proj(x), up_proj(x), activation))`, or
+              with ``fused_gate_up`` (Phi-3's one ``gate_up_proj``, gate first)
+              `down_proj(swiglu_concat(gate_up_proj(x), activation=...))`. The projections are called as they are, so PEFT's LoRA layers on them still apply. Routed
               experts (`Qwen3MoeExperts`, ...) are not touched here: MoE dispatch lives in model/moe.py;
               shared experts and dense layers of an MoE model are the table's MLP class.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
@@ -59,7 +62,11 @@ from lightning_ft.kernels.swiglu import swiglu, swiglu_concat
 from lightning_ft.model.lora import _fused_lora_forward, lora_linear_adapters
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
-_SILU_ACTS = ("silu", "swish")
+# transformers' ACT2FN name -> the `swiglu` kernel's activation computing it (tests/model/test_patching.py checks each)
+GLU_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+}  # fmt: skip
 _RECORD_ATTR = "_lightning_ft_kernel_undo"
 
 
@@ -87,6 +94,9 @@ class PatchTable:
     moe: MoEClasses | None = None  # the MoE block's classes (`lightning_ft.model.moe`); None: a dense model
     fused_gate_up: bool = False  # the MLPs compute down_proj(act(gate) * up) from one gate_up_proj ([gate | up])
     stock: tuple[tuple[str, str], ...] = ()  # (kernel switch, why it runs as transformers does) for pieces left out
+    # (class of rms_norm, weight offset): norms computing (x * rstd * (offset + weight)) in fp32, eps in
+    # ``self.eps``, rounded once to x's dtype (Gemma's); the others are Llama's (``self.variance_epsilon``)
+    rms_norm_offsets: tuple[tuple[str, float], ...] = ()
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -108,13 +118,11 @@ PATCH_TABLES: dict[str, PatchTable] = {
         "transformers.models.phi3.modeling_phi3", ("Phi3RMSNorm",), ("Phi3MLP",), ("o_proj", "gate_up_proj", "down_proj"),
         fused_gate_up=True,
     ),
-    # RoPE only: two RoPE bases (sliding / full layers) reach apply_rotary_pos_emb as cos/sin tables
+    # two RoPE bases (sliding / full layers) reach apply_rotary_pos_emb as cos/sin tables; norms scale by
+    # (1 + weight); the MLP is GeGLU (gelu_pytorch_tanh); q/k pass through q_norm/k_norm first
     "gemma3_text": PatchTable(
-        "transformers.models.gemma3.modeling_gemma3", (), (), ("v_proj", "o_proj", *_MLP_LINEARS),
-        stock=(
-            ("rms_norm", "Gemma's RMSNorm scales by (1 + weight) in fp32 and rounds once; our kernel scales by weight"),
-            ("swiglu", "its gated MLP is gelu-tanh, not SwiGLU"),
-        ),
+        "transformers.models.gemma3.modeling_gemma3", ("Gemma3RMSNorm",), ("Gemma3MLP",),
+        ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP_LINEARS), rms_norm_offsets=(("Gemma3RMSNorm", 1.0),),
     ),
     "qwen3": PatchTable(
         "transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",),
@@ -160,13 +168,34 @@ def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) 
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+def _fused_offset_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *, offset: float) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.eps, offset=offset, fp32_scale=True)
 
 
-def _fused_gate_up_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor, *, activation: str) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), activation))
+
+
+def _fused_gate_up_mlp_forward(self: torch.nn.Module, x: torch.Tensor, *, activation: str) -> torch.Tensor:
     gate_up = self.gate_up_proj(x)
-    return self.down_proj(swiglu_concat(gate_up.flatten(0, -2)).view(*gate_up.shape[:-1], -1))
+    return self.down_proj(swiglu_concat(gate_up.flatten(0, -2), activation=activation).view(*gate_up.shape[:-1], -1))
+
+
+def _mlp_activation(config: object) -> object:
+    """The activation name a gated MLP of ``config`` applies: ``hidden_activation`` (Gemma's), else ``hidden_act``."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def _fused_forwards(name: str, table: PatchTable, config: object) -> dict[str, Callable]:
+    """Class name -> the fused forward that kernel switch ``name`` (rms_norm or swiglu) patches into its instances."""
+    if name == "rms_norm":
+        offsets = dict(table.rms_norm_offsets)
+        return {
+            c: functools.partial(_fused_offset_rms_norm_forward, offset=offsets[c]) if c in offsets else _fused_rms_norm_forward
+            for c in table.rms_norm
+        }
+    mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
+    return dict.fromkeys(table.mlp, functools.partial(mlp, activation=GLU_ACTIVATIONS[_mlp_activation(config)]))
 
 
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:
@@ -291,13 +320,9 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
             _patch_rope(modeling, undo)
             applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")
         else:
-            class_names = table.rms_norm if name == "rms_norm" else table.mlp
-            fused = {
-                "rms_norm": _fused_rms_norm_forward,
-                "swiglu": _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward,
-            }[name]
-            count = _patch_forwards(hf_model, tuple(getattr(modeling, c) for c in class_names), fused, undo)
-            applied.append(f"{name}: {count} x {', '.join(class_names)}")
+            fused = _fused_forwards(name, table, config)
+            count = sum(_patch_forwards(hf_model, (getattr(modeling, c),), f, undo) for c, f in fused.items())
+            applied.append(f"{name}: {count} x {', '.join(fused)}")
     return applied
 
 
@@ -307,8 +332,8 @@ def _stock_reasons(config: object, table: PatchTable | None) -> dict[str, str]:
         why = f"no patch table for model_type {config.model_type!r}; tables exist for {sorted(PATCH_TABLES)}"
         return dict.fromkeys(("rms_norm", "swiglu", "rope"), why)
     reasons = dict(table.stock)
-    if "swiglu" not in reasons and getattr(config, "hidden_act", None) not in _SILU_ACTS:
-        reasons["swiglu"] = f"the MLP's hidden_act is {getattr(config, 'hidden_act', None)!r}, not silu"
+    if "swiglu" not in reasons and _mlp_activation(config) not in GLU_ACTIVATIONS:
+        reasons["swiglu"] = f"the MLP's activation {_mlp_activation(config)!r} is none of {sorted(GLU_ACTIVATIONS)}"
     return reasons
 
 

@@ -1,4 +1,5 @@
-"""RMSNorm kernel vs its plain-torch reference (HF's math), forward and backward.
+"""RMSNorm kernel vs its plain-torch reference (HF's math: Llama's, and Gemma's scaling by 1 + weight in
+fp32), forward and backward; the reference vs HF's modules bit for bit.
 
 Tolerances (atol = rtol), kernel vs reference in the same dtype:
     fp32  1e-5 for y and dx; dW (a sum over rows, in another order) 1e-4 of its largest value
@@ -19,21 +20,27 @@ TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}  # dtype -> (y
 EPS = 1e-6
 
 
-def _run(fn, x, weight, dy):
+# (offset, fp32_scale): Llama's norm, Gemma's, and the two mixed
+STYLES = {"llama": (0.0, False), "gemma": (1.0, True), "offset_only": (1.0, False), "fp32_scale_only": (0.0, True)}
+
+
+def _run(fn, x, weight, dy, style):
+    offset, fp32_scale = STYLES[style]
     x = x.detach().clone().requires_grad_(x.requires_grad)
     weight = weight.detach().clone().requires_grad_(weight.requires_grad)
-    y = fn(x, weight, EPS)
+    y = fn(x, weight, EPS, offset=offset, fp32_scale=fp32_scale)
     y.backward(dy)
     return y, x.grad, weight.grad
 
 
-def _check(x, weight):
+def _check(x, weight, style="llama"):
     torch.manual_seed(1)
-    dy = torch.randn(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    y, dx, dw = _run(rms_norm, x, weight, dy)
-    y_ref, dx_ref, dw_ref = _run(rms_norm_reference, x, weight, dy)
+    y_dtype = x.dtype if STYLES[style][1] else torch.promote_types(x.dtype, weight.dtype)
+    dy = torch.randn(x.shape, dtype=y_dtype, device=x.device)
+    y, dx, dw = _run(rms_norm, x, weight, dy, style)
+    y_ref, dx_ref, dw_ref = _run(rms_norm_reference, x, weight, dy, style)
     tol, tol_dw = TOL[x.dtype]
-    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    assert y.dtype == y_ref.dtype == y_dtype and y.shape == y_ref.shape
     torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
     if x.requires_grad:
         torch.testing.assert_close(dx, dx_ref, atol=tol, rtol=tol)
@@ -61,6 +68,42 @@ def test_matches_reference(device, dtype, shape):
     x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
     weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
     _check(x, weight)
+
+
+@pytest.mark.parametrize("style", ["gemma", "offset_only", "fp32_scale_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 200), (2, 3, 4, 16), (37, 72)])
+def test_offset_and_fp32_scale_match_reference(device, dtype, shape, style):
+    """Weights around 0, as Gemma's (1 + weight) keeps them; the gradient of the weight is as without the offset."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    weight = (0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
+    _check(x, weight, style)
+
+
+def test_gemma_style_bf16_input_fp32_weight_returns_bf16_like_hf(device):
+    x = torch.randn(3, 7, 160, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.1 * torch.randn(160, device=device)).requires_grad_()
+    assert rms_norm(x, weight, EPS, offset=1.0, fp32_scale=True).dtype == torch.bfloat16
+    _check(x, weight, "gemma")
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_hf_bit_for_bit(dtype, style):
+    """The reference rounds where HF's LlamaRMSNorm / Gemma3RMSNorm round: forward and backward equal."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    hf = (LlamaRMSNorm if style == "llama" else Gemma3RMSNorm)(200, eps=EPS).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(200))
+    x = torch.randn(3, 5, 200, dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 5, 200, dtype=dtype)
+    expected = _run(lambda x, weight, eps, **_: hf(x), x, hf.weight, dy, style)[:2] + (hf.weight.grad,)
+    for got, want in zip(_run(rms_norm_reference, x, hf.weight, dy, style), expected, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_frozen_weight_skips_dw(device):

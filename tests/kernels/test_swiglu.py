@@ -1,8 +1,8 @@
-"""SwiGLU kernel vs silu(gate) * up in plain torch, forward and backward.
+"""SwiGLU / GeGLU kernels vs act(gate) * up in plain torch (silu, tanh-approximate GELU), forward and backward.
 
 Tolerances (atol = rtol), kernel vs reference in the same dtype:
     fp32  1e-5
-    bf16  2e-2  (the reference rounds silu(gate) to bf16 before the product, the kernel rounds once)
+    bf16  2e-2  (the reference rounds act(gate) to bf16 before the product, the kernel rounds once)
 Under the CPU interpreter bf16 sits up to an ulp further: it truncates fp32 -> bf16 where the GPU
 rounds to nearest even.
 """
@@ -10,28 +10,35 @@ rounds to nearest even.
 import pytest
 import torch
 
-from lightning_ft.kernels.swiglu import swiglu, swiglu_concat, swiglu_concat_reference, swiglu_reference
+from lightning_ft.kernels.swiglu import (
+    ACTIVATIONS,
+    swiglu,
+    swiglu_concat,
+    swiglu_concat_reference,
+    swiglu_reference,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _run(fn, gate, up, dy):
+def _run(fn, gate, up, dy, activation="silu"):
     gate = gate.detach().clone().requires_grad_()
     up = up.detach().clone().requires_grad_()
-    y = fn(gate, up)
+    y = fn(gate, up, activation)
     y.backward(dy)
     return y, gate.grad, up.grad
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 7, 300), (1, 1, 96), (3, 2880), (1, 2, 14336)])
-def test_matches_reference(device, dtype, shape):
+def test_matches_reference(device, dtype, shape, activation):
     torch.manual_seed(0)
     gate = 3 * torch.randn(shape, dtype=dtype, device=device)
     up = torch.randn(shape, dtype=dtype, device=device)
     dy = torch.randn(shape, dtype=dtype, device=device)
-    outs = _run(swiglu, gate, up, dy)
-    refs = _run(swiglu_reference, gate, up, dy)
+    outs = _run(swiglu, gate, up, dy, activation)
+    refs = _run(swiglu_reference, gate, up, dy, activation)
     for out, ref in zip(outs, refs, strict=True):
         assert out.dtype == ref.dtype and out.shape == ref.shape
         torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -52,10 +59,19 @@ def test_non_contiguous_inputs(device):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_unknown_activation_is_refused(device):
+    gate = torch.randn(2, 8, device=device)
+    with pytest.raises(ValueError, match=r"swiglu: activation must be one of \['silu', 'gelu_tanh'\], got 'gelu'"):
+        swiglu(gate, gate, "gelu")
+    with pytest.raises(ValueError, match="swiglu_concat: activation must be one of"):
+        swiglu_concat(gate, activation="relu")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "row_weight"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter", [(37, 768), (1, 40), (0, 64), (5, 1500), (3, 2880)])
-def test_concat_layout_matches_reference(device, dtype, rows, inter, weighted):
+def test_concat_layout_matches_reference(device, dtype, rows, inter, weighted, activation):
     """The MoE experts' layout: h = [gate | up] of one GEMM, one [rows, 2I] gradient back; with a
     row weight (the routing weight) its gradient too (I = 1500, 2880: several column blocks per row).
 
@@ -70,7 +86,7 @@ def test_concat_layout_matches_reference(device, dtype, rows, inter, weighted):
     for fn, cast in ((swiglu_concat, dtype), (swiglu_concat_reference, torch.float32)):
         leaf = h.to(cast).clone().requires_grad_()
         w = weight.to(cast).clone().requires_grad_() if weighted else None
-        y = fn(leaf, w)
+        y = fn(leaf, w, activation=activation)
         y.backward(dy.to(cast))
         results.append((y, leaf.grad) + ((w.grad,) if weighted else ()))
     for out, ref in zip(*results, strict=True):

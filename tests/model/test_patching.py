@@ -12,8 +12,12 @@ Tolerances, kernels on vs off:
           equal, logits <= 2.2e-2, gradients <= 8e-2, while stock bf16 itself sits up to 4.5e-2 from
           an fp32 run of the same weights. Under the CPU interpreter the gaps are larger than on
           the GPU because the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even).
+          Gemma 3 there: gradients within 20e-2 (measured 15.3e-2): its 13 norms (sandwich norms
+          and q/k norms in two layers) each truncate toward zero, a bias that adds up, where the
+          plain-torch reference of its norm is HF's bit for bit (tests/kernels/test_rms_norm.py).
 """
 
+import functools
 import importlib
 
 import pytest
@@ -21,12 +25,17 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 
+from transformers.activations import ACT2FN
+
 from lightning_ft.kernels._utils import INTERPRETER
+from lightning_ft.kernels.swiglu import swiglu_reference
 from lightning_ft.model.lora import _fused_lora_forward
 from lightning_ft.model.patching import (
+    GLU_ACTIVATIONS,
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
     _fused_gate_up_mlp_forward,
+    _fused_offset_rms_norm_forward,
     _fused_rms_norm_forward,
     _fused_swiglu_mlp_forward,
     apply_kernels,
@@ -66,7 +75,7 @@ def _tiny_config(model_type):
         return transformers.MistralConfig(**common, sliding_window=3)
     if model_type == "phi3":  # fused qkv_proj / gate_up_proj, partial rotary (12 of 16 dims)
         return transformers.Phi3Config(**common, partial_rotary_factor=0.75, pad_token_id=0)
-    if model_type == "gemma3_text":  # a sliding and a full layer, two RoPE bases, query_pre_attn_scalar, tied
+    if model_type == "gemma3_text":  # a sliding and a full layer, two RoPE bases, query_pre_attn_scalar, tied; GeGLU
         return transformers.Gemma3TextConfig(
             **common, sliding_window=3, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
         )
@@ -104,6 +113,12 @@ def _step(model, device):
     return logits.detach(), loss.detach(), grads
 
 
+def _bound(module):
+    """(function, keyword arguments) of a patched instance ``forward``."""
+    fn = module.forward.__func__
+    return (fn.func, fn.keywords) if isinstance(fn, functools.partial) else (fn, {})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_all_on_matches_all_off_and_reverts(model_type, device):
@@ -122,12 +137,20 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     norms = [m for m in model.modules() if isinstance(m, norm_classes)]
     mlps = [m for m in model.modules() if isinstance(m, mlp_classes)]
     loras = [m for m in model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
-    stock = dict(table.stock)  # pieces the table leaves to transformers (Gemma 3's norm and MLP)
+    stock = dict(table.stock)  # pieces the table leaves to transformers (DeepSeek-V3's RoPE, Mixtral's MLP)
     assert loras and bool(norms) != ("rms_norm" in stock) and bool(mlps) != ("swiglu" in stock)
     assert [line for line in applied if "stock" in line] == [f"{name}: stock ({why})" for name, why in stock.items()]
-    assert all(m.forward.__func__ is _fused_rms_norm_forward for m in norms)
+    offsets = dict(table.rms_norm_offsets)
+    for m in norms:
+        name = type(m).__name__
+        expected = (_fused_offset_rms_norm_forward, {"offset": offsets[name]}) if name in offsets else (_fused_rms_norm_forward, {})
+        assert _bound(m) == expected
     fused_mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
-    assert all(m.forward.__func__ is fused_mlp for m in mlps)
+    activation = "gelu_tanh" if model_type == "gemma3_text" else "silu"
+    assert all(_bound(m) == (fused_mlp, {"activation": activation}) for m in mlps)
+    if model_type == "gemma3_text":  # (1 + weight) norms, q/k norms included: 2 x (4 + 2) + the final norm; GeGLU
+        assert offsets == {"Gemma3RMSNorm": 1.0}
+        assert applied[1:3] == ["rms_norm: 13 x Gemma3RMSNorm", "swiglu: 2 x Gemma3MLP"]
     assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
     rope = stock_rope if "rope" in stock else _fused_apply_rotary_pos_emb
     assert modeling.apply_rotary_pos_emb is rope
@@ -152,7 +175,7 @@ def _relative_l2(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "gemma3_text"])
 def test_all_on_matches_all_off_in_bf16(model_type, device):
     model = _tiny_lora_model(model_type, device).to(torch.bfloat16)
     logits_off, loss_off, grads_off = _step(model, device)
@@ -161,8 +184,9 @@ def test_all_on_matches_all_off_in_bf16(model_type, device):
     revert_kernels(model)
     torch.testing.assert_close(loss_on, loss_off, atol=0, rtol=1e-2)
     assert _relative_l2(logits_on, logits_off) <= 5e-2
+    grad_tol = 20e-2 if model_type == "gemma3_text" and device == "cpu" else 15e-2
     for name, grad in grads_on.items():
-        assert _relative_l2(grad, grads_off[name]) <= 15e-2, name
+        assert _relative_l2(grad, grads_off[name]) <= grad_tol, name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -199,6 +223,24 @@ def test_applying_twice_replaces_the_first_patch():
     assert apply_kernels(model, {"rms_norm": True}) == ["rms_norm: 9 x Qwen3RMSNorm"]
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "Qwen3MLP")
     revert_kernels(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("name", sorted(GLU_ACTIVATIONS))
+def test_every_glu_activation_name_computes_what_transformers_does(name):
+    """Each transformers activation name the swiglu patch takes is the kernel activation it maps to."""
+    torch.manual_seed(0)
+    gate, up = 4 * torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    expected = ACT2FN[name](gate) * up
+    torch.testing.assert_close(swiglu_reference(gate, up, GLU_ACTIVATIONS[name]), expected, atol=1e-9, rtol=1e-9)
+
+
+def test_an_mlp_activation_without_a_kernel_runs_stock():
+    model = _tiny_lora_model("llama", "cpu")
+    model.config.hidden_act = "relu"
+    assert apply_kernels(model, {"swiglu": True}) == [
+        f"swiglu: stock (the MLP's activation 'relu' is none of {sorted(GLU_ACTIVATIONS)})"
+    ]
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
