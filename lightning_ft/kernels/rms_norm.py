@@ -166,10 +166,13 @@ def rms_norm_backward(
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = (weight + offset) * rstd * x, rounded as `rms_norm` says; saves x and rstd, computes dx and (when needed) dW."""
+    """y = (weight + offset) * rstd * x, rounded as `rms_norm` says; saves x and rstd, computes dx and
+    (when needed) dW."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool
+    ) -> torch.Tensor:
         y, x2d, rstd = rms_norm_forward(x, weight, eps, offset, fp32_scale)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.x_shape, ctx.offset, ctx.fp32_scale = x.shape, offset, fp32_scale

@@ -88,7 +88,9 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> tor
     y = torch.empty_like(gate)
     n = gate.numel()
     if n > 0:
-        _swiglu_fwd_kernel[_grid(n)](gate, up, y, n, ACTIVATION=activation, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK))
+        _swiglu_fwd_kernel[_grid(n)](
+            gate, up, y, n, ACTIVATION=activation, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK)
+        )
     return y
 
 
@@ -269,8 +271,9 @@ def swiglu_concat(
     """Fused act(gate) * up of a concatenated [rows, 2I] tensor h = [gate | up] → [rows, I].
 
     The MoE experts' layout (one GEMM against the stacked ``gate_up_proj``), also Phi-3's MLP: no
-    chunk views, no activation intermediate, and the backward writes the one [rows, 2I] gradient the GEMM's backward takes,
-    instead of two halves that autograd would concatenate. Same math and rounding as `swiglu`.
+    chunk views, no activation intermediate, and the backward writes the one [rows, 2I] gradient the
+    GEMM's backward takes, instead of two halves that autograd would concatenate. Same math and
+    rounding as `swiglu`.
 
     Args:
         h: [rows, 2I] gate and up, side by side.

@@ -14,8 +14,8 @@ What gets patched, per kernel switch:
               (``hidden_activation``, else ``hidden_act``) is one of `GLU_ACTIVATIONS`' names (SwiGLU,
               GeGLU): `forward` becomes `down_proj(swiglu(gate_proj(x), up_proj(x), activation))`, or
               with ``fused_gate_up`` (Phi-3's one ``gate_up_proj``, gate first)
-              `down_proj(swiglu_concat(gate_up_proj(x), activation=...))`. The projections are called as they are, so PEFT's LoRA layers on them still apply. Routed
-              experts (`Qwen3MoeExperts`, ...) are not touched here: MoE dispatch lives in model/moe.py;
+              `down_proj(swiglu_concat(gate_up_proj(x), activation=...))`. The projections are called
+              as they are, so PEFT's LoRA layers on them still apply. Routed experts (`Qwen3MoeExperts`, ...) are not touched here: MoE dispatch lives in model/moe.py;
               shared experts and dense layers of an MoE model are the table's MLP class.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
@@ -168,7 +168,9 @@ def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) 
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _fused_offset_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *, offset: float) -> torch.Tensor:
+def _fused_offset_rms_norm_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, *, offset: float
+) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.eps, offset=offset, fp32_scale=True)
 
 
@@ -191,9 +193,10 @@ def _fused_forwards(name: str, table: PatchTable, config: object) -> dict[str, C
     if name == "rms_norm":
         offsets = dict(table.rms_norm_offsets)
         return {
-            c: functools.partial(_fused_offset_rms_norm_forward, offset=offsets[c]) if c in offsets else _fused_rms_norm_forward
+            c: functools.partial(_fused_offset_rms_norm_forward, offset=offsets[c]) if c in offsets
+            else _fused_rms_norm_forward
             for c in table.rms_norm
-        }
+        }  # fmt: skip
     mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
     return dict.fromkeys(table.mlp, functools.partial(mlp, activation=GLU_ACTIVATIONS[_mlp_activation(config)]))
 

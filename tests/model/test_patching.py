@@ -143,8 +143,10 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
     offsets = dict(table.rms_norm_offsets)
     for m in norms:
         name = type(m).__name__
-        expected = (_fused_offset_rms_norm_forward, {"offset": offsets[name]}) if name in offsets else (_fused_rms_norm_forward, {})
-        assert _bound(m) == expected
+        if name in offsets:
+            assert _bound(m) == (_fused_offset_rms_norm_forward, {"offset": offsets[name]})
+        else:
+            assert _bound(m) == (_fused_rms_norm_forward, {})
     fused_mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
     activation = "gelu_tanh" if model_type == "gemma3_text" else "silu"
     assert all(_bound(m) == (fused_mlp, {"activation": activation}) for m in mlps)
