@@ -100,6 +100,7 @@ class PatchTable:
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+_MLA_ROPE = ("rope", "MLA rotates a slice of q and k (interleaved with rope_interleave), which our in-place RoPE does not take")
 PATCH_TABLES: dict[str, PatchTable] = {
     "llama": PatchTable(
         "transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",), ("v_proj", "o_proj", *_MLP_LINEARS)
@@ -150,7 +151,14 @@ PATCH_TABLES: dict[str, PatchTable] = {
         "transformers.models.deepseek_v3.modeling_deepseek_v3", ("DeepseekV3RMSNorm",), ("DeepseekV3MLP",),
         ("o_proj", *_MLP_LINEARS),
         moe=MoEClasses("DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3DecoderLayer", router_kind="sigmoid_grouped"),
-        stock=(("rope", "MLA rotates a slice of q and k (interleaved with rope_interleave), which our in-place RoPE does not take"),),
+        stock=(_MLA_ROPE,),
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (attention and RoPE stay transformers') and MoE; sparse layers per mlp_layer_types
+    "glm4_moe_lite": PatchTable(
+        "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite", ("Glm4MoeLiteRMSNorm",), ("Glm4MoeLiteMLP",),
+        ("o_proj", *_MLP_LINEARS),
+        moe=MoEClasses("Glm4MoeLiteMoE", "Glm4MoeLiteTopkRouter", "Glm4MoeLiteDecoderLayer", router_kind="sigmoid_grouped"),
+        stock=(_MLA_ROPE,),
     ),
 }  # fmt: skip
 

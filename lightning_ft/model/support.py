@@ -41,7 +41,7 @@ _TINY_SIZES = {
     "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "vocab_size": 64, "max_position_embeddings": 64,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
     "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "query_pre_attn_scalar": 16,
+    "qk_nope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 1, "query_pre_attn_scalar": 16,
     "global_head_dim": 16, "attention_chunk_size": 4,
 }  # fmt: skip
 _PROBE_WINDOW = 2  # sliding windows shorter than the probe's documents (3 and 4 tokens)
@@ -75,19 +75,24 @@ def tiny_config(config: Any) -> Any:
         key = aliases.get(key, key)
         if values.get(key) is not None:
             values[key] = value
+    layers = aliases.get("num_hidden_layers", "num_hidden_layers")
     layer_types = values.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
         values["layer_types"] = list(dict.fromkeys(layer_types))
         if len(values["layer_types"]) == 1:
             values["layer_types"] *= 2
-        values[aliases.get("num_hidden_layers", "num_hidden_layers")] = len(values["layer_types"])
-    elif values.get(layers := aliases.get("num_hidden_layers", "num_hidden_layers")) is not None:
+        values[layers] = len(values["layer_types"])
+    elif values.get(layers) is not None:
         values[layers] = 2
     if values.get("sliding_window"):
         values["sliding_window"] = _PROBE_WINDOW
     if values.get("kv_lora_rank") is not None:  # MLA (DeepSeek-V3): keys and values come in every query head, and
         values["num_key_value_heads"] = values["num_attention_heads"]  # the rotary tables span the RoPE part only
-        values["head_dim"] = values.get("qk_rope_head_dim", values["head_dim"])
+        if aliases.get("head_dim") != "qk_rope_head_dim":  # GLM-4.7-Flash's config aliases the two
+            values["head_dim"] = values["qk_rope_head_dim"]
+    if isinstance(values.get("mlp_layer_types"), list):  # dense / sparse per layer (GLM-4.7-Flash): one layer a kind
+        values["mlp_layer_types"] = list(dict.fromkeys(values["mlp_layer_types"]))
+        values[layers] = len(values["mlp_layer_types"])
     values.pop("mlp_only_layers", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocabulary
         if values.get(key) is not None:
