@@ -46,7 +46,8 @@ them instead of running attention's forward again; its backward calls the same b
 autograd would.
 
 Shape suffixes: T tokens of the packed row, N documents, Hq query heads, Hkv key/value heads, D head
-dim, M = ceil(T / block) blocks of a BlockMask.
+dim, M = ceil(T / block) blocks of a BlockMask. Values may have a narrower head dim than queries and
+keys (MLA: DeepSeek-V3); the kernels that take one head dim get v zero-padded (`pad_value_head_dim`).
 
 Sources: PyTorch ``torch/nn/attention/varlen.py`` (2.11 and 2.13), ``torch/nn/attention/flex_attention.py``;
 flash-attention 2 ``mha_varlen_bwd`` (the dq accumulator behind `check_varlen_size`); transformers v5
@@ -286,6 +287,25 @@ def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
+def pad_value_head_dim(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``value`` with its head dim zero-padded to ``query``'s, and its own head dim.
+
+    For the kernels that take one head dim for q, k and v (flash-attention 2, the CPU's flash
+    kernel) when v's is narrower, as in MLA (DeepSeek-V3, GLM-4.7-Flash): the zero columns of v give
+    zero columns of the output, which the caller slices off (``out[..., :Dv]``); their gradient is dropped.
+
+    Args:
+        query: [..., Dqk]; value: [..., Dv], the other dims as the kernel takes them.
+
+    Raises:
+        ValueError: v's head dim wider than q/k's.
+    """
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if d_v > d_qk:
+        raise ValueError(f"packed attention: a value head dim ({d_v}) wider than the query/key head dim ({d_qk}) is not supported")
+    return (F.pad(value, (0, d_qk - d_v)) if d_v < d_qk else value), d_v
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     """An attention kernel called through its forward and backward ops, so its saved tensors are explicit.
@@ -437,7 +457,8 @@ def varlen_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Flash-attention varlen over the documents of ``batch``; query [1, Hq, T, D] → output [1, T, Hq, D].
+    """Flash-attention varlen over the documents of ``batch``; query [1, Hq, T, D], value [1, Hkv, T, Dv <= D]
+    → output [1, T, Hq, Dv] (v zero-padded to D for the kernels, `pad_value_head_dim`).
 
     transformers lays q/k/v out as [1, T, H, D] in memory, so the [T, H, D] views passed on are
     contiguous and the output needs no transpose.
@@ -453,6 +474,7 @@ def varlen_attention(
             f"model.attention=varlen needs bfloat16 or float16 q/k/v, got {q_THD.dtype}: set model.dtype=bfloat16 "
             f"or a bf16 trainer.precision, or use model.attention=sdpa"
         )
+    v_THD, Dv = pad_value_head_dim(q_THD, v_THD)  # flash-attention and cuDNN's fast kernels take one head dim
     T, Hq, D = q_THD.shape
     if batch.num_docs == 1 and sliding_window is None:
         # One document: plain causal attention, which SDPA runs with cuDNN's fused kernel on Hopper
@@ -462,13 +484,13 @@ def varlen_attention(
         out = _attend_kept(cudnn_causal_kernel(scaling), q, k, v) if keeping else None
         if out is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != Hq)
-        return out.transpose(1, 2)
+        return out.transpose(1, 2)[..., :Dv]
     check_varlen_size(T, batch.num_docs, Hq, D)
     cu_seqlens = batch.cached(("cu_seqlens", q_THD.device), lambda: device_cu_seqlens(batch.cu_seqlens, q_THD.device))
     if kept.active("attention") is not None:
         kernel = flash_varlen_kernel(cu_seqlens, batch.max_seqlen, scaling, sliding_window)
         if (out_THD := _attend_kept(kernel, q_THD, k_THD, v_THD)) is not None:
-            return out_THD[None]
+            return out_THD[None, ..., :Dv]
     varlen_attn, takes_enable_gqa = _varlen_api()
     extra = {"enable_gqa": True} if takes_enable_gqa and k_THD.shape[1] != Hq else {}
     window = _flash_window(sliding_window)
@@ -476,7 +498,7 @@ def varlen_attention(
         q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, batch.max_seqlen, batch.max_seqlen,
         scale=scaling, window_size=window, **extra,
     )  # fmt: skip
-    return out_THD[None]
+    return out_THD[None, ..., :Dv]
 
 
 def flex_attention(
@@ -505,6 +527,8 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """SDPA with the batch's dense block-causal mask; query [1, Hq, T, D] → output [1, T, Hq, D].
 
+    Value heads may be narrower than query/key heads (MLA): output [1, T, Hq, Dv].
+
     Note: k/v are repeated to Hq heads (as transformers does with a mask): SDPA's ``enable_gqa``
     with a mask would leave only its math kernel on CUDA.
     """
@@ -522,7 +546,9 @@ def sdpa_attention(
             ("sdpa_additive_mask", q.device, sliding_window, q.dtype),
             lambda: torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf")),
         )
+        v, Dv = pad_value_head_dim(q, v)  # the CPU's flash kernel takes one head dim
         out = _attend_kept(cpu_flash_kernel(additive, scaling), q, k, v)
+        out = None if out is None else out[..., :Dv]
     if out is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous()
@@ -539,12 +565,12 @@ def packed_attention_reference(
     """The unpacked reference of every backend: each document through SDPA alone, causal.
 
     Args:
-        query: [1, Hq, T, D]; key, value: [1, Hkv, T, D].
+        query: [1, Hq, T, D]; key: [1, Hkv, T, D]; value: [1, Hkv, T, Dv], Dv <= D (MLA's is narrower).
         cu_seqlens: [N + 1] int32 on the host.
         sliding_window: keep only keys with ``q - k < sliding_window`` (None: no window).
 
     Returns:
-        [1, T, Hq, D], in the dtype of ``query``.
+        [1, T, Hq, Dv], in the dtype of ``query``.
     """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -573,12 +599,12 @@ def packed_attention_forward(
     """Attention over a packed row; the signature transformers' attention interface expects.
 
     Args:
-        query: [1, Hq, T, D]; key, value: [1, Hkv, T, D].
+        query: [1, Hq, T, D]; key: [1, Hkv, T, D]; value: [1, Hkv, T, Dv], Dv <= D (MLA's is narrower).
         packed_batch: the batch being run (None: transformers' SDPA attention handles the call).
         backend: ``varlen``, ``flex`` or ``sdpa`` (bound by `register_packed_attention`).
 
     Returns:
-        ([1, T, Hq, D] output, None).
+        ([1, T, Hq, Dv] output, None).
 
     Raises:
         ValueError: several rows, attention dropout with varlen/flex, a softcap or attention sinks.
