@@ -95,7 +95,7 @@ def test_one_training_step_matches_transformers(model_type, monkeypatch):
     torch.testing.assert_close(loss.detach(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2_tiny", "mistral_tiny", "phi3_tiny", "gemma3_tiny", "mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["qwen2_tiny", "mistral_tiny", "phi3_tiny", "gemma3_tiny", "mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny", "glm4_moe_lite_tiny"])
 def test_each_tiny_family_config_builds_on_packed_rows(name):
     import yaml
 

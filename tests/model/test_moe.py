@@ -1,7 +1,7 @@
 """apply_moe on tiny MoE models + PEFT LoRA (attention, experts, dense MLPs) against the stock HF + PEFT path.
 
 Architectures (`ARCHS`, one per patch table with `MoEClasses`): Qwen3-MoE and Mixtral (softmax top-k),
-GLM-4.5 and DeepSeek-V3 (sigmoid scores, a random ``e_score_correction_bias``, group-limited top-k,
+GLM-4.5, DeepSeek-V3 and GLM-4.7-Flash (sigmoid scores, a random ``e_score_correction_bias``, group-limited top-k,
 ``routed_scaling_factor``, shared experts, a dense first layer). Stock = transformers' eager experts
 loop with PEFT's ``target_parameters`` LoRA, which adds the materialised B·A to every expert weight.
 Each test patches, compares, and reverts.
@@ -45,6 +45,12 @@ ARCHS = {
         num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2, num_key_value_heads=5, q_lora_rank=None,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
     ),
+    "glm4_moe_lite": dict(  # MLA with a q low-rank projection (stock), 3 of 8 experts from 2 of 4 groups, sparse per
+        num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,  # mlp_layer_types
+        routed_scaling_factor=1.8, norm_topk_prob=True, num_experts_per_tok=3, n_group=4, topk_group=2,
+        n_shared_experts=1, num_key_value_heads=5, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12,
+    ),
 }
 
 
@@ -64,8 +70,10 @@ def _base_model(device="cpu", dtype=torch.float32, arch="qwen3_moe", **overrides
 
 
 def _lora_config() -> LoraConfig:
-    # down_proj: the dense MLPs and shared experts of GLM-4.5 / DeepSeek-V3 (a no-match elsewhere)
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], target_parameters=EXPERT_PARAMS)
+    # down_proj: the dense MLPs and shared experts of GLM-4.5 / DeepSeek-V3 / GLM-4.7-Flash (a no-match elsewhere);
+    # q_b_proj, kv_b_proj: MLA's up-projections (DeepSeek-V3 without q_b_proj, GLM-4.7-Flash)
+    targets = ["q_proj", "v_proj", "down_proj", "q_b_proj", "kv_b_proj"]
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=EXPERT_PARAMS)
 
 
 def _peft_model(device="cpu", dtype=torch.float32, arch="qwen3_moe", **overrides):
@@ -102,6 +110,7 @@ CASES = {
     "mixtral_jitter": ("mixtral", {"router_jitter_noise": 0.1}),  # the model trains: the jitter applies
     "glm4_moe": ("glm4_moe", {}),
     "deepseek_v3": ("deepseek_v3", {}),
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
 }
 
 
@@ -438,7 +447,7 @@ def test_router_logits_aux_loss_and_gradient_checkpointing(arch):
     assert len(out.router_logits) == 2  # the sparse layers
     for logits, ref_logits in zip(out.router_logits, ref.router_logits):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
-    assert (getattr(ref, "aux_loss", None) is None) == (arch in ("glm4_moe", "deepseek_v3"))
+    assert (getattr(ref, "aux_loss", None) is None) == (arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"))
     if arch in ("qwen3_moe", "mixtral"):
         torch.testing.assert_close(out.aux_loss, ref.aux_loss)
     torch.testing.assert_close(out.loss, ref.loss)  # includes router_aux_loss_coef * aux_loss

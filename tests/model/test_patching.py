@@ -49,7 +49,7 @@ LORA_TARGETS = [
     "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
 ]  # fmt: skip
-FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
+FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm4_moe_lite"]
 # Packed documents of length 3, 1, 4, 1, 1, 2: position_ids restart at 0 per document.
 POSITION_IDS = [0, 1, 2, 0, 0, 1, 2, 3, 0, 0, 0, 1]
 
@@ -87,6 +87,10 @@ def _tiny_config(model_type):
     if model_type == "deepseek_v3":  # as GLM-4.5, with MLA attention (its RoPE stays transformers')
         mla = dict(num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
         return transformers.DeepseekV3Config(**(common | mla), **grouped)
+    if model_type == "glm4_moe_lite":  # DeepSeek-V3's MLA (value heads 16, q/k 8 + 16) and MoE; sparse per mlp_layer_types
+        mla = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=16)
+        grouped = {k: v for k, v in grouped.items() if k != "first_k_dense_replace"} | dict(mlp_layer_types=["dense", "sparse"])
+        return transformers.Glm4MoeLiteConfig(**({k: v for k, v in common.items() if k != "head_dim"} | mla), **grouped)
     # Layer 0 dense (Qwen3MoeMLP, patched), layer 1 sparse (Qwen3MoeExperts, left alone).
     return transformers.Qwen3MoeConfig(
         **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]

@@ -217,7 +217,7 @@ def test_router_training_refusals_name_the_keys(tmp_path):
         _module(lora={**LORA, "init_from": str(tmp_path)}, train_router=True)
 
 
-@pytest.mark.parametrize("name", ["mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny", "glm4_moe_lite_tiny"])
 def test_aux_loss_of_each_moe_family(name):
     """Mixtral: the load-balancing loss is transformers' function of its router logits, with our MoE path.
     GLM-4.5 and DeepSeek-V3 have none in transformers (their bias balances the experts): refused at build."""

@@ -97,6 +97,7 @@ ROUTER_CONFIGS = {
     "mixtral": dict(num_local_experts=8),  # always renormalises
     "glm4_moe": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
     "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "glm4_moe_lite": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 GROUP_ROWS = [  # sigmoid scores, groups {0,1} {2,3} {4,5} {6,7}
     [4.0, -4.0, 1.0, 1.0, 0.5, 0.5, -4.0, -4.0],  # the best expert's group loses on its two-best sum; 4/5 tie for 3rd
