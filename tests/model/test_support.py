@@ -20,6 +20,8 @@ from lightning_ft.model.support import architecture_support, tiny_config
         ("mamba", "its attention does not go through transformers' attention-function registry", None),
         ("gemma2", r"its forward fails on a packed row \(ValueError: .*\['softcap'\] not supported", "the model changes its logits"),
         ("cohere", None, "the model changes its logits after the LM head"),
+        ("deepseek_v3", None, None),  # MLA: value heads narrower than query/key heads
+        ("glm4_moe_lite", None, None),  # MLA, dense / sparse layers per mlp_layer_types
     ],
 )
 def test_each_architecture_is_checked_on_a_tiny_copy(model_type, packing, plain_head):
@@ -35,6 +37,9 @@ def test_a_tiny_config_keeps_the_structure():
     assert tiny.layer_types == ["sliding_attention", "full_attention"]
     assert tiny.hidden_activation == big.hidden_activation and tiny.tie_word_embeddings == big.tie_word_embeddings
     assert tiny_config(AutoConfig.for_model("gpt2")).n_embd == 32  # through attribute_map
+    mla = tiny_config(AutoConfig.for_model("glm4_moe_lite"))  # 47 layers: the first dense; head_dim aliases the RoPE part
+    assert (mla.num_hidden_layers, mla.mlp_layer_types, mla.num_key_value_heads) == (2, ["dense", "sparse"], 2)
+    assert (mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim, mla.head_dim) == (16, 8, 8)
 
 
 def test_a_config_whose_tiny_copy_cannot_be_built_trains_stock():
