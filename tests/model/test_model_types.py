@@ -105,3 +105,17 @@ def test_each_tiny_family_config_builds_on_packed_rows(name):
     lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "target_modules": "all-linear"}
     built = ModelBuilder(model=model, lora=lora, vocab_size=64)(torch.device("cpu"))
     assert built.packed and built.plain_head
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "glm4_moe_lite_tiny"])
+def test_the_mla_lora_config_targets_mla_projections_and_experts(name):
+    import yaml
+
+    from lightning_ft.config import config_dir
+
+    model = yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
+    lora = yaml.safe_load((Path(config_dir()) / "lora" / "mla.yaml").read_text())
+    built = ModelBuilder(model=model, lora=lora, vocab_size=64)(torch.device("cpu"))
+    adapted = {path.split(".")[-2] for path, _ in built.model.named_parameters() if "lora_A" in path}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= adapted
+    assert any("experts" in path and "lora_A" in path for path, _ in built.model.named_parameters())
