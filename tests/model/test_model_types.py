@@ -116,6 +116,6 @@ def test_the_mla_lora_config_targets_mla_projections_and_experts(name):
     model = yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
     lora = yaml.safe_load((Path(config_dir()) / "lora" / "mla.yaml").read_text())
     built = ModelBuilder(model=model, lora=lora, vocab_size=64)(torch.device("cpu"))
-    adapted = {path.split(".")[-2] for path, _ in built.model.named_parameters() if "lora_A" in path}
+    adapted = {path.split(".lora_A")[0].rsplit(".", 1)[-1] for path, _ in built.model.named_parameters() if "lora_A" in path}
     assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= adapted
     assert any("experts" in path and "lora_A" in path for path, _ in built.model.named_parameters())
