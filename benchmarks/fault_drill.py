@@ -15,7 +15,8 @@ matters. Each kill lands in one of three phases, taken in turn:
 
 A kill that misses (the run ends first) is retried at another random point. After each kill the
 drill reads every checkpoint (``torch.load``) and the adapter (its config and safetensors), then
-resumes as a user would: ``ckpt_path=last`` when ``last.ckpt`` exists, else the same command again
+resumes as a user would: ``ckpt_path=last`` when a whole checkpoint exists (``last.ckpt``, or the
+newest step checkpoint where the kill left ``last.ckpt`` unfinished), else the same command again
 (nothing was saved yet). The resumed run must complete with per-step losses and adapter weights
 bitwise equal to the uninterrupted run's, and leave every checkpoint and the adapter readable.
 
@@ -54,7 +55,7 @@ POLL_S = 0.0005
 
 
 def _command(run_dir: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lightning_ft", "fit", f"hydra.run.dir={run_dir}", *COMMON, f"trainer.max_steps={steps}", *extra]
+    return [sys.executable, "-m", "lightning_ft", "fit", f"hydra.run.dir={run_dir}", *COMMON, "trainer.max_epochs=-1", f"trainer.max_steps={steps}", *extra]
 
 
 def _env() -> dict[str, str]:
@@ -191,7 +192,7 @@ def drill(kills: int, seed: int, steps: int, work: Path, phases: tuple[str, ...]
         if point is None:
             raise RuntimeError(f"kill {i} ({phase}) never landed in {attempts} attempts")
         point.update(kill=i, attempts=attempts, unreadable_after_kill=unreadable(run_dir))
-        restart = not (run_dir / "checkpoints" / "last.ckpt").exists()
+        restart = not any((run_dir / "checkpoints").glob("*.ckpt"))  # no whole checkpoint: nothing to resume from
         point["resume"] = "again (no checkpoint yet)" if restart else "ckpt_path=last"
         code = _run(run_dir, steps, *(() if restart else ("ckpt_path=last",)))
         summary = _summary(run_dir) or {}

@@ -37,7 +37,6 @@ from lightning_ft.errors import (
 from lightning_ft.model.build import ModelBuilder, check_model_switches
 from lightning_ft.module import FinetuneModule
 from lightning_ft.run_dir import (
-    check_last_checkpoint,
     check_new_run_dir,
     check_resumed_config,
     checkpoint_dirs,
@@ -45,6 +44,7 @@ from lightning_ft.run_dir import (
     finished_at,
     first_process,
     keep_previous_metrics,
+    last_checkpoint,
     run_dir_lock,
     stopped_message,
 )
@@ -272,10 +272,10 @@ def _train(
         # counted in micro-batches over the whole run rather than within each epoch
         trainer_kwargs["val_check_interval"] = cfg.eval.every_n_steps * datamodule.accumulate_grad_batches
         trainer_kwargs["check_val_every_n_epoch"] = None
-    if cfg.ckpt_path == "last":
-        check_last_checkpoint(callbacks)
-    if cfg.ckpt_path:
-        finished = finished_at(cfg.ckpt_path, callbacks, trainer_kwargs)
+    # ckpt_path=last: last.ckpt, or the newest step checkpoint where a kill left last.ckpt unfinished
+    ckpt_path = last_checkpoint(callbacks) if cfg.ckpt_path == "last" else cfg.ckpt_path
+    if ckpt_path:
+        finished = finished_at(ckpt_path, callbacks, trainer_kwargs)
         if finished is not None and exported(run_dir, finished[2]):  # a scheduler re-running a finished job
             checkpoint, reached, _ = finished
             log.warning(
@@ -316,7 +316,7 @@ def _train(
         shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named) or "the trainer.* settings"
         raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
         raise TrainingStopped(stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
     except Exception as err:

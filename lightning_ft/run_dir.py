@@ -334,11 +334,24 @@ def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
     return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
 
 
-def check_last_checkpoint(callbacks: list[Any]) -> None:
-    """Lightning only warns when ``ckpt_path=last`` finds nothing and then trains from scratch."""
+def last_checkpoint(callbacks: list[Any]) -> str:
+    """What ``ckpt_path=last`` resumes from: ``"last"`` (Lightning finds ``last.ckpt``) where a ``last*.ckpt`` exists,
+    else the path of the newest whole step checkpoint (a run killed after writing a step checkpoint and before
+    ``last.ckpt`` was whole has only that one), named in a warning.
+
+    Raises:
+        ValueError: no whole checkpoint in the run's checkpoint folders (Lightning would only warn and train from
+            scratch).
+    """
     dirs = checkpoint_dirs(callbacks)
-    if not any(any(d.glob("last*.ckpt")) for d in dirs):
+    if any(any(d.glob("last*.ckpt")) for d in dirs):
+        return "last"
+    steps = [(step, path) for d in dirs for path in d.glob("*.ckpt") if (step := checkpoint_step(path)) is not None]
+    if not steps:
         raise ValueError(
             f"ckpt_path=last: no last checkpoint in {', '.join(map(str, dirs)) or 'the run (no ModelCheckpoint callback)'}; "
             "resume inside the interrupted run's folder with hydra.run.dir=<that folder>, or pass the checkpoint's path"
         )
+    step, path = max(steps)
+    log.warning("ckpt_path=last: no whole last.ckpt (the run stopped while writing it); resuming from %s (step %d)", path, step)
+    return str(path)

@@ -124,3 +124,19 @@ def test_a_folder_s_files_get_the_umask_s_permissions(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "adapter" / "weights.bin").stat().st_mode & 0o777 == 0o644
+
+
+def test_ckpt_path_last_takes_the_newest_step_checkpoint_where_a_kill_left_last_ckpt_unfinished(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_ft.run_dir import last_checkpoint
+
+    callbacks = [ModelCheckpoint(dirpath=tmp_path)]
+    with pytest.raises(ValueError, match="ckpt_path=last: no last checkpoint"):
+        last_checkpoint(callbacks)
+    for step in (1, 2):
+        torch.save({"global_step": step}, tmp_path / f"step00000{step}.ckpt")
+    (tmp_path / "last.ckpt.tmp").write_bytes(b"half")
+    assert last_checkpoint(callbacks) == str(tmp_path / "step000002.ckpt")
+    torch.save({"global_step": 2}, tmp_path / "last.ckpt")
+    assert last_checkpoint(callbacks) == "last"  # Lightning resolves it
