@@ -19,7 +19,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from lightning_ft.kernels.moe import BACKENDS, grouped_mm
 from lightning_ft.strategies import kept
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, revert_moe
-from lightning_ft.model.patching import moe_classes
+from lightning_ft.model.patching import PATCH_TABLES, moe_classes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -565,7 +565,7 @@ def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):
         assert chosen == "native_torch"
     with pytest.raises(ValueError, match="unknown MoE backend"):
         apply_moe(model, "megablocks")
-    blocks = r"Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, Glm4MoeMoE, DeepseekV3MoE"
+    blocks = ", ".join(table.moe.sparse_block for table in PATCH_TABLES.values() if table.moe is not None)
     with pytest.raises(ValueError, match=rf"has no sparse MoE block \({blocks}\)"):
         apply_moe(torch.nn.Linear(2, 2), "auto")
 
