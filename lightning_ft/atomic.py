@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from lightning_ft.errors import exception_chain
+
 PARTIAL_SUFFIX = ".tmp"  # a file or folder being written: ``<path>.tmp`` until it is renamed to ``<path>``
 OLD_SUFFIX = ".old"  # the folder being replaced, between the two renames of `atomic_folder`
 #: errno values of a write the disk refused for lack of room (a full disk, a quota, RLIMIT_FSIZE)
@@ -29,13 +31,7 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 def out_of_space(err: BaseException) -> OSError | None:
     """The `OSError` of a full disk, a quota or a file-size limit (`NO_SPACE`) that ``err`` is or was raised
     from (its ``__cause__``/``__context__`` chain: ``torch.save`` wraps it in a RuntimeError); None otherwise."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in NO_SPACE:
-            return err
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in exception_chain(err) if isinstance(e, OSError) and e.errno in NO_SPACE), None)
 
 
 def _umask() -> int:

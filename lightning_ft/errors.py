@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -26,20 +27,26 @@ MEMORY_HINT = (
 )
 
 
+def exception_chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err``, then the exceptions it was raised from or during (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def out_of_memory(err: BaseException) -> str | None:
     """The first line of ``err``'s message where it (or an exception it was raised from) is an allocation that failed:
     `torch.OutOfMemoryError` (CUDA), `MemoryError`, or the CPU allocator's RuntimeError; None otherwise."""
     import torch
 
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        text = str(err)
-        if isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
-            isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in text
+    for cause in exception_chain(err):
+        text = str(cause)
+        if isinstance(cause, (torch.OutOfMemoryError, MemoryError)) or (
+            isinstance(cause, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in text
         ):
-            return (text.splitlines() or [type(err).__name__])[0]
-        err = err.__cause__ or err.__context__
+            return (text.splitlines() or [type(cause).__name__])[0]
     return None
 
 

@@ -320,16 +320,15 @@ def _train(
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
         raise TrainingStopped(stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
     except Exception as err:
-        full = out_of_space(err)
-        if full is None:
-            if (oom := out_of_memory(err)) is None:
-                raise
+        if (full := out_of_space(err)) is not None:
+            # every write here is atomic (checkpoints, adapter, summary): what was written before is whole
+            what = f"a write that found no room ({full.filename or 'a file'}: {os.strerror(full.errno)})"
+            raise TrainingStopped(stopped_message(trainer, summary, run_dir, what)
+                                  + "; free disk space first (the checkpoints and the adapter written before are intact)") from err
+        if (oom := out_of_memory(err)) is not None:
             raise TrainingStopped(stopped_message(trainer, summary, run_dir, f"running out of memory ({oom})")
                                   + f"; to fit: {MEMORY_HINT}") from err
-        # every write here is atomic (checkpoints, adapter, summary): what was written before is whole
-        what = f"a write that found no room ({full.filename or 'a file'}: {os.strerror(full.errno)})"
-        raise TrainingStopped(stopped_message(trainer, summary, run_dir, what)
-                              + "; free disk space first (the checkpoints and the adapter written before are intact)") from err
+        raise
     except SystemExit as err:
         if not trainer.interrupted:
             raise
