@@ -117,7 +117,17 @@ def test_training_step_adds_the_scaled_aux_loss(monkeypatch):
     assert module.loss_terms(batch, aux=False)[1] is None
 
 
-def test_router_trains_and_reloads_exactly_with_embeddings_and_head(tmp_path, monkeypatch):
+@pytest.fixture
+def one_thread():
+    """One CPU thread: the trained model (fused LoRA) and the reloaded stock PEFT model split their reductions the
+    same way only then, so their logits can be compared bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_router_trains_and_reloads_exactly_with_embeddings_and_head(tmp_path, monkeypatch, one_thread):
     """moe.train_router and lora.modules_to_save (embeddings and LM head; the fused loss reads the head's trainable
     copy): two steps move them; the adapter file holds them in PEFT's format, PeftModel.from_pretrained gives the same
     weights and logits; the Lightning checkpoint's state dict (trainable weights only) holds them for a resume."""
