@@ -1,4 +1,4 @@
-"""Packed attention behind the transformers attention interface: three backends, metadata built once per batch.
+"""Packed attention behind the transformers attention interface: five backends, metadata built once per batch.
 
 `register_packed_attention` registers one attention function per backend with transformers
 (``ATTENTION_NAMES``); a model loaded with that ``attn_implementation`` calls it in every layer with
@@ -9,78 +9,93 @@ forward (its packed-sequence detection would cost a device sync). Without a ``pa
 generation with a KV cache) every backend hands the call to transformers' own SDPA attention.
 
 Backends (``model.attention``), each checked against `packed_attention_reference` (every document
-through SDPA alone):
+alone):
 
-    varlen  `torch.nn.attention.varlen.varlen_attn` (flash-attention 2 inside PyTorch) on the packed
+    auto    the fastest exact kernel per document (`lightning_ft.model.attention_plan`): cuDNN's fused
+            attention (what SDPA runs on Hopper) for each document from a length measured once per
+            shape class, flash-attention 2 varlen for the runs of shorter ones. Where flash-attention
+            cannot run (the CPU, fp32 weights, pre-sm80 GPUs) auto is sdpa.
+    cudnn   cuDNN for every document, one launch each (Hopper or newer).
+    varlen  flash-attention 2 varlen (what ``torch.nn.attention.varlen`` runs) over the packed
             [T, H, D] tensors with ``cu_seqlens``/``max_seqlen``: no mask, no padding, work ∝ Σ len².
-            A row that holds one document (no window) runs SDPA's causal kernel instead, which is
-            cuDNN's fused attention on Hopper, faster than flash-attention 2 at these lengths
-            (forward+backward; see benchmarks/RESULTS.md).
-            CUDA (sm80+), bf16/fp16 (fp32 inputs under autocast are cast to the autocast dtype, as
-            SDPA's autocast does). GQA without repeating k/v: torch >= 2.12 takes
-            ``enable_gqa=True``; torch 2.11 has no such argument and passes k/v with fewer heads
-            straight to the flash kernel, which supports GQA natively (its backward expands dk/dv
-            internally and sums them back).
-    flex    FlexAttention with a document-causal `BlockMask` (sliding window when the layer has one).
-            `flex_attention` is compiled once per process with dynamic shapes, so a new packed length
-            (of more than one 128-token block) does not recompile. On the CPU torch runs its unfused
-            reference instead (forward only: torch has no FlexAttention backward on the CPU).
+    flex    FlexAttention with a document-causal `BlockMask`. `flex_attention` is compiled once per
+            process with dynamic shapes, so a new packed length (of more than one 128-token block)
+            does not recompile. On the CPU torch runs its unfused reference instead (forward only:
+            torch has no FlexAttention backward on the CPU).
     sdpa    `F.scaled_dot_product_attention` with a dense [T, T] block-diagonal causal mask: O(T²)
             memory; for the CPU and GPUs without flash-attention.
-    auto    `resolve_attention_backend`: varlen when it can run, else sdpa.
+
+auto, cudnn and varlen take CUDA (sm80+) and bf16/fp16 (fp32 inputs under autocast are cast to the
+autocast dtype, as SDPA's autocast does); GQA runs natively (k/v never repeated). What else
+attention needs, per backend:
+
+    sliding window   varlen, flex, sdpa; auto and cudnn run a windowed layer's documents through
+                     flash-attention 2 (cuDNN's causal kernel has no window)
+    attention sinks  every backend (gpt-oss's ``s_aux``): the output corrected with the kernel's
+                     log-sum-exp (`lightning_ft.model.attention_kernels`)
+    soft-capping     flex and sdpa; auto, cudnn and varlen run a soft-capped layer through flex
+                     (sdpa on the CPU), warned once
+    narrower v       every backend (MLA): v zero-padded for the kernels that take one head dim
 
 Built once per batch and device (`PackedBatch.cached`, keyed by device), reused by all L layers, all
 from the host ``cu_seqlens``/``max_seqlen`` and copied with ``non_blocking=True``, so no layer ever
 waits on the device:
 
-    varlen  ``cu_seqlens`` on the device (one copy of N + 1 int32)
-    flex    the BlockMask: its block structure computed on the host, copied; document ids [T] on the device
-    sdpa    the [1, 1, T, T] bool mask
+    auto/cudnn/varlen  the segment plan and each run's offsets (one copy), or for one run the
+                       batch's ``cu_seqlens`` (one copy of N + 1 int32)
+    flex               the BlockMask: its block structure computed on the host, copied; document
+                       ids [T] on the device
+    sdpa               the [1, 1, T, T] bool mask
 
-Kept attention (with CUDA graphs, `lightning_ft.strategies.cuda_graphs`): inside `kept.keeping`
-the varlen backend (and sdpa on the CPU) calls its kernel's forward and backward ops directly
-(`AttentionKernel`: cuDNN for a one-document row on Hopper, flash-attention 2 for several
-documents, the CPU's flash kernel), so a layer's forward can keep attention's output and
+Kept attention (with CUDA graphs, `lightning_ft.strategies.cuda_graphs`): auto, cudnn, varlen (and
+sdpa on the CPU) call their kernels' forward and backward ops through
+`lightning_ft.model.attention_kernels.attend`, so a layer's forward can keep attention's output and
 log-sum-exp (`lightning_ft.strategies.kept`, kind ``attention``) and the backward's recompute returns
-them instead of running attention's forward again; its backward calls the same backward op
-autograd would.
+them instead of running attention's forward again.
 
 Shape suffixes: T tokens of the packed row, N documents, Hq query heads, Hkv key/value heads, D head
 dim, M = ceil(T / block) blocks of a BlockMask. Values may have a narrower head dim than queries and
 keys (MLA: DeepSeek-V3); the kernels that take one head dim get v zero-padded (`pad_value_head_dim`).
 
 Sources: PyTorch ``torch/nn/attention/varlen.py`` (2.11 and 2.13), ``torch/nn/attention/flex_attention.py``;
-flash-attention 2 ``mha_varlen_bwd`` (the dq accumulator behind `check_varlen_size`); transformers v5
+transformers v5
 ``integrations/sdpa_attention.py``, ``masking_utils.py`` (sliding window: key kept iff q - k < window).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
+import logging
 import threading
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from lightning_ft.data.packing import PackedBatch
+from lightning_ft.model.attention_kernels import (
+    HALF_DTYPES, attend, autocast_inputs, check_varlen_size, cpu_flash_kernel, cudnn_runs, pad_value_head_dim,
+)  # fmt: skip
+from lightning_ft.model.attention_plan import NEVER, batch_plan, crossover, segmented_kernel
 from lightning_ft.strategies import kept
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-BACKENDS = ("auto", "varlen", "flex", "sdpa")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cudnn", "varlen", "flex", "sdpa")
+VARLEN_FAMILY = ("auto", "cudnn", "varlen")  # the backends of `varlen_attention`: cuDNN and flash-attention 2 segments
 
 # Note: transformers matches substrings of attn_implementation names ("sdpa", "flash",
 # "flex_attention") to run its own checks and fallbacks, so no name here contains one of them.
-ATTENTION_NAMES = {"sdpa": "lightning_ft", "varlen": "lightning_ft_varlen", "flex": "lightning_ft_flex"}
+ATTENTION_NAMES = {
+    "sdpa": "lightning_ft", "varlen": "lightning_ft_varlen", "cudnn": "lightning_ft_cudnn", "auto": "lightning_ft_auto",
+    "flex": "lightning_ft_flex",
+}  # fmt: skip
 
 FLEX_BLOCK_SIZE = 128
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _INT32_LIMIT = 2**31
 
 
@@ -251,214 +266,26 @@ def _flex_attention_for(device: torch.device) -> Callable:
     return flex_attention
 
 
-@functools.cache
-def _varlen_api() -> tuple[Callable, bool]:
-    """`varlen_attn` and whether it takes ``enable_gqa`` (torch >= 2.12; 2.11 has no such argument)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-def check_varlen_size(total_q: int, num_docs: int, num_heads: int, head_dim: int) -> None:
-    """Raise before flash-attention's varlen backward would overflow int32 indexing.
-
-    Its dq accumulator holds ``(total_q + 128·num_docs)·num_heads·round(head_dim)`` fp32 elements
-    (``round``: up to a multiple of 32, or 256 above 192), indexed with 32-bit integers.
-
-    Raises:
-        ValueError: that count reaches 2³¹; the message says how many tokens would fit.
-    """
-    rounded = -(-head_dim // 32) * 32 if head_dim <= 192 else 256
-    if (total_q + 128 * num_docs) * num_heads * rounded >= _INT32_LIMIT:
-        fits = (_INT32_LIMIT - 1) // (num_heads * rounded) - 128 * num_docs
-        raise ValueError(
-            f"model.attention=varlen: a packed batch of {total_q} tokens in {num_docs} documents with {num_heads} "
-            f"heads of dim {head_dim} overflows flash-attention's int32 indexing in backward; lower data.max_tokens "
-            f"to at most {max(fits, 0)} or use model.attention=flex"
-        )
-
-
-def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast fp32 q/k/v to the autocast dtype when autocast is on for their device (as SDPA's autocast does)."""
-    device_type = tensors[0].device.type
-    if tensors[0].dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return tuple(t.to(dtype) for t in tensors)
-    return tensors
-
-
-def pad_value_head_dim(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``value`` with its head dim zero-padded to ``query``'s, and its own head dim.
-
-    For the kernels that take one head dim for q, k and v (flash-attention 2, the CPU's flash
-    kernel) when v's is narrower, as in MLA (DeepSeek-V3, GLM-4.7-Flash): the zero columns of v give
-    zero columns of the output, which the caller slices off (``out[..., :Dv]``); their gradient is dropped.
-
-    Args:
-        query: [..., Dqk]; value: [..., Dv], the other dims as the kernel takes them.
-
-    Raises:
-        ValueError: v's head dim wider than q/k's.
-    """
-    d_qk, d_v = query.shape[-1], value.shape[-1]
-    if d_v > d_qk:
-        raise ValueError(f"packed attention: a value head dim ({d_v}) wider than the query/key head dim ({d_qk}) is not supported")
-    return (F.pad(value, (0, d_qk - d_v)) if d_v < d_qk else value), d_v
-
-
-@dataclass(frozen=True)
-class AttentionKernel:
-    """An attention kernel called through its forward and backward ops, so its saved tensors are explicit.
-
-    ``forward(q, k, v) -> (out, aux)``: ``out`` shaped like q (in the kernel's memory layout) and
-    ``aux`` what the backward needs besides q, k, v and out (the log-sum-exp, [1, Hq, T] or
-    [Hq, T] fp32; RNG state; sequence offsets). ``backward(grad_out, q, k, v, out, aux) -> (dq, dk, dv)``,
-    each shaped like its input. q, k, v are the layouts the backend passes (see the ``*_kernel``
-    functions); ``scale`` and the mask are bound in.
-    """
-
-    forward: Callable[..., tuple[torch.Tensor, tuple]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _cudnn_causal_forward(q, k, v, scale):
-    result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset = result[:8]
-    return out, (lse, seed, offset, cum_q, cum_k, max_q, max_k)
-
-
-def _cudnn_causal_backward(grad_out, q, k, v, out, aux, scale):
-    lse, seed, offset, cum_q, cum_k, max_q, max_k = aux
-    if grad_out.stride() != out.stride():  # cuDNN reads dO in O's layout
-        grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
-    )
-
-
-def cudnn_causal_kernel(scale: float | None) -> AttentionKernel:
-    """cuDNN's fused causal attention (what SDPA runs for one document on Hopper), GQA native.
-
-    q [1, Hq, T, D], k/v [1, Hkv, T, D], bf16/fp16 on CUDA. Ops: ``aten::_scaled_dot_product_cudnn_attention``
-    and its ``_backward`` (the pair SDPA's autograd calls; torch 2.11 and 2.13).
-    """
-    return AttentionKernel(partial(_cudnn_causal_forward, scale=scale), partial(_cudnn_causal_backward, scale=scale))
-
-
-def _flash_window(sliding_window: int | None) -> tuple[int, int]:
-    """flash-attention's (left, right) window of a causal layer: keys with ``q - k < sliding_window`` (-1: all)."""
-    return (sliding_window - 1 if sliding_window is not None else -1, 0)
-
-
-def _flash_varlen_forward(q, k, v, cu_seqlens, max_seqlen, scale, sliding_window):
-    left, right = _flash_window(sliding_window)
-    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale,
-        window_size_left=left, window_size_right=right,
-    )  # fmt: skip
-    return out, (lse, rng_state, unused)
-
-
-def _flash_varlen_backward(grad_out, q, k, v, out, aux, cu_seqlens, max_seqlen, scale, sliding_window):
-    lse, rng_state, unused = aux
-    left, right = _flash_window(sliding_window)
-    return torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
-        rng_state, unused, scale=scale, window_size_left=left, window_size_right=right,
-    )  # fmt: skip
-
-
-def flash_varlen_kernel(
-    cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None, sliding_window: int | None
-) -> AttentionKernel:
-    """flash-attention 2 over the documents of a packed row (what `varlen_attn` runs), GQA native.
-
-    q [T, Hq, D], k/v [T, Hkv, D], bf16/fp16 on CUDA; ``cu_seqlens`` [N + 1] int32 on the device.
-    Ops: ``aten::_flash_attention_forward`` / ``_backward`` (the pair behind ``torch.nn.attention.varlen``).
-    """
-    bound = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale, sliding_window=sliding_window)
-    return AttentionKernel(partial(_flash_varlen_forward, **bound), partial(_flash_varlen_backward, **bound))
-
-
-def _cpu_flash_forward(q, k, v, mask, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-    return out, (lse,)
-
-
-def _cpu_flash_backward(grad_out, q, k, v, out, aux, mask, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, aux[0], 0.0, False, attn_mask=mask, scale=scale
-    )
-
-
-def cpu_flash_kernel(mask: torch.Tensor, scale: float | None) -> AttentionKernel:
-    """The CPU's flash attention with an additive mask (what SDPA runs on the CPU).
-
-    q/k/v [1, H, T, D] with the same head count; ``mask`` [1, 1, T, T] in q's dtype (0 kept, -inf
-    masked). Ops: ``aten::_scaled_dot_product_flash_attention_for_cpu`` / ``_backward``.
-    """
-    return AttentionKernel(partial(_cpu_flash_forward, mask=mask, scale=scale), partial(_cpu_flash_backward, mask=mask, scale=scale))
-
-
-class _KeptAttentionOutput(torch.autograd.Function):
-    """Attention whose output was computed earlier (kept): returns it, and differentiates through the kernel's backward op."""
-
-    @staticmethod
-    def forward(ctx, backward: Callable, aux: tuple, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        ctx.kernel_backward, ctx.aux = backward, aux
-        ctx.save_for_backward(out, q, k, v)
-        return out.view_as(out)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        out, q, k, v = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel_backward(grad_out, q, k, v, out, ctx.aux)
-        return None, None, None, dq, dk, dv
-
-
-def _attend_kept(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """``kernel``'s output through the active kept ``attention`` (`lightning_ft.strategies.kept`), or None where
-    none is active or this layer keeps nothing.
-
-    In the forward (no grad) the call runs the kernel's forward and keeps (out, aux); in the
-    recompute the same call returns the kept ``out`` and its backward calls the kernel's backward
-    op: the recompute skips attention's forward, the most expensive op of a long row after the
-    GEMMs (see benchmarks/RESULTS.md). Costs the kept tensors: [T, Hq, D] in the activation dtype plus
-    [Hq, T] fp32 per layer (one set for a layer's CUDA-graph signatures of one token count).
-    """
-    keep = kept.active("attention")
-    if keep is None:
-        return None
-    if keep.recompute:
-        if (values := keep.take()) is None:  # this layer's forward kept nothing: attention runs as usual
-            return None
-        out, *aux = values
-        return _KeptAttentionOutput.apply(kernel.backward, tuple(aux), out, q, k, v)
-    with torch.no_grad():
-        out, aux = kernel.forward(q, k, v)
-    keep.store((out, *aux))  # flat: each tensor its own buffer
-    return out
-
-
-def _cudnn_runs(q: torch.Tensor) -> bool:
-    """Whether cuDNN's attention takes these inputs: Hopper or newer (where SDPA prefers it), D <= 128, D % 8 == 0,
-    not in deterministic mode."""
-    D = q.shape[-1]
-    return (
-        torch.backends.cuda.cudnn_sdp_enabled()
-        and not torch.are_deterministic_algorithms_enabled()  # SDPA does not pick cuDNN then either
-        and torch.cuda.get_device_capability(q.device) >= (9, 0)
-        and D <= 128 and D % 8 == 0
-    )  # fmt: skip
+def _min_cudnn_tokens(policy: str, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+                      sliding_window: int | None) -> int:
+    """From how many tokens a document runs cuDNN under ``policy`` (`attention_plan.NEVER`: none does)."""
+    if policy == "varlen" or sliding_window is not None or not cudnn_runs(q_THD):  # cuDNN's causal kernel has no window
+        return NEVER
+    return 1 if policy == "cudnn" else crossover(q_THD, k_THD, v_THD)
 
 
 def varlen_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
-    sliding_window: int | None,
+    sliding_window: int | None, policy: str = "varlen", sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Flash-attention varlen over the documents of ``batch``; query [1, Hq, T, D], value [1, Hkv, T, Dv <= D]
-    → output [1, T, Hq, Dv] (v zero-padded to D for the kernels, `pad_value_head_dim`).
+    """The documents of ``batch`` through cuDNN (long ones, alone) and flash-attention 2 varlen (runs of the others).
+
+    query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, Dv <= D] → output [1, T, Hq, Dv] (v
+    zero-padded to D for the kernels, `pad_value_head_dim`). ``policy``: ``varlen`` (flash-attention 2
+    for every document), ``cudnn`` (cuDNN for every document), ``auto`` (cuDNN from the measured
+    `attention_plan.crossover` length on). Layers with a sliding window, and GPUs where cuDNN's
+    attention does not run (`cudnn_runs`), use flash-attention 2 for every document. ``sinks``: [Hq]
+    attention-sink logits (gpt-oss), or None.
 
     transformers lays q/k/v out as [1, T, H, D] in memory, so the [T, H, D] views passed on are
     contiguous and the output needs no transpose.
@@ -468,52 +295,78 @@ def varlen_attention(
     """
     # squeeze, not [0]: the backward of a select allocates zeros of the input's shape and copies the
     # gradient in (a fill and a copy per q/k/v and layer-step)
-    q_THD, k_THD, v_THD = _autocast_inputs(*(t.squeeze(0).transpose(0, 1) for t in (query, key, value)))
-    if q_THD.dtype not in _HALF_DTYPES:
+    q_THD, k_THD, v_THD = autocast_inputs(*(t.squeeze(0).transpose(0, 1) for t in (query, key, value)))
+    if q_THD.dtype not in HALF_DTYPES:
         raise ValueError(
-            f"model.attention=varlen needs bfloat16 or float16 q/k/v, got {q_THD.dtype}: set model.dtype=bfloat16 "
+            f"model.attention={policy} needs bfloat16 or float16 q/k/v, got {q_THD.dtype}: set model.dtype=bfloat16 "
             f"or a bf16 trainer.precision, or use model.attention=sdpa"
         )
     v_THD, Dv = pad_value_head_dim(q_THD, v_THD)  # flash-attention and cuDNN's fast kernels take one head dim
     T, Hq, D = q_THD.shape
-    if batch.num_docs == 1 and sliding_window is None:
-        # One document: plain causal attention, which SDPA runs with cuDNN's fused kernel on Hopper
-        # (FlashAttention-3 class) where varlen has flash-attention 2 only; a host-side check, no sync.
-        q, k, v = (t.transpose(0, 1)[None] for t in (q_THD, k_THD, v_THD))  # [1, H, T, D] views of the cast inputs
-        keeping = kept.active("attention") is not None and _cudnn_runs(q)
-        out = _attend_kept(cudnn_causal_kernel(scaling), q, k, v) if keeping else None
-        if out is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != Hq)
-        return out.transpose(1, 2)[..., :Dv]
-    check_varlen_size(T, batch.num_docs, Hq, D)
-    cu_seqlens = batch.cached(("cu_seqlens", q_THD.device), lambda: device_cu_seqlens(batch.cu_seqlens, q_THD.device))
-    if kept.active("attention") is not None:
-        kernel = flash_varlen_kernel(cu_seqlens, batch.max_seqlen, scaling, sliding_window)
-        if (out_THD := _attend_kept(kernel, q_THD, k_THD, v_THD)) is not None:
-            return out_THD[None, ..., :Dv]
-    varlen_attn, takes_enable_gqa = _varlen_api()
-    extra = {"enable_gqa": True} if takes_enable_gqa and k_THD.shape[1] != Hq else {}
-    window = _flash_window(sliding_window)
-    out_THD = varlen_attn(
-        q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, batch.max_seqlen, batch.max_seqlen,
-        scale=scaling, window_size=window, **extra,
-    )  # fmt: skip
-    return out_THD[None, ..., :Dv]
+    segments, offsets = batch_plan(batch, _min_cudnn_tokens(policy, q_THD, k_THD, v_THD, sliding_window), q_THD.device)
+    if any(seg.kind == "varlen" for seg in segments):
+        check_varlen_size(T, batch.num_docs, Hq, D)
+    kernel = segmented_kernel(segments, offsets, scaling, sliding_window)
+    return attend(kernel, q_THD, k_THD, v_THD, sinks)[None, ..., :Dv]
+
+
+def _softcapped(softcap: float | None) -> Callable | None:
+    """FlexAttention's ``score_mod`` for logit soft-capping (Gemma 2: ``softcap · tanh(score / softcap)``), or None."""
+    if softcap is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
 
 
 def flex_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, scaling: float | None,
-    sliding_window: int | None,
+    sliding_window: int | None, sinks: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """FlexAttention with the batch's document-causal BlockMask; query [1, Hq, T, D] → output [1, T, Hq, D]."""
-    query, key, value = _autocast_inputs(query, key, value)
+    """FlexAttention with the batch's document-causal BlockMask; query [1, Hq, T, D] → output [1, T, Hq, D].
+
+    ``softcap``: logit soft-capping as a ``score_mod``. ``sinks`` ([Hq] logits): the output corrected
+    with FlexAttention's log-sum-exp, ``out · σ(lse − sink)``, differentiated by autograd (FlexAttention
+    takes the log-sum-exp's gradient).
+    """
+    query, key, value = autocast_inputs(query, key, value)
     block_mask = batch.cached(
         ("flex_block_mask", query.device, sliding_window),
         lambda: build_block_mask(batch.cu_seqlens, query.device, sliding_window),
     )
     flex = _flex_attention_for(query.device)
-    out = flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    gqa = query.shape[1] != key.shape[1]
+    kwargs = dict(block_mask=block_mask, scale=scaling, enable_gqa=gqa, score_mod=_softcapped(softcap))
+    if sinks is None:
+        out = flex(query, key, value, **kwargs)
+    else:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
+        out = (out.float() * torch.sigmoid(aux.lse.float() - sinks.float()[None, :, None])[..., None]).to(out.dtype)
     return out.transpose(1, 2).contiguous()
+
+
+def _math_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, scaling: float | None,
+    sinks: torch.Tensor | None, softcap: float | None,
+) -> torch.Tensor:
+    """Attention as written out (transformers' eager attention): scores, soft-capping, mask, the sink as one more
+    logit of the softmax (dropped after), softmax in fp32; query [1, Hq, T, D], key/value with Hq heads,
+    ``keep`` [.., T, T] bool → [1, Hq, T, Dv]."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = (query @ key.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return probs.to(value.dtype) @ value
 
 
 def sdpa_attention(
@@ -524,10 +377,14 @@ def sdpa_attention(
     scaling: float | None,
     sliding_window: int | None,
     dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """SDPA with the batch's dense block-causal mask; query [1, Hq, T, D] → output [1, T, Hq, D].
 
-    Value heads may be narrower than query/key heads (MLA): output [1, T, Hq, Dv].
+    Value heads may be narrower than query/key heads (MLA): output [1, T, Hq, Dv]. On the CPU the
+    flash kernel runs through `attend` (kept attention, ``sinks``); soft-capping, and sinks on CUDA,
+    take `_math_attention` (the dense mask is O(T²) already).
 
     Note: k/v are repeated to Hq heads (as transformers does with a mask): SDPA's ``enable_gqa``
     with a mask would leave only its math kernel on CUDA.
@@ -539,16 +396,19 @@ def sdpa_attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if softcap is not None or (sinks is not None and query.device.type != "cpu"):
+        if dropout:
+            raise ValueError("model.attention=sdpa: attention dropout with soft-capping or sinks is not supported")
+        return _math_attention(*autocast_inputs(query, key, value), mask, scaling, sinks, softcap).transpose(1, 2).contiguous()
     out = None
-    if query.device.type == "cpu" and not dropout and kept.active("attention") is not None:
-        q, k, v = _autocast_inputs(query, key, value)  # the op is called directly: cast as SDPA's autocast would
+    if query.device.type == "cpu" and not dropout and (sinks is not None or kept.active("attention") is not None):
+        q, k, v = autocast_inputs(query, key, value)  # the op is called directly: cast as SDPA's autocast would
         additive = batch.cached(
             ("sdpa_additive_mask", q.device, sliding_window, q.dtype),
             lambda: torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf")),
         )
         v, Dv = pad_value_head_dim(q, v)  # the CPU's flash kernel takes one head dim
-        out = _attend_kept(cpu_flash_kernel(additive, scaling), q, k, v)
-        out = None if out is None else out[..., :Dv]
+        out = attend(cpu_flash_kernel(additive, scaling), q, k, v, sinks)[..., :Dv]
     if out is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous()
@@ -561,13 +421,17 @@ def packed_attention_reference(
     cu_seqlens: torch.Tensor,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The unpacked reference of every backend: each document through SDPA alone, causal.
+    """The unpacked reference of every backend: each document alone, causal, through SDPA (with ``sinks`` or
+    ``softcap``: written out as transformers' eager attention does, `_math_attention`).
 
     Args:
         query: [1, Hq, T, D]; key: [1, Hkv, T, D]; value: [1, Hkv, T, Dv], Dv <= D (MLA's is narrower).
         cu_seqlens: [N + 1] int32 on the host.
         sliding_window: keep only keys with ``q - k < sliding_window`` (None: no window).
+        sinks: [Hq] attention-sink logits; softcap: logit soft-capping (None: none).
 
     Returns:
         [1, T, Hq, Dv], in the dtype of ``query``.
@@ -580,8 +444,20 @@ def packed_attention_reference(
         if sliding_window is not None:
             keep.triu_(1 - sliding_window)
         q, k, v = (t[:, :, start:end] for t in (query, key, value))
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling))
+        if sinks is None and softcap is None:
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling))
+        else:
+            outs.append(_math_attention(q, k, v, keep, scaling, sinks, softcap).to(query.dtype))
     return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def packed_attention_forward(
@@ -601,13 +477,18 @@ def packed_attention_forward(
     Args:
         query: [1, Hq, T, D]; key: [1, Hkv, T, D]; value: [1, Hkv, T, Dv], Dv <= D (MLA's is narrower).
         packed_batch: the batch being run (None: transformers' SDPA attention handles the call).
-        backend: ``varlen``, ``flex`` or ``sdpa`` (bound by `register_packed_attention`).
+        backend: ``auto``, ``cudnn``, ``varlen``, ``flex`` or ``sdpa`` (bound by `register_packed_attention`).
+        kwargs: from the attention module: ``sliding_window``, ``s_aux`` ([Hq] attention-sink logits,
+            gpt-oss), ``softcap`` (logit soft-capping, Gemma 2).
+
+    A layer with soft-capping runs flex on CUDA (sdpa's written-out attention on the CPU) under
+    auto/cudnn/varlen, which have no soft-capping: warned once.
 
     Returns:
         ([1, T, Hq, Dv] output, None).
 
     Raises:
-        ValueError: several rows, attention dropout with varlen/flex, a softcap or attention sinks.
+        ValueError: several rows, or attention dropout with auto/cudnn/varlen/flex.
     """
     if packed_batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -617,31 +498,30 @@ def packed_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]} rows")
-    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(f"model.attention={backend}: {unsupported} not supported on packed batches")
-    window = kwargs.get("sliding_window")
+    window, sinks, softcap = kwargs.get("sliding_window"), kwargs.get("s_aux"), kwargs.get("softcap")
+    if softcap is not None and backend in VARLEN_FAMILY:
+        fallback = "flex" if query.device.type == "cuda" else "sdpa"
+        _warn_once(f"model.attention={backend}: flash-attention and cuDNN have no logit soft-capping; "
+                   f"the soft-capped layers run {fallback}")
+        backend = fallback
     if backend == "sdpa":
-        return sdpa_attention(query, key, value, packed_batch, scaling, window, dropout), None
+        return sdpa_attention(query, key, value, packed_batch, scaling, window, dropout, sinks, softcap), None
     if dropout:
         raise ValueError(f"model.attention={backend} has no attention dropout (got {dropout}); use attention=sdpa")
-    attend = varlen_attention if backend == "varlen" else flex_attention
-    return attend(query, key, value, packed_batch, scaling, window), None
+    if backend == "flex":
+        return flex_attention(query, key, value, packed_batch, scaling, window, sinks, softcap), None
+    return varlen_attention(query, key, value, packed_batch, scaling, window, backend, sinks), None
 
 
 def varlen_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
     """Why `varlen_attention` cannot run on ``device`` (with weights of ``dtype``), or None when it can."""
     if device.type != "cuda":
         return f"needs CUDA, not {device.type}"
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-    except ImportError:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no flash-attention"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return f"flash-attention needs sm80+, {torch.cuda.get_device_name(device)} is not"
-    if dtype is not None and dtype not in _HALF_DTYPES:
+    if dtype is not None and dtype not in HALF_DTYPES:
         return f"flash-attention needs bfloat16/float16 weights, not {dtype}"
     return None
 
@@ -649,21 +529,26 @@ def varlen_unavailable(device: torch.device, dtype: torch.dtype | None = None) -
 def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     """The concrete backend for ``model.attention`` on ``device`` with weights of ``dtype``, and why.
 
-    ``auto`` is varlen when it can run (`varlen_unavailable`), else sdpa.
+    ``auto`` stays auto (cuDNN for long documents, flash-attention 2 for the rest) where flash-attention
+    runs (`varlen_unavailable`), else is sdpa.
 
     Raises:
-        ValueError: an unknown name, ``varlen`` where it cannot run, or ``flex`` off CUDA (no backward there).
+        ValueError: an unknown name, ``varlen`` or ``cudnn`` where it cannot run, or ``flex`` off CUDA
+            (no backward there).
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.attention={backend!r}: expected one of {list(BACKENDS)}")
     if backend == "auto":
         reason = varlen_unavailable(device, dtype)
         if reason is None:
-            return "varlen", f"auto: flash-attention varlen on {device}"
+            return "auto", f"cuDNN for long documents, flash-attention 2 varlen for the others, on {device}"
         return "sdpa", f"auto: varlen {reason}"
-    if backend == "varlen" and (reason := varlen_unavailable(device)) is not None:
+    if backend in ("varlen", "cudnn") and (reason := varlen_unavailable(device)) is not None:
         alternatives = "flex or sdpa" if device.type == "cuda" else "sdpa"
-        raise ValueError(f"model.attention=varlen {reason}: use model.attention={alternatives}")
+        raise ValueError(f"model.attention={backend} {reason}: use model.attention={alternatives}")
+    if backend == "cudnn" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"model.attention=cudnn needs a Hopper GPU or newer (where SDPA runs cuDNN's attention), "
+                         f"not {torch.cuda.get_device_name(device)}: use model.attention=varlen")
     if backend == "flex" and device.type != "cuda":  # torch's FlexAttention raises NotImplementedError in backward
         raise ValueError(
             f"model.attention=flex cannot train on {device.type}: FlexAttention has no backward there; use model.attention=sdpa"
@@ -675,7 +560,7 @@ def register_packed_attention(backend: str = "sdpa") -> str:
     """Register the packed attention of ``backend`` with transformers (idempotent); returns its name.
 
     Raises:
-        ValueError: ``backend`` is not varlen, flex or sdpa (resolve ``auto`` first).
+        ValueError: ``backend`` is not one of `ATTENTION_NAMES`.
     """
     from transformers import AttentionInterface
 

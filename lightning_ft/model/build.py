@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ft.errors import check_local_path
 from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
+from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
 from lightning_ft.model.patching import apply_kernels
@@ -323,6 +324,8 @@ class ModelBuilder:
             trust_remote_code=cfg.get("trust_remote_code", False),
         )
         model.config.use_cache = False
+        if attention == "auto":  # which documents run cuDNN: measured before any step (CUDA graphs key rows by it)
+            calibrate(model.config, device, dtype)
         support = architecture_support(model.config)
         if support.packing is not None:
             if cuda_graphs:

@@ -60,11 +60,12 @@ shared by the whole model (one backward replays at a time). All graphs of a mode
 pool: they never run at the same time, so the pool holds about one layer's recompute and backward
 working set.
 
-Requirements (checked): ``model.attention=varlen`` or ``sdpa`` (flex is not supported); with varlen,
-rows with the same token count share graphs, recorded per power-of-two bound on the document count
-(the graph's ``cu_seqlens`` padded with empty documents) and on the longest document
-(`_packed_layout`; `FinetuneModule` pads packed rows to one token count); with sdpa each exact
-layout gets its own (its dense mask is derived from it); no sliding-window attention; no dropout
+Requirements (checked): ``model.attention`` auto, cudnn, varlen or sdpa (flex is not supported); with
+auto/varlen, rows of flash-attention 2 alone with the same token count share graphs, recorded per
+power-of-two bound on the document count (the graph's ``cu_seqlens`` padded with empty documents)
+and on the longest document (`_packed_layout`; `FinetuneModule` pads packed rows to one token
+count); rows with cuDNN segments and, with sdpa, every row get graphs per exact layout (the
+segments' lengths, the dense mask, are in the graph); no sliding-window attention; no dropout
 (the recompute would draw another mask); no keyword tensor that requires grad; layers not sharded (FSDP2 gathers weights per layer at new
 addresses: `FinetuneModule` skips the graphs there, with a warning). The graphs read weights at
 their addresses: a layer whose parameters are replaced, move or change ``requires_grad`` is
@@ -92,7 +93,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.model.attention import ATTENTION_NAMES, device_cu_seqlens
+from lightning_ft.model.attention import ATTENTION_NAMES, VARLEN_FAMILY, device_cu_seqlens
+from lightning_ft.model.attention_plan import NEVER, VARLEN_ONLY, min_crossover
 from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
@@ -127,24 +129,28 @@ class _Ungraphable(Exception):
     """A call that the graphs cannot replay; it runs eagerly."""
 
 
-def _packed_layout(batch: PackedBatch, varlen: bool) -> tuple:
-    """The layout a graph over ``batch`` is recorded for.
+def _packed_layout(batch: PackedBatch, attention: str) -> tuple:
+    """The layout a graph over ``batch`` is recorded for, under the ``attention`` backend.
 
-    varlen reads ``cu_seqlens`` from the device (copied into the graph's buffer per batch) and
-    ``max_seqlen`` from the host: rows with the same token count share a graph per power-of-two
-    bound on their document count and one on their longest document. The graph's ``cu_seqlens``
-    holds the bound's count of documents: the row's, then empty ones (offsets repeating T, which
-    flash-attention gives no work), and its ``max_seqlen`` is the bound on the longest (a larger
-    bound only launches blocks that find no work). A row of one document runs SDPA's causal kernel
-    (its own layout). The dense SDPA mask is built from the exact lengths, so those graphs are
-    recorded per exact layout.
+    auto/cudnn/varlen read ``cu_seqlens`` from the device (copied into the graph's buffer per batch)
+    and ``max_seqlen`` from the host: rows of flash-attention 2 alone with the same token count
+    share a graph per power-of-two bound on their document count and one on their longest
+    document. The graph's ``cu_seqlens`` holds the bound's count of documents: the row's, then
+    empty ones (offsets repeating T, which flash-attention gives no work), and its ``max_seqlen`` is
+    the bound on the longest (a larger bound only launches blocks that find no work). A row with a
+    document long enough for cuDNN (`lightning_ft.model.attention_plan.min_crossover`; every row
+    under cudnn) and a row of one document are recorded per exact layout: their segments' lengths
+    are in the graph. The dense SDPA mask is built from the exact lengths, so those graphs are
+    recorded per exact layout too.
     """
     if batch.num_docs == 1:
         return ("packed", batch.num_tokens, 1)
-    if varlen:
-        docs = 1 << (batch.num_docs - 1).bit_length()
-        longest = min(batch.num_tokens, 1 << (batch.max_seqlen - 1).bit_length())
-        return ("packed", batch.num_tokens, docs, longest)
+    if attention in VARLEN_FAMILY:
+        cudnn_from = {"cudnn": 1, "varlen": NEVER}.get(attention) or min_crossover()
+        if batch.max_seqlen < cudnn_from:
+            docs = 1 << (batch.num_docs - 1).bit_length()
+            longest = min(batch.num_tokens, 1 << (batch.max_seqlen - 1).bit_length())
+            return ("packed", batch.num_tokens, docs, longest)
     return ("packed", tuple(batch.cu_seqlens.tolist()))  # a host tensor: no sync
 
 
@@ -153,16 +159,16 @@ def _bucket_cu_seqlens(cu_seqlens: torch.Tensor, docs: int) -> torch.Tensor:
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(docs + 1 - cu_seqlens.numel())])
 
 
-def _signature(value: Any, varlen: bool) -> Any:
+def _signature(value: Any, attention: str) -> Any:
     """What a graph recorded with ``value`` as an input depends on (hashable)."""
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             raise _Ungraphable("a keyword tensor requires grad")
         return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
     if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_signature(v, varlen) for v in value))
+        return (type(value).__name__, tuple(_signature(v, attention) for v in value))
     if isinstance(value, PackedBatch):
-        return value.cached(("cuda_graphs_layout", varlen), lambda: _packed_layout(value, varlen))
+        return value.cached(("cuda_graphs_layout", attention), lambda: _packed_layout(value, attention))
     if isinstance(value, _SCALARS):
         return value
     raise _Ungraphable(f"a keyword of type {type(value).__name__}")
@@ -179,18 +185,18 @@ def _requires_grad(value: Any) -> bool:
     return False
 
 
-def _static_like(value: Any, device: torch.device, varlen: bool) -> Any:
+def _static_like(value: Any, device: torch.device, attention: str) -> Any:
     """A static buffer for each tensor in ``value``; for a packed batch, one that graphs can replay."""
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
     if isinstance(value, (tuple, list)):
-        return type(value)(_static_like(v, device, varlen) for v in value)
+        return type(value)(_static_like(v, device, attention) for v in value)
     if isinstance(value, PackedBatch):
-        layout = _packed_layout(value, varlen)
-        if not varlen or len(layout) == 3:
+        layout = _packed_layout(value, attention)
+        if len(layout) != 4:
             return replace(value, _cache={})  # the exact layout: what attention derives from it is static
         cu_seqlens = _bucket_cu_seqlens(value.cu_seqlens, layout[2])
-        static = replace(value, cu_seqlens=cu_seqlens, max_seqlen=layout[3], _cache={})
+        static = replace(value, cu_seqlens=cu_seqlens, max_seqlen=layout[3], _cache={VARLEN_ONLY: True})
         static._cache[("cu_seqlens", device)] = torch.empty_like(cu_seqlens, device=device)
         return static
     return value
@@ -262,7 +268,7 @@ class _ModelGraphs:
     def __init__(
         self,
         max_signatures: int,
-        varlen: bool,
+        attention: str,
         keep_attention: bool = True,
         optimizer_bytes: int = 0,
         offload: ActivationOffload | None = None,
@@ -270,7 +276,7 @@ class _ModelGraphs:
         keep_max_bytes: int | None = None,
     ):
         self.max_signatures = max_signatures
-        self.varlen = varlen
+        self.attention = attention  # the attention backend: how packed batches are keyed (`_packed_layout`)
         self.keep = {"attention": keep_attention, "projections": keep_projections}  # the kinds layers may keep
         self.keep_max_bytes = keep_max_bytes  # a cap on all that is kept (None: the memory budget alone)
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
@@ -331,7 +337,7 @@ class _ModelGraphs:
                 raise _Ungraphable("a non-contiguous layer input")
             signature = (
                 ("hidden", tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
-                tuple((name, _signature(value, self.varlen)) for name, value in sorted(kwargs.items())),
+                tuple((name, _signature(value, self.attention)) for name, value in sorted(kwargs.items())),
                 torch.is_autocast_enabled(hidden.device.type),
                 torch.get_autocast_dtype(hidden.device.type),
             )
@@ -368,7 +374,7 @@ class _ModelGraphs:
             out=torch.empty_like(hidden),
             grad_out=torch.empty_like(hidden),
             grad_in=torch.empty_like(hidden),
-            kwargs={name: _static_like(value, hidden.device, self.varlen) for name, value in kwargs.items()},
+            kwargs={name: _static_like(value, hidden.device, self.attention) for name, value in kwargs.items()},
         )
         self.statics[signature] = static
         return static
@@ -441,8 +447,8 @@ class _ModelGraphs:
         self.log_once(f"recording each layer's forward and backward graphs for input {tuple(hidden.shape)}")
         if self.keep["attention"] and kept["attention"].enabled is None:
             self.log_once(
-                "attention outputs not kept for some layers: their attention has no kept kernel here (kept: varlen with "
-                "flash-attention, or cuDNN for one-document rows on Hopper; sdpa on the CPU)"
+                "attention outputs not kept for some layers: their attention has no kept kernel here (kept: auto, cudnn "
+                "and varlen; sdpa on the CPU)"
             )
         entries = [entry for keep in kept.values() for entry in keep.kept if entry is not None]
         for entry in entries:  # the recording wrote them with this call's input (the replay that follows marks it)
@@ -563,21 +569,21 @@ def check_cuda_graphs(
 
     Args:
         gradient_checkpointing: ``model.gradient_checkpointing``.
-        attention: the resolved ``model.attention`` backend (``varlen``, ``sdpa``, ``flex``).
+        attention: the resolved ``model.attention`` backend (``auto``, ``cudnn``, ``varlen``, ``sdpa``, ``flex``).
         dropout: the largest dropout probability in the layers (``lora.dropout``, attention dropout).
         moe_backend: ``moe.backend`` (requested, or as resolved by ``apply_moe``), if any.
         output_router_logits: the model config's flag that collects router logits for the MoE
             load-balancing loss (through forward hooks, which a replayed layer does not run).
 
     Raises:
-        ValueError: checkpointing off, an attention other than varlen or sdpa, dropout > 0, or the
+        ValueError: checkpointing off, flex attention, dropout > 0, or the
             ``native_torch`` MoE backend (it reads the expert offsets back to the host once per
             layer, which a graph cannot record), or router logits to collect, naming the key to change.
     """
     if not gradient_checkpointing:
         raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
-    if attention not in ("varlen", "sdpa"):
-        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen or sdpa, not {attention}")
+    if attention not in (*VARLEN_FAMILY, "sdpa"):
+        raise ValueError(f"model.cuda_graphs=true needs model.attention=auto, cudnn, varlen or sdpa, not {attention}")
     if dropout:
         raise ValueError(
             f"model.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
@@ -612,7 +618,7 @@ def apply_cuda_graphs(
 
     Args:
         model: a transformers causal LM (or a PEFT model around one) with gradient checkpointing on
-            and ``model.attention=varlen`` (or ``sdpa``), no dropout.
+            and ``model.attention`` auto, cudnn, varlen or sdpa, no dropout.
         max_signatures: how many input signatures (shapes, packed-batch layout) get graphs.
         keep_attention: let each layer's forward graph keep attention's output and log-sum-exp for
             its backward graph, whose recompute then skips attention's forward, while they fit in the
@@ -659,7 +665,7 @@ def apply_cuda_graphs(
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = _ModelGraphs(
         max_signatures,
-        varlen=implementation == ATTENTION_NAMES["varlen"],
+        attention={name: backend for backend, name in ATTENTION_NAMES.items()}.get(implementation, "sdpa"),
         keep_attention=keep_attention,
         optimizer_bytes=2 * trainable_bytes,
         offload=ActivationOffload(len(layers)) if activation_offload else None,

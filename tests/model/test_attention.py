@@ -4,6 +4,7 @@ The backends that run on the CPU (sdpa: forward and backward; flex: forward, tor
 reference) are checked here; varlen and the compiled flex kernel in tests/model/test_attention_gpu.py.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ft.data.packing import collate_packed
-from lightning_ft.model import attention
+from lightning_ft.model import attention, attention_plan
+from lightning_ft.model.attention_kernels import AttentionKernel, check_varlen_size
 from lightning_ft.strategies import kept
 from lightning_ft.model.build import load_causal_lm
 
@@ -185,41 +187,210 @@ def test_kept_attention_casts_under_autocast_and_refuses_a_recompute_that_differ
             attention.sdpa_attention(q, k, v, batch, 0.25, None)
 
 
-@pytest.mark.parametrize("value_dim", [16, 12], ids=["v16", "v12"])  # 12: zero-padded to 16 for the kernel, sliced back
-@pytest.mark.parametrize("takes_enable_gqa", [False, True], ids=["torch2.11", "torch2.12+"])
-def test_varlen_glue_calls_the_api_as_documented(monkeypatch, takes_enable_gqa, value_dim):
-    """The varlen path on the CPU with a stand-in for `varlen_attn` that follows its documented
-    contract ([T, H, D] tensors, cu_seqlens, window_size=(left, 0) for causal): checks layouts, the
-    window and the GQA argument of either torch generation. The real kernel: test_attention_gpu.py."""
-    calls = []
+def _cpu_flash(q, k, v, mask, scale, is_causal):
+    """[T, H, D] q and k/v of fewer heads through the CPU's flash op (k/v repeated, their gradients summed back)."""
+    groups = q.shape[1] // k.shape[1]
+    q4, k4, v4 = (t.repeat_interleave(r, 1).transpose(0, 1)[None] for t, r in ((q, 1), (k, groups), (v, groups)))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1), (lse, mask, is_causal, groups)
 
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
-        calls.append({"contiguous": query.is_contiguous() and key.is_contiguous(), "max": (max_q, max_k), **gqa})
-        assert value.is_contiguous() and value.shape[-1] == query.shape[-1]  # flash-attention takes one head dim
-        assert window_size[1] == 0 and cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
-        window = None if window_size[0] == -1 else window_size[0] + 1
-        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
-        return attention.packed_attention_reference(q, k, v, cu_seq_q, scale, window)[0]
 
-    monkeypatch.setattr(attention, "_varlen_api", lambda: (varlen_attn, takes_enable_gqa))
-    lengths = [1, 37, 1, 150]
-    batch = collate_packed(_docs(lengths))
-    g = torch.Generator().manual_seed(2)
-    # laid out as transformers lays them out: [1, T, H, D] memory seen as [1, H, T, D]
-    q, k, v = (
-        torch.randn(1, sum(lengths), h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
-        for h, d in ((4, 16), (2, 16), (2, value_dim))
+def _cpu_flash_backward(grad_out, q, k, v, out, aux, scale):
+    lse, mask, is_causal, groups = aux
+    q4, k4, v4, out4, g4 = (
+        t.repeat_interleave(r, 1).transpose(0, 1)[None].contiguous()
+        for t, r in ((q, 1), (k, groups), (v, groups), (out, 1), (grad_out, 1))
     )
-    for window in (None, 30):
-        out = attention.varlen_attention(q, k, v, batch, 0.25, window)
-        ref = attention.packed_attention_reference(q, k, v, batch.cu_seqlens, 0.25, window)
-        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=2e-3)  # bf16: v12 takes another CPU kernel than v16
-    gqa = {"enable_gqa": True} if takes_enable_gqa else {}
-    assert calls == [{"contiguous": True, "max": (150, 150), **gqa}] * 2
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g4, q4, k4, v4, out4, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    fold = lambda t: t[0].transpose(0, 1).unflatten(1, (-1, groups)).sum(2)  # noqa: E731
+    return dq[0].transpose(0, 1), fold(dk), fold(dv)
+
+
+CALLS = []
+
+
+def cudnn_standin(scale):
+    """`cudnn_causal_kernel`'s contract (one causal document, [T, H, D], GQA) on the CPU's flash op."""
+    CALLS.append("cudnn")
+    return AttentionKernel(
+        lambda q, k, v: _cpu_flash(q, k, v, None, scale, True),
+        lambda g, q, k, v, out, aux: _cpu_flash_backward(g, q, k, v, out, aux, scale),
+    )
+
+
+def varlen_standin(cu_seqlens, max_seqlen, scale, sliding_window):
+    """`flash_varlen_kernel`'s contract (documents of a run, offsets from 0 to T, window) on the CPU's flash op."""
+    CALLS.append("varlen")
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens[0] == 0
+    assert max_seqlen == int(cu_seqlens.diff().max())
+
+    def mask_for(q):
+        keep = attention.block_causal_mask(cu_seqlens, q.device, sliding_window)
+        assert keep.shape[-1] == q.shape[0]
+        return torch.zeros(keep.shape, dtype=q.dtype).masked_fill_(~keep, float("-inf"))
+
+    return AttentionKernel(
+        lambda q, k, v: _cpu_flash(q, k, v, mask_for(q), scale, False),
+        lambda g, q, k, v, out, aux: _cpu_flash_backward(g, q, k, v, out, aux, scale),
+    )
+
+
+@pytest.fixture
+def standin_kernels(monkeypatch):
+    """The CUDA kernels of auto/cudnn/varlen replaced by stand-ins with their contracts, cuDNN 'runnable'."""
+    monkeypatch.setattr(attention_plan, "cudnn_causal_kernel", cudnn_standin)
+    monkeypatch.setattr(attention_plan, "flash_varlen_kernel", varlen_standin)
+    monkeypatch.setattr(attention, "cudnn_runs", lambda q: True)
+    monkeypatch.setattr(attention_plan, "_CROSSOVERS", {})
+    CALLS.clear()
+
+
+def test_plan_cuts_a_row_into_long_documents_and_runs_of_short_ones():
+    # empty and one-token documents, a long one first, in the middle, last, and exactly at the bound
+    lengths = [50, 0, 1, 3, 40, 2, 0, 60, 39, 1]
+    segments, offsets = attention_plan.plan_segments(_cu_seqlens(lengths), min_cudnn_tokens=40)
+    got = [(s.kind, s.start, s.end, offsets[s.first : s.last].tolist() if s.kind == "varlen" else None, s.max_seqlen)
+           for s in segments]
+    assert got == [
+        ("cudnn", 0, 50, None, 0),
+        ("varlen", 50, 54, [0, 0, 1, 4], 3),
+        ("cudnn", 54, 94, None, 0),
+        ("varlen", 94, 96, [0, 2, 2], 2),
+        ("cudnn", 96, 156, None, 0),
+        ("varlen", 156, 196, [0, 39, 40], 39),
+    ]
+    assert [s.kind for s in attention_plan.plan_segments(_cu_seqlens(lengths), 1)[0]] == ["cudnn"] * 8  # no empty ones
+    whole, _ = attention_plan.plan_segments(_cu_seqlens(lengths), attention_plan.NEVER)
+    assert [(s.kind, s.start, s.end) for s in whole] == [("varlen", 0, 196)]
+
+
+def _batch_with(lengths):
+    """A packed batch whose documents may be empty (as CUDA graphs' buckets pad ``cu_seqlens``)."""
+    batch = collate_packed(_docs([n for n in lengths if n]))
+    return dataclasses.replace(batch, cu_seqlens=_cu_seqlens(lengths), max_seqlen=max(lengths), _cache={})
+
+
+def _qkv(T, heads, kv_heads, D, dtype, seed, value_dim=None):
+    g = torch.Generator().manual_seed(seed)
+    # transformers' layout: [1, T, H, D] in memory, passed as [1, H, T, D] views
+    return [torch.randn(1, T, h, d, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+            for h, d in ((heads, D), (kv_heads, D), (kv_heads, value_dim or D))]
+
+
+PLAN_LAYOUTS = {
+    "mixed": [50, 0, 1, 3, 40, 2, 0, 60, 39, 1],
+    "one_long": [97],
+    "one_longer_than_the_rest": [3, 120, 1, 2],
+    "all_short": [5, 1, 7],
+}
+
+
+@pytest.mark.parametrize("lengths", PLAN_LAYOUTS.values(), ids=PLAN_LAYOUTS.keys())
+@pytest.mark.parametrize("policy, crossover", [("auto", 40), ("cudnn", None), ("varlen", None)])
+@pytest.mark.parametrize("heads", [(3, 1), (4, 2)], ids=["odd_heads", "gqa"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_segments_equal_each_document_alone(standin_kernels, monkeypatch, lengths, policy, crossover, heads, sinks):
+    """auto/cudnn/varlen through `varlen_attention` with stand-in kernels: packed equals unpacked,
+    forward and backward (the sinks' gradient too), whichever kernel each document took."""
+    if crossover is not None:
+        monkeypatch.setattr(attention, "crossover", lambda q, k, v: crossover)
+    batch = _batch_with(lengths)
+    q, k, v = _qkv(sum(lengths), *heads, 16, torch.bfloat16, seed=4, value_dim=12)
+    sink = torch.randn(heads[0]).mul(2).requires_grad_() if sinks else None
+    out = attention.varlen_attention(q, k, v, batch, 0.3, None, policy, sink)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    sink_f = sink.detach().clone().requires_grad_() if sinks else None
+    ref = attention.packed_attention_reference(qf, kf, vf, batch.cu_seqlens, 0.3, None, sink_f)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5))
+    inputs, ref_inputs = [q, k, v, *([sink] if sinks else [])], [qf, kf, vf, *([sink_f] if sinks else [])]
+    for name, a, b in zip("qkvs", torch.autograd.grad(out, inputs, dout.bfloat16()), torch.autograd.grad(ref, ref_inputs, dout)):
+        torch.testing.assert_close(a.float(), b, rtol=3e-2, atol=3e-2, msg=lambda m: f"d{name}: {m}")
+    long_docs = sum(n >= (crossover or 1) for n in lengths) if policy != "varlen" else 0
+    assert CALLS.count("cudnn") == long_docs
+    assert CALLS.count("varlen") == (policy == "varlen" or any(0 < n < (crossover or 1) for n in lengths) or 0) * (
+        1 if policy == "varlen" else len([s for s in attention_plan.plan_segments(batch.cu_seqlens, crossover or 1)[0] if s.kind == "varlen"])
+    )
+
+
+def test_segments_keep_attention_and_windowed_layers_take_flash_attention(standin_kernels, monkeypatch):
+    """Kept attention over a plan of several kernels returns the forward's output and the same
+    gradients; a layer with a sliding window runs flash-attention 2 for every document."""
+    monkeypatch.setattr(attention, "crossover", lambda q, k, v: 40)
+    lengths = PLAN_LAYOUTS["mixed"]
+    batch = _batch_with(lengths)
+    q, k, v = _qkv(sum(lengths), 4, 2, 16, torch.float32, seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = attention.varlen_attention(q, k, v, batch, 0.25, None, "auto")
+        want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+        keep = kept.KeptActivations("attention", allow=lambda nbytes: True)
+        with torch.no_grad(), kept.keeping(keep, recompute=False):
+            attention.varlen_attention(q, k, v, batch, 0.25, None, "auto")
+        with kept.keeping(keep, recompute=True):
+            got = attention.varlen_attention(q, k, v, batch, 0.25, None, "auto")
+        got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    assert got.data_ptr() == keep.kept[0][0].data_ptr() and keep.kept[0][1] == (4,) * 6  # aux lengths of the 6 segments
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    CALLS.clear()
+    qb, kb, vb = (t.detach().bfloat16() for t in (q, k, v))
+    out = attention.varlen_attention(qb, kb, vb, batch, 0.25, 30, "auto")
+    assert CALLS == ["varlen"]
+    ref = attention.packed_attention_reference(qb.float(), kb.float(), vb.float(), batch.cu_seqlens, 0.25, 30)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="needs bfloat16 or float16"):
-        attention.varlen_attention(q.float(), k.float(), v.float(), batch, None, None)
-    with pytest.raises(ValueError, match=r"value head dim \(32\) wider than the query/key head dim \(16\)"):
-        attention.varlen_attention(q, k, torch.cat([v, v, v], dim=-1)[..., :32], batch, None, None)
+        attention.varlen_attention(q, k, v, batch, None, None, "auto")
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_sinks_and_softcap_on_sdpa_and_flex_equal_the_eager_reference(softcap, sinks):
+    """sdpa (CPU flash kernel with the sink correction, or the written-out attention with soft-capping)
+    forward and backward, flex forward (no FlexAttention backward on the CPU), against
+    transformers-style eager attention per document; the window too."""
+    lengths, window = [1, 37, 1, 50, 3], 20
+    batch = collate_packed(_docs(lengths))
+    q, k, v = _qkv(sum(lengths), 4, 2, 16, torch.float32, seed=7)
+    sink = torch.randn(4).requires_grad_() if sinks else None
+    ref = attention.packed_attention_reference(q, k, v, batch.cu_seqlens, 0.3, window, sink, softcap)
+    out = attention.sdpa_attention(q, k, v, batch, 0.3, window, 0.0, sink, softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    inputs = [q, k, v, *([sink] if sinks else [])]
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(8))
+    for a, b in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    detached = [t.detach() for t in (q, k, v)]
+    flex = attention.flex_attention(*detached, batch, 0.3, window, sink.detach() if sinks else None, softcap)
+    torch.testing.assert_close(flex, ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_eager_reference_matches_transformers_gpt_oss_attention():
+    """`packed_attention_reference` with sinks is transformers' gpt-oss eager attention on one document."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    q, k, v = _qkv(23, 4, 2, 16, torch.float32, seed=9)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = torch.randn(4), 2, False
+    mask = torch.zeros(23, 23).masked_fill_(torch.ones(23, 23, dtype=torch.bool).triu_(1), float("-inf"))[None, None]
+    want, _ = modeling_gpt_oss.eager_attention_forward(module, q, k, v, mask, scaling=0.3, dropout=0.0)
+    got = attention.packed_attention_reference(q, k, v, _cu_seqlens([23]), 0.3, None, module.sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_softcap_falls_back_visibly(caplog):
+    lengths = [5, 9]
+    batch = collate_packed(_docs(lengths))
+    q, k, v = _qkv(14, 4, 2, 16, torch.float32, seed=10)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            out, _ = attention.packed_attention_forward(None, q, k, v, None, 0.3, packed_batch=batch, backend="auto", softcap=4.0)
+    ref = attention.packed_attention_reference(q, k, v, batch.cu_seqlens, 0.3, None, None, 4.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    warned = [r.getMessage() for r in caplog.records if "soft-capping" in r.getMessage()]
+    assert warned == ["model.attention=auto: flash-attention and cuDNN have no logit soft-capping; the soft-capped layers run sdpa"]
 
 
 @pytest.mark.parametrize("kind", [*MOE_KINDS, "llama"])
@@ -332,16 +503,18 @@ def test_backend_resolution_and_registered_names():
         attention.resolve_attention_backend("flex", cpu, torch.float32)  # FlexAttention has no CPU backward
     with pytest.raises(ValueError, match="model.attention=varlen needs CUDA, not cpu: use model.attention=sdpa$"):
         attention.resolve_attention_backend("varlen", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="model.attention=cudnn needs CUDA, not cpu: use model.attention=sdpa$"):
+        attention.resolve_attention_backend("cudnn", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="expected one of"):
         attention.resolve_attention_backend("flash", cpu, torch.bfloat16)
-    names = {backend: attention.register_packed_attention(backend) for backend in ("sdpa", "varlen", "flex")}
+    names = {backend: attention.register_packed_attention(backend) for backend in ("sdpa", "varlen", "cudnn", "auto", "flex")}
     assert names == attention.ATTENTION_NAMES
     assert not any(word in name for name in names.values() for word in ("sdpa", "flash", "flex_attention"))
 
 
 def test_varlen_size_guard_names_the_limit():
-    attention.check_varlen_size(total_q=65536, num_docs=200, num_heads=32, head_dim=128)
+    check_varlen_size(total_q=65536, num_docs=200, num_heads=32, head_dim=128)
     # (T + 128·N)·heads·round32(head_dim) < 2³¹: with 32 heads of 128 and 100 documents, T <= 511487
-    attention.check_varlen_size(total_q=511_487, num_docs=100, num_heads=32, head_dim=128)
+    check_varlen_size(total_q=511_487, num_docs=100, num_heads=32, head_dim=128)
     with pytest.raises(ValueError, match=r"at most 511487 .*model.attention=flex"):
-        attention.check_varlen_size(total_q=511_488, num_docs=100, num_heads=32, head_dim=128)
+        check_varlen_size(total_q=511_488, num_docs=100, num_heads=32, head_dim=128)

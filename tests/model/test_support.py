@@ -18,7 +18,7 @@ from lightning_ft.model.support import architecture_support, tiny_config
         ("gpt2", None, None),  # learned absolute positions, read from position_ids
         ("bloom", "its attention does not go through transformers' attention-function registry", None),
         ("mamba", "its attention does not go through transformers' attention-function registry", None),
-        ("gemma2", r"its forward fails on a packed row \(ValueError: .*\['softcap'\] not supported", "the model changes its logits"),
+        ("gemma2", None, "the model changes its logits"),  # soft-capped attention: flex / sdpa
         ("cohere", None, "the model changes its logits after the LM head"),
         ("deepseek_v3", None, None),  # MLA: value heads narrower than query/key heads
         ("glm4_moe_lite", None, None),  # MLA, dense / sparse layers per mlp_layer_types

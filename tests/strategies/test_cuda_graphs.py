@@ -298,17 +298,39 @@ def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound()
     from lightning_ft.strategies.cuda_graphs import _copy_into, _packed_layout, _static_like
 
     a, c, one = (_batch(name, "cpu") for name in ("a", "c", "one"))
-    assert _packed_layout(a, varlen=True) == _packed_layout(c, varlen=True) == ("packed", 64, 4, 64)
-    assert _packed_layout(one, varlen=True) == ("packed", 64, 1)
-    assert _packed_layout(_batch("b", "cpu"), varlen=False) != _packed_layout(a, varlen=False)  # sdpa: exact
+    assert _packed_layout(a, "varlen") == _packed_layout(c, "varlen") == ("packed", 64, 4, 64)
+    assert _packed_layout(one, "varlen") == ("packed", 64, 1)
+    assert _packed_layout(_batch("b", "cpu"), "sdpa") != _packed_layout(a, "sdpa")  # sdpa: exact
     device = torch.device("cpu")
-    static = _static_like(c, device, varlen=True)
+    static = _static_like(c, device, "varlen")
     assert static.num_docs == 4 and static.max_seqlen == 64
     buffer = static._cache[("cu_seqlens", device)]
     sources = {}
     for batch, want in ((c, [0, 45, 60, 64, 64]), (a, [0, 40, 41, 61, 64]), (c, [0, 45, 60, 64, 64])):
         _copy_into(static, batch, ("packed_batch",), sources, device)
         assert buffer.tolist() == want
+
+
+def test_rows_with_cudnn_segments_get_graphs_per_exact_layout(monkeypatch):
+    """auto: a row whose longest document reaches the measured crossover runs cuDNN segments, whose
+    lengths are in the graph, so it is keyed by its exact layout; shorter rows share the bucket, whose
+    static batch runs flash-attention 2 alone. cudnn: every row exact; varlen: never."""
+    from lightning_ft.model import attention_plan
+    from lightning_ft.strategies.cuda_graphs import _packed_layout, _static_like
+
+    a, c = _batch("a", "cpu"), _batch("c", "cpu")  # longest documents: 40 and 45 tokens
+    monkeypatch.setattr(attention_plan, "_CROSSOVERS", {})
+    assert _packed_layout(a, "auto") == ("packed", 64, 4, 64)  # nothing measured: flash-attention 2 alone
+    monkeypatch.setattr(attention_plan, "_CROSSOVERS", {("shape",): 42})
+    assert _packed_layout(a, "auto") == ("packed", 64, 4, 64)
+    assert _packed_layout(c, "auto") == ("packed", tuple(c.cu_seqlens.tolist()))
+    assert _packed_layout(a, "cudnn") == ("packed", tuple(a.cu_seqlens.tolist()))
+    assert _packed_layout(c, "varlen") == ("packed", 64, 4, 64)
+    static = _static_like(a, torch.device("cpu"), "auto")
+    assert static._cache[attention_plan.VARLEN_ONLY]
+    segments, _ = attention_plan.batch_plan(static, 1, torch.device("cpu"))
+    assert [seg.kind for seg in segments] == ["varlen"]  # whatever the shape class's crossover
+    assert not _static_like(c, torch.device("cpu"), "auto")._cache
 
 
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
@@ -320,27 +342,27 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 100 * gib}))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 80 * gib)  # the peak so far; limit 90 GiB
     cuda = torch.device("cuda")
-    state = _ModelGraphs(max_signatures=8, varlen=True)
+    state = _ModelGraphs(max_signatures=8, attention="varlen")
     assert state.allow_keep(10 * gib, cuda) and not state.allow_keep(10 * gib + 1, cuda)
     for kind, size in (("attention", 5 * gib), ("projections", 3 * gib)):  # a layer recorded so far (no memory: meta)
         state.kept_shared[(0, kind)] = {(0, ()): (torch.empty(size, dtype=torch.uint8, device="meta"),)}
     for kind in ("attention", "projections"):
         assert state.allow_keep(2 * gib, cuda, kind) and not state.allow_keep(2 * gib + 1, cuda, kind)
-    before_a_step = _ModelGraphs(max_signatures=8, varlen=True, optimizer_bytes=6 * gib)
+    before_a_step = _ModelGraphs(max_signatures=8, attention="varlen", optimizer_bytes=6 * gib)
     assert before_a_step.allow_keep(4 * gib, cuda) and not before_a_step.allow_keep(4 * gib + 1, cuda)
-    no_attention = _ModelGraphs(max_signatures=8, varlen=True, keep_attention=False)
+    no_attention = _ModelGraphs(max_signatures=8, attention="varlen", keep_attention=False)
     assert not no_attention.allow_keep(1, cuda, "attention") and no_attention.allow_keep(1, cuda, "projections")
-    no_experts = _ModelGraphs(max_signatures=8, varlen=True, keep_projections=False)
+    no_experts = _ModelGraphs(max_signatures=8, attention="varlen", keep_projections=False)
     assert no_experts.allow_keep(1, cuda, "attention") and not no_experts.allow_keep(1, cuda, "projections")
-    assert _ModelGraphs(max_signatures=8, varlen=True).allow_keep(10**15, torch.device("cpu"))  # tests: no budget
+    assert _ModelGraphs(max_signatures=8, attention="varlen").allow_keep(10**15, torch.device("cpu"))  # tests: no budget
     # model.cuda_graphs_keep_max_gib: a cap on both kinds together, on every device, under the budget too
-    capped = _ModelGraphs(max_signatures=8, varlen=True, keep_max_bytes=keep_max_bytes(9))
+    capped = _ModelGraphs(max_signatures=8, attention="varlen", keep_max_bytes=keep_max_bytes(9))
     capped.kept_shared[(0, "attention")] = {(0, ()): (torch.empty(5 * gib, dtype=torch.uint8, device="meta"),)}
     capped.kept_shared[(0, "projections")] = {(0, ()): (torch.empty(3 * gib, dtype=torch.uint8, device="meta"),)}
     for device in (cuda, torch.device("cpu")):
         for kind in ("attention", "projections"):
             assert capped.allow_keep(gib, device, kind) and not capped.allow_keep(gib + 1, device, kind)
-    assert not _ModelGraphs(max_signatures=8, varlen=True, keep_max_bytes=0).allow_keep(1, torch.device("cpu"))
+    assert not _ModelGraphs(max_signatures=8, attention="varlen", keep_max_bytes=0).allow_keep(1, torch.device("cpu"))
     assert keep_max_bytes(None) is None and keep_max_bytes(0.5) == gib // 2
     for bad in (-1, "8", True):
         with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=.*expected a number of GiB >= 0"):
@@ -392,7 +414,7 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
         _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, False)
-    with pytest.raises(ValueError, match="model.attention=varlen or sdpa, not flex"):
+    with pytest.raises(ValueError, match="model.attention=auto, cudnn, varlen or sdpa, not flex"):
         _use_cuda_graphs(graphs, LORA, "flex", cuda, False)
     with pytest.raises(ValueError, match="lora.dropout=0"):
         _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
