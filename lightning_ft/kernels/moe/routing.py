@@ -140,6 +140,14 @@ def topk(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _TopK.apply(x_TE, k)
 
 
+def _check_topk_args(router_logits_TE: torch.Tensor, top_k: int) -> None:
+    """Raise ValueError unless the logits are [T, E] and 1 <= top_k <= E."""
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
+    if not 1 <= top_k <= router_logits_TE.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
+
+
 def topk_routing(
     router_logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,10 +170,7 @@ def topk_routing(
     Raises:
         ValueError: if the logits are not 2-D or ``top_k`` is out of range.
     """
-    if router_logits_TE.dim() != 2:
-        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
-    if not 1 <= top_k <= router_logits_TE.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
+    _check_topk_args(router_logits_TE, top_k)
     probs_TE = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
     topk_weight_TK, topk_idx_TK = topk(probs_TE, top_k)
     if norm_topk_prob:
@@ -255,10 +260,7 @@ def topk_softmax_routing(router_logits_TE: torch.Tensor, top_k: int) -> tuple[to
     Raises:
         ValueError: if the logits are not 2-D or ``top_k`` is out of range.
     """
-    if router_logits_TE.dim() != 2:
-        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
-    if not 1 <= top_k <= router_logits_TE.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
+    _check_topk_args(router_logits_TE, top_k)
     top_logits_TK, topk_idx_TK = topk(router_logits_TE, top_k)
     return torch.softmax(top_logits_TK, dim=-1, dtype=top_logits_TK.dtype), topk_idx_TK
 
