@@ -67,6 +67,11 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """Build a transformers causal LM from a checkpoint or, with random weights, from a config.
 
+    A checkpoint whose config says ``quantization_config.quant_method: mxfp4`` (gpt-oss's published
+    checkpoints: the experts as ``*_blocks`` / ``*_scales``) loads with its experts dequantised to
+    ``dtype`` (transformers' ``Mxfp4Config(dequantize=True)``): the trained model holds plain weights,
+    and transformers' own MXFP4 experts do not train.
+
     Args:
         name_or_path: a local checkpoint folder or hub name; optional with ``init="random"`` when
             ``config`` names a ``model_type``.
@@ -132,12 +137,24 @@ def load_causal_lm(
     kwargs = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
     if init == "random":
         return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
+    if _quant_method(hf_config) == "mxfp4":
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     device = torch.get_default_device()
     if device.type != "cpu":
         kwargs["device_map"] = str(device)
     return AutoModelForCausalLM.from_pretrained(
         name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
     )
+
+
+def _quant_method(hf_config: Any) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (a dict or a transformers config object), or None."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is None:
+        return None
+    return quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
 
 
 def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:

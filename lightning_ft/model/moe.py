@@ -3,8 +3,8 @@
 `apply_moe` replaces, per instance and reversibly (`revert_moe`), the forward of every sparse MoE
 block that a patch table names (`lightning_ft.model.patching.MoEClasses`: Qwen3-MoE's
 ``Qwen3MoeSparseMoeBlock``, Mixtral's ``MixtralSparseMoeBlock``, GLM-4.5's ``Glm4MoeMoE``,
-DeepSeek-V3's ``DeepseekV3MoE``); the classes, the router and the weights are untouched. Shape suffixes as
-in `lightning_ft.kernels.moe`: T tokens, K top_k, E experts, D hidden.
+DeepSeek-V3's ``DeepseekV3MoE``, gpt-oss's ``GptOssMLP``); the classes, the router and the weights are
+untouched. Shape suffixes as in `lightning_ft.kernels.moe`: T tokens, K top_k, E experts, D hidden.
 
 Patched block forward, once per layer:
 
@@ -12,6 +12,15 @@ Patched block forward, once per layer:
     routing = sort_by_expert(topk_idx_TK, E)                          # stable sort, int32 offsets
     out_TD  = moe_experts(x_TD, topk_weight_TK, routing, W_gate_up, W_down, act, LoRA..., backend)
     out_TD += self.shared_experts(x_TD)                               # GLM-4.5 / DeepSeek-V3 only
+
+gpt-oss's block holds its router as ``self.router`` and returns ``(out, topk_weight_TK)``, as its
+stock forward does (`MoEClasses.router_attr`, ``returns_router_scores``). Its experts are of the other
+layout the backends take (transformers' ``is_concatenated=False, is_transposed=True, has_bias=True``):
+their [E, D, 2I] / [E, I, D] weights go in as transposed views (no copy), the activation is
+`lightning_ft.kernels.moe.ClampedSwiGLU` (the experts' ``alpha`` and ``limit``) on interleaved gate/up
+columns, and ``gate_up_proj_bias`` / ``down_proj_bias`` are added per expert. PEFT's split LoRA on such
+a transposed weight [E, C, N] has the same A [E*R, C] / B [N, R*E] factors as on [E, N, C]
+(``ParamWrapper`` swaps in and out only for the untransposed layout), so `ExpertLoRA` reads it as is.
 
 Mixtral's ``router_jitter_noise`` (training only) scales the block's input by the same uniform draw
 as transformers' block. The first ``first_k_dense_replace`` layers of GLM-4.5 / DeepSeek-V3 hold a
@@ -62,7 +71,8 @@ of a pass of its own.
 Order: either order with ``get_peft_model`` works; the LoRA is looked up per forward.
 
 Sources: transformers v5 ``models/qwen3_moe/modeling_qwen3_moe.py``, ``models/mixtral/modeling_mixtral.py``,
-``models/glm4_moe/modeling_glm4_moe.py``, ``models/deepseek_v3/modeling_deepseek_v3.py``, ``utils/output_capturing.py``;
+``models/glm4_moe/modeling_glm4_moe.py``, ``models/deepseek_v3/modeling_deepseek_v3.py``,
+``models/gpt_oss/modeling_gpt_oss.py``, ``utils/output_capturing.py``;
 PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper``).
 """
 
@@ -70,15 +80,16 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from lightning_ft.kernels.moe import ExpertLoRA, moe_experts, select_backend, sort_by_expert
+from lightning_ft.kernels.moe import ClampedSwiGLU, ExpertBiases, ExpertLoRA, moe_experts, select_backend, sort_by_expert
 from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
-from lightning_ft.model.patching import moe_classes, restore_instance_attr
+from lightning_ft.model.patching import moe_classes, moe_spec, restore_instance_attr
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
 
@@ -89,6 +100,39 @@ logger = logging.getLogger(__name__)
 _BACKEND_ATTR = "_lightning_ft_moe_backend"
 _PREVIOUS_FORWARD_ATTR = "_lightning_ft_moe_previous_forward"  # the block's instance `forward`, or None
 _FEEDS_RESIDUAL_ATTR = "_lightning_ft_moe_feeds_residual"  # the block is its decoder layer's mlp
+_SPEC_ATTR = "_lightning_ft_moe_spec"  # the block's `MoEClasses`
+
+_DEFAULT_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
+_GPT_OSS_LAYOUT = {"is_concatenated": False, "is_transposed": True, "has_bias": True, "has_gate": True}
+
+
+def _experts_layout(experts: torch.nn.Module) -> dict[str, bool]:
+    """The experts' layout flags (transformers' ``use_experts_implementation``): the default or gpt-oss's.
+
+    Raises:
+        ValueError: any other layout, or gpt-oss's without the clamped SwiGLU's ``alpha`` and ``limit``.
+    """
+    layout = {name: getattr(experts, name, default) for name, default in _DEFAULT_LAYOUT.items()}
+    if layout == _GPT_OSS_LAYOUT and hasattr(experts, "alpha") and hasattr(experts, "limit"):
+        return layout
+    if layout != _DEFAULT_LAYOUT:
+        raise ValueError(
+            f"unsupported experts layout {layout}; split LoRA and the backends take {_DEFAULT_LAYOUT} or gpt-oss's "
+            f"{_GPT_OSS_LAYOUT} (with the clamped SwiGLU's alpha and limit)"
+        )
+    return layout
+
+
+def _expert_math(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, Callable, ExpertBiases]:
+    """(w_gate_up_EFD, w_down_EDI, act_fn, biases) of an experts module as `moe_experts` takes them:
+    a transposed layout's weights as transposed views; gpt-oss's activation and biases."""
+    if _experts_layout(experts)["is_transposed"]:  # gpt-oss's
+        return (
+            experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2),
+            ClampedSwiGLU(alpha=experts.alpha, limit=experts.limit),
+            ExpertBiases(experts.gate_up_proj_bias, experts.down_proj_bias),
+        )  # fmt: skip
+    return experts.gate_up_proj, experts.down_proj, experts.act_fn, ExpertBiases()
 
 
 def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
@@ -106,7 +150,8 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
 
     Raises:
         ValueError: no sparse MoE block a patch table names (`MoEClasses`) in ``model``, an unknown backend, or experts in a
-            layout other than transformers' default (concatenated gate/up, not transposed, no bias).
+            layout other than transformers' default (concatenated gate/up, not transposed, no bias) or
+            gpt-oss's (`_GPT_OSS_LAYOUT`).
         RuntimeError: the backend cannot run here (see `select_backend`).
     """
     sparse_blocks = moe_classes("sparse_block")
@@ -118,15 +163,12 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
             "of lightning_ft.model.patching.PATCH_TABLES only (moe=hf leaves the MoE path stock)"
         )
     for block in blocks:
-        experts, _ = _experts_and_lora(block.experts)
-        expected = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
-        layout = {name: getattr(experts, name, default) for name, default in expected.items()}
-        if layout != expected:
-            raise ValueError(f"unsupported experts layout {layout}; split LoRA and the backends expect {expected}")
+        _experts_layout(_experts_and_lora(block.experts)[0])
     chosen = select_backend(backend)
     for block in blocks:
         if not hasattr(block, _BACKEND_ATTR):  # a re-patch must not record our own forward
             setattr(block, _PREVIOUS_FORWARD_ATTR, vars(block).get("forward"))
+        setattr(block, _SPEC_ATTR, moe_spec(block))
         setattr(block, _BACKEND_ATTR, chosen)
         setattr(block, _FEEDS_RESIDUAL_ATTR, False)
         block.forward = types.MethodType(_sparse_moe_block_forward, block)
@@ -148,7 +190,7 @@ def revert_moe(model: torch.nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, _BACKEND_ATTR):
             restore_instance_attr(module, "forward", getattr(module, _PREVIOUS_FORWARD_ATTR))
-            for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR):
+            for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR, _SPEC_ATTR):
                 delattr(module, name)
             reverted += 1
     return reverted
@@ -171,6 +213,8 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     count, sparse_blocks = 0, moe_classes("sparse_block")
     for block in (m for m in model.modules() if isinstance(m, sparse_blocks)):
         experts, loras = _experts_and_lora(block.experts)
+        if getattr(experts, "is_transposed", False):  # the slots are laid out for [E, N, C] weights (not gpt-oss's)
+            continue
         for name, lora in loras.items():
             weight = getattr(experts, name)
             rank = padded_rank(lora.lora_A.shape[0] // lora.num_experts, weight.dtype)
@@ -179,27 +223,34 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     return count
 
 
-def _sparse_moe_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _sparse_moe_block_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Routed (and shared) experts on [..., D] hidden states; the output of the table's sparse block
-    (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``Glm4MoeMoE``, ``DeepseekV3MoE``)."""
+    (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``Glm4MoeMoE``, ``DeepseekV3MoE``; with
+    the router scores [T, K] too for ``GptOssMLP``)."""
+    spec = getattr(self, _SPEC_ATTR)
     jitter = getattr(self, "jitter_noise", 0.0)
     if self.training and jitter > 0:  # Mixtral's router_jitter_noise: the same draw as transformers' (out of place)
         hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
     hidden_dim = hidden_states.shape[-1]
     x_TD = hidden_states.reshape(-1, hidden_dim)
     with _RouterTopK():  # HF's router, its torch.topk on our kernel
-        _, topk_weight_TK, topk_idx_TK = self.gate(x_TD)  # a module call: HF's router-logit hooks fire
+        # a module call: HF's router-logit hooks fire
+        _, topk_weight_TK, topk_idx_TK = getattr(self, spec.router_attr)(x_TD)
     experts, loras = _experts_and_lora(self.experts)
     routing = sort_by_expert(topk_idx_TK, experts.num_experts)
+    w_gate_up_EFD, w_down_EDI, act_fn, biases = _expert_math(experts)
     out_TD = moe_experts(
         x_TD,
         topk_weight_TK,
         routing,
-        experts.gate_up_proj,
-        experts.down_proj,
-        experts.act_fn,
+        w_gate_up_EFD,
+        w_down_EDI,
+        act_fn,
         gate_up_lora=loras.get("gate_up_proj"),
         down_lora=loras.get("down_proj"),
+        biases=biases,
         backend=getattr(self, _BACKEND_ATTR),
         # the decoder layer returns residual + mlp(...): in the graphs' recompute nothing reads it
         output_needed=not (getattr(self, _FEEDS_RESIDUAL_ATTR) and recomputing_for_backward()),
@@ -207,7 +258,9 @@ def _sparse_moe_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     )
     out = out_TD.view_as(hidden_states)
     shared_experts = getattr(self, "shared_experts", None)  # DeepSeek-V3 / GLM-4.5: a dense MLP on every token
-    return out if shared_experts is None else out + shared_experts(hidden_states)
+    if shared_experts is not None:
+        out = out + shared_experts(hidden_states)
+    return (out, topk_weight_TK) if spec.returns_router_scores else out
 
 
 def _plain_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):

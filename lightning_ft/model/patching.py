@@ -8,8 +8,8 @@ What gets patched, per kernel switch:
 
     rms_norm  every instance of the table's RMSNorm classes (decoder norms, final norm, Qwen3's and
               Gemma 3's q/k norms): `forward` becomes `rms_norm(x, self.weight, self.variance_epsilon)`,
-              or for a class in ``rms_norm_offsets`` (Gemma's ``(1 + weight)``) `rms_norm(x,
-              self.weight, self.eps, offset=..., fp32_scale=True)`.
+              or for a class in ``rms_norm_offsets`` (Gemma's ``(1 + weight)``, gpt-oss's scaled in
+              fp32) `rms_norm(x, self.weight, eps, offset=..., fp32_scale=True)`.
     swiglu    every instance of the table's dense MLP classes, where the config's activation
               (``hidden_activation``, else ``hidden_act``) is one of `GLU_ACTIVATIONS`' names (SwiGLU,
               GeGLU): `forward` becomes `down_proj(swiglu(gate_proj(x), up_proj(x), activation))`, or
@@ -18,7 +18,9 @@ What gets patched, per kernel switch:
               as they are, so PEFT's LoRA layers on them still apply. Routed experts (`Qwen3MoeExperts`, ...) are not touched here: MoE dispatch lives in model/moe.py;
               shared experts and dense layers of an MoE model are the table's MLP class.
     rope      the module-level `apply_rotary_pos_emb` of the architecture's modeling file (HF's
-              attention calls it by that global name), replaced by `apply_rope` (in place on q, k).
+              attention calls it by that global name), replaced by `apply_rope` (in place on q, k);
+              with ``rope_half_tables`` (gpt-oss: cos/sin of D/2 columns, each frequency once) the
+              tables are repeated to D columns first.
     lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
               exactly (`lora_linear_adapters`: no dropout, no DoRA, ...): `forward` becomes
               `lora_linear` whenever that adapter alone is active, enabled and not merged, and the
@@ -78,6 +80,8 @@ class MoEClasses:
     router: str  # the top-k router: its weight is frozen unless ``moe.train_router``
     decoder_layer: str  # returns ``residual + mlp(...)``: its ``mlp`` output feeds only that sum
     router_kind: str = "softmax_topk"  # the router's math: a key of `lightning_ft.kernels.moe.routing.ROUTER_KINDS`
+    router_attr: str = "gate"  # the sparse block's attribute holding the router
+    returns_router_scores: bool = False  # the block returns (hidden, router_scores) (gpt-oss), not hidden alone
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,10 @@ class PatchTable:
     moe: MoEClasses | None = None  # the MoE block's classes (`lightning_ft.model.moe`); None: a dense model
     fused_gate_up: bool = False  # the MLPs compute down_proj(act(gate) * up) from one gate_up_proj ([gate | up])
     stock: tuple[tuple[str, str], ...] = ()  # (kernel switch, why it runs as transformers does) for pieces left out
-    # (class of rms_norm, weight offset): norms computing (x * rstd * (offset + weight)) in fp32, eps in
-    # ``self.eps``, rounded once to x's dtype (Gemma's); the others are Llama's (``self.variance_epsilon``)
+    # (class of rms_norm, weight offset): norms computing (x * rstd * (offset + weight)) in fp32, rounded
+    # once to x's dtype (Gemma's, eps in ``self.eps``; gpt-oss's, offset 0); the others are Llama's
     rms_norm_offsets: tuple[tuple[str, float], ...] = ()
+    rope_half_tables: bool = False  # apply_rotary_pos_emb gets cos/sin of D_rot/2 columns (gpt-oss), not D_rot
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -160,7 +165,28 @@ PATCH_TABLES: dict[str, PatchTable] = {
         moe=MoEClasses("Glm4MoeLiteMoE", "Glm4MoeLiteTopkRouter", "Glm4MoeLiteDecoderLayer", router_kind="sigmoid_grouped"),
         stock=(_MLA_ROPE,),
     ),
+    # every MLP is an expert block: transposed weights, interleaved gate/up, biases, clamped SwiGLU (the moe
+    # group); router = linear with bias, softmax over the top-k logits; sliding windows on alternating layers
+    # and attention sinks through attention; norms scale in fp32 (weights kept fp32); yarn RoPE, half tables
+    "gpt_oss": PatchTable(
+        "transformers.models.gpt_oss.modeling_gpt_oss", ("GptOssRMSNorm",), (), ("v_proj", "o_proj"),
+        moe=MoEClasses(
+            "GptOssMLP", "GptOssTopKRouter", "GptOssDecoderLayer", router_kind="topk_softmax", router_attr="router",
+            returns_router_scores=True,
+        ),
+        stock=(("swiglu", "no dense MLP: the experts' clamped SwiGLU runs in the MoE backend (the moe group)"),),
+        rms_norm_offsets=(("GptOssRMSNorm", 0.0),), rope_half_tables=True,
+    ),
 }  # fmt: skip
+
+
+def moe_spec(block: torch.nn.Module) -> MoEClasses | None:
+    """The `MoEClasses` of the table whose sparse block class ``block`` is an instance of (None: no table's)."""
+    for table in PATCH_TABLES.values():
+        if table.moe is not None:
+            if isinstance(block, getattr(importlib.import_module(table.modeling_module), table.moe.sparse_block)):
+                return table.moe
+    return None
 
 
 def moe_classes(role: str) -> tuple[type, ...]:
@@ -179,7 +205,8 @@ def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) 
 def _fused_offset_rms_norm_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, *, offset: float
 ) -> torch.Tensor:
-    return rms_norm(hidden_states, self.weight, self.eps, offset=offset, fp32_scale=True)
+    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps  # gpt-oss's name, Gemma's
+    return rms_norm(hidden_states, self.weight, eps, offset=offset, fp32_scale=True)
 
 
 def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor, *, activation: str) -> torch.Tensor:
@@ -232,6 +259,12 @@ def _fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2)
     raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+
+
+def _fused_apply_rotary_pos_emb_half_tables(q, k, cos, sin, unsqueeze_dim=1):
+    """`_fused_apply_rotary_pos_emb` for tables of D_rot/2 columns, each frequency once (gpt-oss's:
+    ``out1 = x1 cos - x2 sin``, ``out2 = x2 cos + x1 sin``, the same rotation): repeated to D_rot."""
+    return _fused_apply_rotary_pos_emb(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), unsqueeze_dim)
 
 
 # modeling module name -> (stock apply_rotary_pos_emb, number of models that patched it)
@@ -287,10 +320,10 @@ def _unpatch_rope(modeling: types.ModuleType) -> None:
         _ROPE_PATCHES[modeling.__name__] = (stock, users - 1)
 
 
-def _patch_rope(modeling: types.ModuleType, undo: list[Callable[[], None]]) -> None:
+def _patch_rope(modeling: types.ModuleType, undo: list[Callable[[], None]], half_tables: bool) -> None:
     stock, users = _ROPE_PATCHES.get(modeling.__name__, (modeling.apply_rotary_pos_emb, 0))
     _ROPE_PATCHES[modeling.__name__] = (stock, users + 1)
-    modeling.apply_rotary_pos_emb = _fused_apply_rotary_pos_emb
+    modeling.apply_rotary_pos_emb = _fused_apply_rotary_pos_emb_half_tables if half_tables else _fused_apply_rotary_pos_emb
     undo.append(functools.partial(_unpatch_rope, modeling))
 
 
@@ -328,7 +361,7 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
             kept_linears = table.kept_linears if table is not None else ()
             applied.append(f"lora: {_patch_lora(hf_model, undo, kept_linears)} x peft lora.Linear")
         elif name == "rope":
-            _patch_rope(modeling, undo)
+            _patch_rope(modeling, undo, table.rope_half_tables)
             applied.append(f"rope: {table.modeling_module}.apply_rotary_pos_emb")
         else:
             fused = _fused_forwards(name, table, config)

@@ -1,6 +1,8 @@
 """Building the model from the config: LoRA targets and model config values refused by key, before PEFT or
 transformers would drop or reject them."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -91,3 +93,66 @@ def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog, mo
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         _check_config_keys(built.config, {"my_note": "x"})
     assert caplog.messages == []
+
+
+# The published MXFP4 layout of gpt-oss's experts (OCP Microscaling FP4, E2M1 values, one E8M0 scale per 32):
+# ``<proj>_blocks`` [E, N, C/32, 16] uint8, two 4-bit codes a byte (low nibble first along C), and
+# ``<proj>_scales`` [E, N, C/32] uint8, the exponent + 127; the weight it stands for is [E, C, N] (transposed).
+_FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _dequantise_mxfp4(blocks, scales):
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [E, N, G, 32]
+    values = torch.tensor(_FP4_VALUES)[codes] * torch.exp2(scales.float() - 127)[..., None]
+    return values.flatten(-2).transpose(1, 2)  # [E, C, N]
+
+
+def _write_checkpoint(folder, config, state_dict, quantization=None):
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    values = {**config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    if quantization is not None:
+        values["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(values))
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_dequantised_bf16_twin(tmp_path):
+    """Experts stored in the published MXFP4 layout load through the normal from_pretrained path dequantised to
+    model.dtype: every weight and the logits equal those of a bf16 checkpoint holding the same values."""
+    import transformers
+    import yaml
+
+    from lightning_ft.config import config_dir
+    from lightning_ft.model.build import load_causal_lm
+
+    overrides = yaml.safe_load((Path(config_dir()) / "model" / "gpt_oss_tiny.yaml").read_text())["config"]
+    config = transformers.AutoConfig.for_model(overrides.pop("model_type"), **overrides, vocab_size=64)
+    torch.manual_seed(0)
+    state = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).state_dict()
+    quantised, twin = dict(state), dict(state)
+    for name, weight in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, c_dim, n_dim = weight.shape
+            blocks = torch.randint(0, 256, (experts, n_dim, c_dim // 32, 16), dtype=torch.uint8)
+            scales = torch.randint(122, 130, (experts, n_dim, c_dim // 32), dtype=torch.uint8)
+            del quantised[name]
+            quantised |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+            twin[name] = _dequantise_mxfp4(blocks, scales).to(torch.bfloat16)  # exact: 2 significant bits
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    _write_checkpoint(tmp_path / "mxfp4", config, quantised, mxfp4)
+    _write_checkpoint(tmp_path / "bf16", config, twin)
+
+    loaded = load_causal_lm(str(tmp_path / "mxfp4"), dtype="bfloat16", attn_implementation="eager")
+    reference = load_causal_lm(str(tmp_path / "bf16"), dtype="bfloat16", attn_implementation="eager")
+    assert not getattr(loaded, "is_quantized", False)
+    loaded_state = loaded.state_dict()
+    assert loaded_state.keys() == reference.state_dict().keys()
+    for name, weight in reference.state_dict().items():
+        assert loaded_state[name].dtype == weight.dtype and torch.equal(loaded_state[name], weight), name
+    ids = torch.tensor([[3, 7, 1, 9, 4, 2]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)

@@ -30,7 +30,7 @@ from lightning_ft.module import FinetuneModule
 SKIPPED: dict[str, str] = {}  # model_type -> why the walk leaves it out
 
 REPRESENTATIVE = [
-    "llama", "qwen2", "mistral", "phi3", "gemma3_text",  # patch tables
+    "llama", "qwen2", "mistral", "phi3", "gemma3_text", "gpt_oss",  # patch tables (gpt-oss: sinks, windows, MoE)
     "gpt2", "olmo2", "starcoder2", "granite",  # attention registry, no table (granite: logits scaled)
     "cohere", "gemma2",  # logits changed after the head; gemma2's attention softcap: padded rows
     "bloom",  # no attention registry (ALiBi): padded rows
@@ -95,7 +95,16 @@ def test_one_training_step_matches_transformers(model_type, monkeypatch):
     torch.testing.assert_close(loss.detach(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2_tiny", "mistral_tiny", "phi3_tiny", "gemma3_tiny", "mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny", "glm4_moe_lite_tiny"])
+# strict: once the packed backends take gpt-oss's attention sinks (s_aux) it passes, and the mark must go
+_NO_PACKED_SINKS = pytest.mark.xfail(
+    reason="the packed attention backends refuse s_aux (attention sinks)", raises=AssertionError, strict=True
+)
+
+
+@pytest.mark.parametrize("name", [
+    "qwen2_tiny", "mistral_tiny", "phi3_tiny", "gemma3_tiny", "mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny",
+    "glm4_moe_lite_tiny", pytest.param("gpt_oss_tiny", marks=_NO_PACKED_SINKS),
+])  # fmt: skip
 def test_each_tiny_family_config_builds_on_packed_rows(name):
     import yaml
 

@@ -2,7 +2,9 @@
 
 Architectures (`ARCHS`, one per patch table with `MoEClasses`): Qwen3-MoE and Mixtral (softmax top-k),
 GLM-4.5, DeepSeek-V3 and GLM-4.7-Flash (sigmoid scores, a random ``e_score_correction_bias``, group-limited top-k,
-``routed_scaling_factor``, shared experts, a dense first layer). Stock = transformers' eager experts
+``routed_scaling_factor``, shared experts, a dense first layer), gpt-oss (softmax over the top-k logits of a biased
+router; transposed expert weights with biases, interleaved gate/up, the clamped SwiGLU at a limit the tiny model's
+activations cross; attention sinks and a sliding window, stock). Stock = transformers' eager experts
 loop with PEFT's ``target_parameters`` LoRA, which adds the materialised B·A to every expert weight.
 Each test patches, compares, and reverts.
 """
@@ -50,6 +52,10 @@ ARCHS = {
         routed_scaling_factor=1.8, norm_topk_prob=True, num_experts_per_tok=3, n_group=4, topk_group=2,
         n_shared_experts=1, num_key_value_heads=5, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=12,
+    ),
+    "gpt_oss": dict(  # experts of intermediate_size; h ~ 0.13: the limit 0.1 clamps both gate and up
+        intermediate_size=16, num_local_experts=6, swiglu_limit=0.1, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
     ),
 }
 
@@ -111,6 +117,7 @@ CASES = {
     "glm4_moe": ("glm4_moe", {}),
     "deepseek_v3": ("deepseek_v3", {}),
     "glm4_moe_lite": ("glm4_moe_lite", {}),
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 
@@ -448,7 +455,7 @@ def test_router_logits_aux_loss_and_gradient_checkpointing(arch):
     for logits, ref_logits in zip(out.router_logits, ref.router_logits):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
     assert (getattr(ref, "aux_loss", None) is None) == (arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"))
-    if arch in ("qwen3_moe", "mixtral"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss"):
         torch.testing.assert_close(out.aux_loss, ref.aux_loss)
     torch.testing.assert_close(out.loss, ref.loss)  # includes router_aux_loss_coef * aux_loss
     for name, grad in grads.items():
@@ -458,6 +465,7 @@ def test_router_logits_aux_loss_and_gradient_checkpointing(arch):
 TOPK_CALLS = {  # per sparse layer: the [T, E] top-k (GLM-4.5: also the top group of 2; its 3-D top-2 stays torch's)
     "qwen3_moe": [((32, 6), 2)],
     "glm4_moe": [((32, 2), 1), ((32, 8), 2)],
+    "gpt_oss": [((32, 6), 2)],  # on the logits
 }
 
 

@@ -34,6 +34,7 @@ from lightning_ft.model.patching import (
     GLU_ACTIVATIONS,
     PATCH_TABLES,
     _fused_apply_rotary_pos_emb,
+    _fused_apply_rotary_pos_emb_half_tables,
     _fused_gate_up_mlp_forward,
     _fused_offset_rms_norm_forward,
     _fused_rms_norm_forward,
@@ -49,7 +50,10 @@ LORA_TARGETS = [
     "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
 ]  # fmt: skip
-FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm4_moe_lite"]
+FAMILIES = [
+    "llama", "qwen2", "mistral", "phi3", "gemma3_text", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
+    "glm4_moe_lite", "gpt_oss",
+]  # fmt: skip
 # Packed documents of length 3, 1, 4, 1, 1, 2: position_ids restart at 0 per document.
 POSITION_IDS = [0, 1, 2, 0, 0, 1, 2, 3, 0, 0, 0, 1]
 
@@ -91,6 +95,13 @@ def _tiny_config(model_type):
         mla = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=16)
         grouped = {k: v for k, v in grouped.items() if k != "first_k_dense_replace"} | dict(mlp_layer_types=["dense", "sparse"])
         return transformers.Glm4MoeLiteConfig(**({k: v for k, v in common.items() if k != "head_dim"} | mla), **grouped)
+    if model_type == "gpt_oss":  # a sliding and a full layer with sinks; yarn RoPE (half tables); fp32-scaled norms
+        return transformers.GptOssConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "original_max_position_embeddings": 2, "truncate": False},
+        )  # fmt: skip
     # Layer 0 dense (Qwen3MoeMLP, patched), layer 1 sparse (Qwen3MoeExperts, left alone).
     return transformers.Qwen3MoeConfig(
         **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]
@@ -158,8 +169,8 @@ def test_all_on_matches_all_off_and_reverts(model_type, device):
         assert offsets == {"Gemma3RMSNorm": 1.0}
         assert applied[1:3] == ["rms_norm: 13 x Gemma3RMSNorm", "swiglu: 2 x Gemma3MLP"]
     assert all(m.forward.__func__ is _fused_lora_forward for m in loras)
-    rope = stock_rope if "rope" in stock else _fused_apply_rotary_pos_emb
-    assert modeling.apply_rotary_pos_emb is rope
+    rope = _fused_apply_rotary_pos_emb_half_tables if table.rope_half_tables else _fused_apply_rotary_pos_emb
+    assert modeling.apply_rotary_pos_emb is (stock_rope if "rope" in stock else rope)
     logits_on, loss_on, grads_on = _step(model, device)
 
     torch.testing.assert_close(logits_on, logits_off, atol=1e-5, rtol=1e-5)
@@ -181,7 +192,7 @@ def _relative_l2(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"])
 def test_all_on_matches_all_off_in_bf16(model_type, device):
     model = _tiny_lora_model(model_type, device).to(torch.bfloat16)
     logits_off, loss_off, grads_off = _step(model, device)
@@ -206,6 +217,29 @@ def test_fused_rope_is_a_drop_in_for_hf(device, unsqueeze_dim):
     cos, sin = torch.randn(1, 5, 16, device=device), torch.randn(1, 5, 16, device=device)
     expected = modeling.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     got = _fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_fused_rope_with_half_tables_is_a_drop_in_for_gpt_oss(device, unsqueeze_dim):
+    """gpt-oss's apply_rotary_pos_emb takes cos/sin of D/2 columns (yarn-scaled, from its rotary embedding)."""
+    modeling = importlib.import_module(PATCH_TABLES["gpt_oss"].modeling_module)
+    config = transformers.GptOssConfig(
+        head_dim=16, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 5, 4, 16, device=device), torch.randn(2, 5, 2, 16, device=device)  # [B, T, H, D]
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    position_ids = torch.tensor([[0, 1, 2, 0, 3000], [7, 8, 9, 10, 11]], device=device)
+    cos, sin = modeling.GptOssRotaryEmbedding(config).to(device)(q, position_ids)
+    assert cos.shape == (2, 5, 8)
+    expected = modeling.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    got = _fused_apply_rotary_pos_emb_half_tables(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

@@ -4,11 +4,11 @@
 (`moe_experts`) runs the experts on it with one of three backends, one module each:
 `native_torch`, `grouped_mm`, `grouped_gemm` (``moe.backend=triton``: our Triton grouped GEMM,
 whose launchers ``grouped_gemm`` and ``grouped_wgrad`` are imported from that module); `_common`
-holds what they share (`ExpertLoRA`, the SwiGLU step).
+holds what they share (`ExpertLoRA`, `ExpertBiases`, the SwiGLU step and gpt-oss's `ClampedSwiGLU`).
 Nothing here imports transformers; the model wiring is `lightning_ft.model.moe`.
 """
 
-from lightning_ft.kernels.moe._common import ExpertLoRA
+from lightning_ft.kernels.moe._common import ClampedSwiGLU, ExpertBiases, ExpertLoRA
 from lightning_ft.kernels.moe.experts import BACKENDS, moe_experts, select_backend
 from lightning_ft.kernels.moe.grouped_mm import grouped_mm_mode
 from lightning_ft.kernels.moe.routing import (
@@ -21,6 +21,8 @@ from lightning_ft.kernels.moe.routing import (
 
 __all__ = [
     "BACKENDS",
+    "ClampedSwiGLU",
+    "ExpertBiases",
     "ExpertLoRA",
     "ExpertRouting",
     "grouped_mm_mode",

@@ -8,14 +8,22 @@ w_gate_up_EFD [E, F, D] and ``down_proj`` w_down_EDI [E, D, I], i.e. [E, N, C] (
 
 Math of one expert e on its rows x_e (all backends; act is the experts' ``act_fn``, SiLU here):
 
-    h_e   = x_e W1_e^T + s1 (x_e A1_e^T) B1_e^T          [n_e, F]   (gate_up, + split LoRA)
+    h_e   = x_e W1_e^T + s1 (x_e A1_e^T) B1_e^T (+ b1_e)  [n_e, F]   (gate_up, + split LoRA)
     a_e   = act(h_e[:, :I]) * h_e[:, I:]                  [n_e, I]
-    y_e   = a_e W2_e^T + s2 (a_e A2_e^T) B2_e^T           [n_e, D]   (down, + split LoRA)
+    y_e   = a_e W2_e^T + s2 (a_e A2_e^T) B2_e^T (+ b2_e)  [n_e, D]   (down, + split LoRA)
     out_t = sum_k topk_weight[t, k] * y[(t, k)]           [T, D]
+
+gpt-oss's experts (``act_fn`` a `ClampedSwiGLU`): gate and up interleaved in h's columns (gate the
+even ones, transformers' ``is_concatenated=False``), the clamped SwiGLU of `ClampedSwiGLU`, and the
+per-expert biases b1_e [F], b2_e [D] (``gate_up_proj_bias``, ``down_proj_bias``). Its weights are
+stored transposed ([E, D, F] and [E, I, D]); the caller passes their transposed views, the [E, N, C]
+layout here (no copy: every backend reads any strides). The backends add the biases per sorted row
+(`routing.expert_of_rows`); the Triton grouped GEMM in its epilogue.
 
 The down projection and its LoRA are linear, so ``native_torch`` and ``grouped_mm`` scale a_e by
 the routing weight inside the SwiGLU kernel (one pass over [S, I]) instead of y by it (two passes
-over the larger [S, D] forward, more backward); the ``triton`` backend scales in its epilogue.
+over the larger [S, D] forward, more backward), and then add the down bias times that weight; the
+``triton`` backend scales in its epilogue.
 
 Split LoRA never forms B·A: the two thin GEMMs per projection reuse the base GEMM's grouping
 (offsets). A_e [R, C] and B_e [N, R] are read straight from PEFT's ``target_parameters`` tensors
@@ -33,20 +41,22 @@ Every backend runs with autocast off, in the expert weights' dtype (inputs and L
 to it): train with bf16 weights (``bf16-true``) to avoid casting the [E, ...] weights each step.
 
 Sources: transformers ``integrations/moe.py`` (``grouped_mm_experts_forward``, the eager experts
-loop) and ``models/qwen3_moe``; PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper`` layout).
+loop), ``models/qwen3_moe`` and ``models/gpt_oss`` (``GptOssExperts``); PEFT 0.21 ``tuners/lora/layer.py`` (``ParamWrapper`` layout).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
 from lightning_ft.kernels._utils import INTERPRETER, triton_can_run
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
+from lightning_ft.kernels.moe.routing import expert_of_rows
 from lightning_ft.kernels.swiglu import swiglu_concat
 
-__all__ = ["ExpertLoRA"]
+__all__ = ["ClampedSwiGLU", "ExpertBiases", "ExpertLoRA"]
 
 _INTERPRET = INTERPRETER  # the MoE modules' name for it (tests patch it per module)
 
@@ -85,6 +95,44 @@ class ExpertLoRA(NamedTuple):
 _LoRAFactors = tuple[torch.Tensor, torch.Tensor, float]
 
 
+class ExpertBiases(NamedTuple):
+    """The experts' biases (gpt-oss's ``gate_up_proj_bias`` [E, F] and ``down_proj_bias`` [E, D]); either may be None."""
+
+    gate_up_EF: torch.Tensor | None = None
+    down_ED: torch.Tensor | None = None
+
+    def cast(self, dtype: torch.dtype) -> ExpertBiases:
+        """Both in ``dtype`` (differentiable casts)."""
+        return ExpertBiases(*(None if b is None else b.to(dtype) for b in self))
+
+
+def _bias_rows(bias_EN: torch.Tensor, offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[S, N]: each expert-sorted row's expert bias (differentiable w.r.t. ``bias_EN``; no host sync)."""
+    return bias_EN.index_select(0, expert_of_rows(offsets_E, num_rows))
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation on h [S, F] whose columns interleave gate (even) and up (odd):
+
+        gate = min(h[:, 0::2], limit)        up = clamp(h[:, 1::2], -limit, limit)
+        a    = (up + 1) * gate * sigmoid(alpha * gate)                         [S, F / 2]
+
+    op for op as transformers' ``GptOssExperts._apply_gate`` (alpha 1.702, limit 7.0 in the
+    published configs), so also its gradient (a clamped value passes none). Plain torch: the
+    backends call it in place of ``act(gate) * up`` (`_swiglu`).
+    """
+
+    alpha: float
+    limit: float
+
+    def __call__(self, h_SF: torch.Tensor) -> torch.Tensor:
+        gate, up = h_SF[..., ::2], h_SF[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def _lora_args(lora: _LoRAFactors | None) -> tuple:
     return (None, None, 1.0) if lora is None else lora
 
@@ -104,13 +152,17 @@ def _swiglu(
     """act(gate) * up (* routing weight per row) of h = [gate | up]; SiLU (every Qwen3-MoE) takes the
     fused `swiglu_concat` kernel, which folds the weight in (see its docstring for why), pads the
     output's and the gradient's rows as asked (other activations: contiguous) and writes h into
-    ``h_copy`` as it reads it (other activations: a copy)."""
+    ``h_copy`` as it reads it (other activations: a copy). A `ClampedSwiGLU` (gpt-oss) reads its
+    interleaved h itself."""
     if type(act_fn).__name__ in _SILU_NAMES and triton_can_run(h_SF):
         return swiglu_concat(h_SF, weight_S, pad_out=pad_out, pad_grad=pad_grad, h_copy=h_copy)
     if h_copy is not None:
         h_copy.copy_(h_SF)
-    gate_SI, up_SI = h_SF.chunk(2, dim=-1)
-    y_SI = act_fn(gate_SI) * up_SI
+    if isinstance(act_fn, ClampedSwiGLU):
+        y_SI = act_fn(h_SF)
+    else:
+        gate_SI, up_SI = h_SF.chunk(2, dim=-1)
+        y_SI = act_fn(gate_SI) * up_SI
     return y_SI if weight_S is None else y_SI * weight_S[:, None]
 
 

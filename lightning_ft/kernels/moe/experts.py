@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from lightning_ft.kernels.moe._common import _INTERPRET, ExpertLoRA
+from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, ExpertLoRA
 from lightning_ft.kernels.moe.grouped_gemm import experts_triton
 from lightning_ft.kernels.moe.grouped_mm import _GROUPED_MM, experts_grouped_mm, grouped_mm_mode
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
@@ -69,6 +69,7 @@ def moe_experts(
     *,
     gate_up_lora: ExpertLoRA | None = None,
     down_lora: ExpertLoRA | None = None,
+    biases: ExpertBiases = ExpertBiases(),
     backend: str = "grouped_mm",
     output_needed: bool = True,
     keep=None,
@@ -79,10 +80,14 @@ def moe_experts(
         x_TD: [T, D] hidden states.
         topk_weight_TK: [T, K] routing weights (differentiable: the router-input gradient flows).
         routing: `ExpertRouting` from ``sort_by_expert(topk_idx_TK, E)``.
-        w_gate_up_EFD: [E, 2I, D] gate and up weights (frozen or not).
-        w_down_EDI: [E, D, I] down weights.
-        act_fn: the gate activation (transformers' ``experts.act_fn``).
+        w_gate_up_EFD: [E, 2I, D] gate and up weights (frozen or not; any strides: gpt-oss's
+            transposed ``gate_up_proj`` as its ``transpose(1, 2)`` view).
+        w_down_EDI: [E, D, I] down weights (likewise).
+        act_fn: the gate activation (transformers' ``experts.act_fn``), or a `ClampedSwiGLU`
+            (gpt-oss: gate and up interleaved in the gate/up output).
         gate_up_lora / down_lora: PEFT's split LoRA of each projection, or None.
+        biases: the experts' per-expert biases (gpt-oss), or none; they get gradients where they
+            require them. With biases ``keep`` is unused.
         backend: ``native_torch``, ``grouped_mm`` or ``triton`` (see the module docstring).
         output_needed: False when the caller discards the output's value and only differentiates
             through it (a checkpointed layer's recompute, where the MoE output only feeds the
@@ -120,12 +125,14 @@ def moe_experts(
         lora_gate_up = gate_up_lora.factors(dtype) if gate_up_lora is not None else None
         lora_down = down_lora.factors(dtype) if down_lora is not None else None
         weights = (w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down)
+        biases = biases.cast(dtype)
         # grouped_mm and native_torch: the routing weight scales each pair's down-projection input
         # (inside the SwiGLU kernel)
         if backend == "triton":
-            out_TD = experts_triton(x, weight_S, routing, *weights, output_needed)
+            out_TD = experts_triton(x, weight_S, routing, *weights, output_needed, biases)
         elif backend == "grouped_mm":
-            out_TD = experts_grouped_mm(x, routing, weight_S, *weights, output_needed, keep)
+            out_TD = experts_grouped_mm(x, routing, weight_S, *weights, output_needed, keep, biases)
         else:
-            out_TD = unpermute_tokens(experts_native_torch(permute_tokens(x, routing), routing, weight_S, *weights), routing)
+            y_SD = experts_native_torch(permute_tokens(x, routing), routing, weight_S, *weights, biases)
+            out_TD = unpermute_tokens(y_SD, routing)
     return out_TD.to(x_TD.dtype)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels.moe._common import _INTERPRET, _lora_args, _swiglu
+from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_wgrad", "grouped_wgrad_reference"]
@@ -103,7 +103,7 @@ def _dot_operands(a, b, DOT_UPCAST: tl.constexpr):
 @triton.jit
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
-    gathered_ptr,
+    gathered_ptr, bias_ptr,
     N, C, R, E, scaling, alpha,
     stride_src_m, stride_src_c,
     stride_g_m, stride_g_c,
@@ -112,14 +112,15 @@ def _grouped_gemm_body(
     stride_acc_m, stride_acc_n,
     stride_mid_m, stride_mid_r,
     stride_lb_e, stride_lb_r, stride_lb_n,
-    GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr,
+    stride_bias_e, stride_bias_n,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """out[orow(p)] (+)= alpha * scale[p] * (src[irow(p)] @ w[e(p)] + scaling * mid[p] @ lora_b[e(p)]).
+    """out[orow(p)] (+)= alpha * scale[p] * (src[irow(p)] @ w[e(p)] + scaling * mid[p] @ lora_b[e(p)] + bias[e(p)]).
 
-    p runs over expert-sorted rows; irow(p) = src_idx[p] if GATHER else p; orow(p) = out_idx[p] if
+    bias [E, N] with HAS_BIAS (else no term); p runs over expert-sorted rows; irow(p) = src_idx[p] if GATHER else p; orow(p) = out_idx[p] if
     SCATTER else p; scale = row_scale if ROW_SCALE else 1; w is [E, C, N], lora_b [E, R, N], mid
     [S, R]; fp32 accumulation, stored in out's dtype; ACCUMULATE adds acc[orow(p)] first (in fp32;
     acc is out itself for an in-place sum). STORE_GATHERED also writes the src rows it loads to
@@ -176,6 +177,10 @@ def _grouped_gemm_body(
         mid, lora_b = _dot_operands(mid, lora_b, DOT_UPCAST)
         acc += scaling * tl.dot(mid, lora_b, input_precision=INPUT_PRECISION)
 
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias_e + cols * stride_bias_n, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+
     if ROW_SCALE:
         scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -195,7 +200,7 @@ _GEMM_AUTOTUNE = dict(
         gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4)],
         interpret=(16, 64, 64),
     ),
-    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "ACCUMULATE", "STORE_GATHERED"],
+    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -297,10 +302,11 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     gathered_out: torch.Tensor | None = None,
     alpha: float = 1.0,
+    bias_EN: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, scale, scatter.
+    """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, bias, scale, scatter.
 
-    ``out[orow(p)] = alpha * row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e])``
+    ``out[orow(p)] = alpha * row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e] + bias_EN[e])``
     for the S = ``num_rows`` sorted rows p, e the expert owning row p (from ``offsets_E``),
     ``irow(p) = src_idx_S[p]`` (else p) and ``orow(p) = out_idx_S[p]`` (else p). With
     ``accumulate_into`` the result is added into that tensor in place (``out += ...``, one read and
@@ -324,6 +330,8 @@ def grouped_gemm(
             writes the gathered copy a wide GEMM needs in the same pass (one read of the rows
             instead of the copy's write and re-read).
         alpha: factor on the whole product (in fp32, before the store).
+        bias_EN: [E, N] per-expert bias (any strides and float dtype, read in fp32), added before
+            ``row_scale`` and ``alpha``.
 
     Returns:
         [S, N] tensor in ``src``'s dtype (fp32 accumulation): ``out``, else ``accumulate_into``
@@ -354,6 +362,9 @@ def grouped_gemm(
     mid = lora_mid_SR if has_lora else src
     lora_b = lora_b_ERN if has_lora else w_ECN
     gathered = gathered_out if gathered_out is not None else src
+    bias = bias_EN if bias_EN is not None else w_ECN
+    if bias_EN is not None and bias_EN.shape != (num_experts, n_dim):
+        raise ValueError(f"bias_EN {tuple(bias_EN.shape)} is not [{num_experts}, {n_dim}]")
 
     def grid(meta):
         # Σ_e ceil(n_e / BLOCK_M) <= ceil(S / BLOCK_M) + min(E, S) - 1: a host-side bound, no sync.
@@ -364,7 +375,7 @@ def grouped_gemm(
     kernel[grid](
         src, src_idx_S if src_idx_S is not None else offsets_E, w_ECN, out,
         out_idx_S if out_idx_S is not None else offsets_E,
-        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered,
+        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered, bias,
         n_dim, c_dim, rank, num_experts, float(scaling), float(alpha),
         src.stride(0), src.stride(1),
         gathered.stride(0), gathered.stride(1),
@@ -373,8 +384,9 @@ def grouped_gemm(
         acc.stride(0), acc.stride(1),
         mid.stride(0), mid.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        bias.stride(0), bias.stride(-1),
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
-        HAS_LORA=has_lora, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
+        HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
         **_dot_options(src.dtype),
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
@@ -434,7 +446,7 @@ def grouped_gemm_reference(
     src_idx_S: torch.Tensor | None = None, out_idx_S: torch.Tensor | None = None,
     row_scale_S: torch.Tensor | None = None, lora_mid_SR: torch.Tensor | None = None,
     lora_b_ERN: torch.Tensor | None = None, scaling: float = 1.0,
-    accumulate_into: torch.Tensor | None = None, alpha: float = 1.0,
+    accumulate_into: torch.Tensor | None = None, alpha: float = 1.0, bias_EN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of `grouped_gemm` (same arguments but ``out`` and ``gathered_out``):
     each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype."""
@@ -445,6 +457,8 @@ def grouped_gemm_reference(
     per_row = torch.einsum("sc,scn->sn", rows_SC, w_ECN.float()[expert_S])
     if lora_mid_SR is not None:
         per_row = per_row + scaling * torch.einsum("sr,srn->sn", lora_mid_SR.float(), lora_b_ERN.float()[expert_S])
+    if bias_EN is not None:
+        per_row = per_row + bias_EN.float()[expert_S]
     if row_scale_S is not None:
         per_row = per_row * row_scale_S.float()[:, None]
     out = torch.empty_like(per_row)
@@ -473,14 +487,21 @@ def grouped_wgrad_reference(
     return torch.stack(out).to(lhs_SM.dtype)
 
 
+def _bias_grad(dy, offsets_E, num_rows, src_idx_S=None, row_scale_S=None):
+    """[E, N]: Σ over expert e's sorted rows p of scale[p] dy[irow(p)] (a per-expert bias's gradient),
+    as the weight-gradient kernel with a column of ones: fp32 accumulation, deterministic."""
+    ones_S1 = dy.new_ones(num_rows, 1)
+    return grouped_wgrad(ones_S1, dy, offsets_E, rhs_idx_S=src_idx_S, row_scale_S=row_scale_S)[:, 0]
+
+
 class _GatherGroupedLinear(torch.autograd.Function):
-    """h_SN = x[token_idx_S] W_e^T + s (x[token_idx_S] A_e^T) B_e^T, the gather fused into the loads.
+    """h_SN = x[token_idx_S] W_e^T + s (x[token_idx_S] A_e^T) B_e^T (+ b_e), the gather fused into the loads.
 
     Saves x_TC (not the gathered [S, C] copy) and the thin xa_SR = x A_e^T for the LoRA B gradient.
     """
 
     @staticmethod
-    def forward(ctx, x_TC, w_ENC, lora_a_ERC, lora_b_ENR, scaling, token_idx_S, pair_idx_S, offsets_E, top_k):
+    def forward(ctx, x_TC, w_ENC, lora_a_ERC, lora_b_ENR, scaling, token_idx_S, pair_idx_S, offsets_E, top_k, bias_EN):
         num_rows = token_idx_S.numel()
         xa_SR = None
         lora_b_ERN = None
@@ -491,7 +512,7 @@ class _GatherGroupedLinear(torch.autograd.Function):
             lora_b_ERN = lora_b_ENR.transpose(1, 2)
         h_SN = grouped_gemm(
             x_TC, w_ENC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S,
-            lora_mid_SR=xa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling,
+            lora_mid_SR=xa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN,
         )
         ctx.save_for_backward(x_TC, w_ENC, lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E)
         ctx.scaling = scaling
@@ -519,21 +540,23 @@ class _GatherGroupedLinear(torch.autograd.Function):
             da_ERC = grouped_wgrad(mid_SR, x_TC, offsets_E, rhs_idx_S=token_idx_S, scaling=ctx.scaling)
         if needs_b:
             db_ENR = grouped_wgrad(dh_SN, xa_SR, offsets_E, scaling=ctx.scaling)
-        return dx_TC, dw_ENC, da_ERC, db_ENR, None, None, None, None, None
+        d_bias = _bias_grad(dh_SN, offsets_E, num_rows) if ctx.needs_input_grad[9] else None
+        return dx_TC, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, d_bias
 
 
 class _ScatterGroupedLinear(torch.autograd.Function):
-    """out_TN = Σ_k w_(t,k) (a W_e^T + s (a A_e^T) B_e^T)[(t, k)]; weight and un-permute in the epilogue.
+    """out_TN = Σ_k w_(t,k) (a W_e^T + s (a A_e^T) B_e^T (+ b_e))[(t, k)]; weight and un-permute in the epilogue.
 
     The epilogue stores each weighted row at its (t, k) position; the sum over K is a plain
     deterministic reduction. Backward: u = dOut[token] W2eff_e gives both d a = w u and
-    d w = <u, a> (the router-input gradient) without keeping the [S, N] expert outputs.
+    d w = <u, a> (+ <dOut[token], b_e>: the router-input gradient) without keeping the [S, N]
+    expert outputs.
     """
 
     @staticmethod
     def forward(
         ctx, a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, scaling, token_idx_S, pair_idx_S, offsets_E, top_k,
-        output_needed,
+        output_needed, bias_EN,
     ):
         num_rows = a_SC.shape[0]
         aa_SR = None
@@ -541,19 +564,19 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         if lora_a_ERC is not None:
             aa_SR = grouped_gemm(a_SC, lora_a_ERC.transpose(1, 2), offsets_E, num_rows)
             lora_b_ERN = lora_b_ENR.transpose(1, 2)
-        ctx.save_for_backward(a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E)
+        ctx.save_for_backward(a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E, bias_EN)
         ctx.scaling = scaling
         if not output_needed:  # a recompute whose output value is discarded: the backward never reads it
             return unread_output(a_SC, num_rows // top_k, w_ENC.shape[1])
         y_pairs = grouped_gemm(
             a_SC, w_ENC.transpose(1, 2), offsets_E, num_rows, out_idx_S=pair_idx_S, row_scale_S=weight_S,
-            lora_mid_SR=aa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling,
+            lora_mid_SR=aa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN,
         )
         return y_pairs.view(-1, top_k, y_pairs.shape[-1]).sum(dim=1)
 
     @staticmethod
     def backward(ctx, dout_TN):
-        a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E = ctx.saved_tensors
+        a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E, bias_EN = ctx.saved_tensors
         needs_a, needs_weight, needs_w, needs_la, needs_lb = ctx.needs_input_grad[:5]
         num_rows = a_SC.shape[0]
         gb_SR = None
@@ -569,7 +592,12 @@ class _ScatterGroupedLinear(torch.autograd.Function):
                 lora_mid_SR=gb_SR, lora_b_ERN=lora_a_ERC if gb_SR is not None else None, scaling=ctx.scaling,
             )
             if needs_weight:
-                d_weight = (u_SC.float() * a_SC.float()).sum(dim=-1).to(weight_S.dtype)
+                d_weight = (u_SC.float() * a_SC.float()).sum(dim=-1)
+                if bias_EN is not None:  # <dOut[token], b_e> per row: a GEMM against b as [E, N, 1]
+                    d_weight += grouped_gemm(
+                        dout_TN, bias_EN.to(dout_TN.dtype)[:, :, None], offsets_E, num_rows, src_idx_S=token_idx_S
+                    )[:, 0].float()
+                d_weight = d_weight.to(weight_S.dtype)
             if needs_a:
                 d_a = u_SC * weight_S[:, None]
         if needs_la:
@@ -578,20 +606,25 @@ class _ScatterGroupedLinear(torch.autograd.Function):
             db_ENR = grouped_wgrad(
                 dout_TN, aa_SR, offsets_E, lhs_idx_S=token_idx_S, row_scale_S=weight_S, scaling=ctx.scaling
             )
-        return d_a, d_weight, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, None
+        d_bias = None
+        if ctx.needs_input_grad[11]:
+            d_bias = _bias_grad(dout_TN, offsets_E, num_rows, src_idx_S=token_idx_S, row_scale_S=weight_S)
+        return d_a, d_weight, dw_ENC, da_ERC, db_ENR, None, None, None, None, None, None, d_bias
 
 
 def experts_triton(
-    x_TD, weight_S, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed
-):
+    x_TD, weight_S, routing, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed,
+    biases=ExpertBiases(),
+):  # fmt: skip
     """out_TD of the triton backend: the token rows x_TD [T, D] gathered by ``routing`` into the gate/up
     grouped GEMM, SwiGLU, then the down grouped GEMM scaled by weight_S [S] and summed back per token
-    (split LoRA in both GEMMs); with ``output_needed=False`` the down GEMM and the un-permute are skipped."""
+    (split LoRA and ``biases`` in both GEMMs' epilogues); with ``output_needed=False`` the down GEMM and
+    the un-permute are skipped."""
     h_SF = _GatherGroupedLinear.apply(
         x_TD, w_gate_up_EFD, *_lora_args(lora_gate_up),
-        routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k,
+        routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k, biases.gate_up_EF,
     )
     return _ScatterGroupedLinear.apply(
         _swiglu(h_SF, act_fn), weight_S, w_down_EDI, *_lora_args(lora_down),
-        routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k, output_needed,
+        routing.token_idx_S, routing.pair_idx_S, routing.offsets_E, routing.top_k, output_needed, biases.down_ED,
     )

@@ -36,7 +36,15 @@ import triton
 import triton.testing
 
 from lightning_ft.kernels._utils import row_padded, triton_can_run
-from lightning_ft.kernels.moe._common import _INTERPRET, _LoRAFactors, _lora_args, _refuse_host_sync_in_capture, _swiglu
+from lightning_ft.kernels.moe._common import (
+    _INTERPRET,
+    ExpertBiases,
+    _bias_rows,
+    _LoRAFactors,
+    _lora_args,
+    _refuse_host_sync_in_capture,
+    _swiglu,
+)
 from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import permute_tokens, sum_pairs, unpermute_tokens, unread_output
@@ -569,14 +577,16 @@ def _store_pending(store: Callable, pending_y_SN: torch.Tensor, values: tuple) -
 
 def _experts_grouped_mm(
     x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, copy_weights, output_needed,
-    keep, use_slots=False,
+    keep, use_slots=False, biases=ExpertBiases(),
 ):  # fmt: skip
     """out_TD of the grouped_mm backend: the experts' outputs summed per token (`unpermute_tokens`),
     its gradient gathered into rows with the down projection's LoRA slots as spare columns, if any.
 
     Where Triton runs, the two gathers of [S, D] rows feed the thin LoRA product that reads them
     in the same pass: x's with gate/up's x A^T (`_PermuteThin`), the output gradient's with down's
-    dy B (`_UnpermuteThin`)."""
+    dy B (`_UnpermuteThin`). ``biases`` (gpt-oss) are added to the GEMMs' outputs per sorted row,
+    out of place (the down bias times the routing weight, which the down input already holds); the
+    caller passes no ``keep`` with them (a kept h would lack the bias the recompute adds)."""
     offsets_E = routing.offsets_E
     fuse_thin = triton_can_run(x_TD) and x_TD.dtype != torch.float64  # our kernels add in fp32
     gate_up, down = _padded_lora(lora_gate_up, x_TD.dtype), _padded_lora(lora_down, x_TD.dtype)
@@ -607,11 +617,16 @@ def _experts_grouped_mm(
         h_SF, h_copy = _linear_grouped_mm(
             x_SD, w_gate_up_EFD, offsets_E, gate_up, copy_weights, True, gate_up_aug, forward_keep, xa_SR
         )
+    num_rows = routing.token_idx_S.numel()
+    if biases.gate_up_EF is not None:
+        h_SF = h_SF + _bias_rows(biases.gate_up_EF, offsets_E, num_rows)
     a_SI = _swiglu(h_SF, act_fn, weight_S, pad_out=down_pad, pad_grad=gate_up_pad, h_copy=h_copy)
     handoff = _ThinHandoff() if fuse_thin and down[0] is not None else None
     y_SD, _ = _linear_grouped_mm(
         a_SI, w_down_EDI, offsets_E, down, copy_weights, output_needed, down_aug, handoff=handoff
     )
+    if biases.down_ED is not None:
+        y_SD = y_SD + weight_S[:, None] * _bias_rows(biases.down_ED, offsets_E, num_rows)
     if handoff is None:
         return unpermute_tokens(y_SD, routing, output_needed=output_needed, grad_pad=down_pad)
     return _UnpermuteThin.apply(
@@ -621,10 +636,12 @@ def _experts_grouped_mm(
 
 
 def experts_grouped_mm(
-    x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None
+    x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, output_needed, keep=None,
+    biases=ExpertBiases(),
 ) -> torch.Tensor:
     """out_TD of the grouped_mm backend (`_experts_grouped_mm`), or of native_torch where grouped_mm
-    cannot run (logged once)."""
+    cannot run (logged once). Experts with ``biases`` keep nothing (``keep`` unused: the recompute
+    runs the gate/up GEMM)."""
     dtype = x_TD.dtype
     mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
@@ -637,13 +654,16 @@ def experts_grouped_mm(
             "Use moe.backend=triton to stay sync-free.",
         )
         y_SD = experts_native_torch(
-            permute_tokens(x_TD, routing), routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down
+            permute_tokens(x_TD, routing), routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down,
+            biases,
         )
         return unpermute_tokens(y_SD, routing)
     if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
         _refuse_host_sync_in_capture(x_TD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
     use_slots = _augmented_views_ok(x_TD.device, dtype)
+    if any(b is not None for b in biases):
+        keep = None
     return _experts_grouped_mm(
         x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
-        keep, use_slots,
+        keep, use_slots, biases,
     )

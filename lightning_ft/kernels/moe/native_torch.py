@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ft.kernels.moe._common import _LoRAFactors, _refuse_host_sync_in_capture, _swiglu
+from lightning_ft.kernels.moe._common import ExpertBiases, _LoRAFactors, _refuse_host_sync_in_capture, _swiglu
 
 __all__: list[str] = []
+
 
 def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | None, expert: int) -> torch.Tensor:
     y = x @ w_NC.T
@@ -23,9 +24,12 @@ def _linear_native(x: torch.Tensor, w_NC: torch.Tensor, lora: _LoRAFactors | Non
     return y
 
 
-def experts_native_torch(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down):
+def experts_native_torch(
+    x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, biases=ExpertBiases()
+):  # fmt: skip
     """y_SD of the native_torch backend: each expert's rows of the expert-sorted x_SD [S, D] through
-    down(act(gate) * up) (+ split LoRA), scaled by the routing weight_S [S]. Math: `lightning_ft.kernels.moe._common`.
+    down(act(gate) * up) (+ split LoRA, + ``biases``), scaled by the routing weight_S [S]. Math:
+    `lightning_ft.kernels.moe._common`.
 
     One host sync per call (the offsets read back); the backward has none.
 
@@ -38,8 +42,13 @@ def experts_native_torch(x_SD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act
     for expert, end in enumerate(ends):
         if end > start:
             h = _linear_native(x_SD[start:end], w_gate_up_EFD[expert], lora_gate_up, expert)
+            if biases.gate_up_EF is not None:
+                h = h + biases.gate_up_EF[expert]
             a = _swiglu(h, act_fn, weight_S[start:end])
-            outputs.append(_linear_native(a, w_down_EDI[expert], lora_down, expert))
+            y = _linear_native(a, w_down_EDI[expert], lora_down, expert)
+            if biases.down_ED is not None:  # a holds the routing weight: so does the bias term
+                y = y + weight_S[start:end, None] * biases.down_ED[expert]
+            outputs.append(y)
         start = end
     if not outputs:  # no rows at all: an empty output still attached to the graph (weight_S is [0])
         return x_SD.new_zeros(0, w_down_EDI.shape[1]) + weight_S[:, None]

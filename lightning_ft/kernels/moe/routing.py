@@ -15,6 +15,9 @@ Router kinds (`ROUTER_KINDS`; a patch table names its architecture's, `MoEClasse
                      its two best); the weights are the chosen experts' unbiased scores,
                      divided by their sum (+1e-20) when ``norm_topk_prob``, times
                      ``routed_scaling_factor``.
+    topk_softmax     `topk_softmax_routing` (gpt-oss): ``topk(router_logits, K)`` on the logits (the
+                     router's linear has a bias), then a softmax over the K chosen logits, in the
+                     logits' dtype.
 
 Grouping, with no device-to-host sync and no per-expert loop:
 
@@ -29,8 +32,8 @@ reads the input's min and max back to the host (two syncs per call) and ``histc`
 on the CPU; searchsorted is sync-free on every device, deterministic, and yields the cumulative
 offsets directly.
 
-Sources: transformers ``modeling_qwen3_moe.py``, ``modeling_mixtral.py``, ``modeling_deepseek_v3.py``
-and ``modeling_glm4_moe.py`` (routers) and ``integrations/moe.py`` (sort +
+Sources: transformers ``modeling_qwen3_moe.py``, ``modeling_mixtral.py``, ``modeling_deepseek_v3.py``,
+``modeling_glm4_moe.py`` and ``modeling_gpt_oss.py`` (routers) and ``integrations/moe.py`` (sort +
 histc grouping of its ``grouped_mm`` experts path); the offsets convention of ``torch._grouped_mm``.
 """
 
@@ -45,8 +48,8 @@ import triton.language as tl
 from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run
 
 __all__ = [
-    "ROUTER_KINDS", "ExpertRouting", "grouped_topk_routing", "permute_tokens", "sort_by_expert", "sum_pairs", "topk",
-    "topk_routing", "unpermute_tokens", "unread_output",
+    "ROUTER_KINDS", "ExpertRouting", "expert_of_rows", "grouped_topk_routing", "permute_tokens", "sort_by_expert",
+    "sum_pairs", "topk", "topk_routing", "topk_softmax_routing", "unpermute_tokens", "unread_output",
 ]  # fmt: skip
 
 TOPK_MAX_K = 32  # `topk`'s kernel unrolls its K selections
@@ -137,6 +140,14 @@ def topk(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _TopK.apply(x_TE, k)
 
 
+def _check_topk_args(router_logits_TE: torch.Tensor, top_k: int) -> None:
+    """Raise ValueError unless the logits are [T, E] and 1 <= top_k <= E."""
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
+    if not 1 <= top_k <= router_logits_TE.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
+
+
 def topk_routing(
     router_logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,10 +170,7 @@ def topk_routing(
     Raises:
         ValueError: if the logits are not 2-D or ``top_k`` is out of range.
     """
-    if router_logits_TE.dim() != 2:
-        raise ValueError(f"router_logits_TE must be [T, E], got shape {tuple(router_logits_TE.shape)}")
-    if not 1 <= top_k <= router_logits_TE.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits_TE.shape[1]}]")
+    _check_topk_args(router_logits_TE, top_k)
     probs_TE = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
     topk_weight_TK, topk_idx_TK = topk(probs_TE, top_k)
     if norm_topk_prob:
@@ -234,8 +242,31 @@ def grouped_topk_routing(
     return (topk_weight_TK * routed_scaling_factor).to(router_logits_TE.dtype), topk_idx_TK
 
 
+def topk_softmax_routing(router_logits_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k logits of each token, then a softmax over those k: gpt-oss's routing.
+
+    The math of transformers' ``GptOssTopKRouter`` after its linear (weight and bias): the same
+    experts and weights (tested); the top-k by `topk`. Unlike `topk_routing` the softmax runs over
+    the K chosen logits only (so the weights sum to 1), in the logits' dtype, as transformers does.
+
+    Args:
+        router_logits_TE: [T, E] router logits, any float dtype.
+        top_k: experts per token, 1 <= top_k <= E.
+
+    Returns:
+        ``topk_weight_TK`` [T, K] in the logits' dtype and ``topk_idx_TK`` [T, K] int64 expert ids,
+        in descending logit order.
+
+    Raises:
+        ValueError: if the logits are not 2-D or ``top_k`` is out of range.
+    """
+    _check_topk_args(router_logits_TE, top_k)
+    top_logits_TK, topk_idx_TK = topk(router_logits_TE, top_k)
+    return torch.softmax(top_logits_TK, dim=-1, dtype=top_logits_TK.dtype), topk_idx_TK
+
+
 #: router kind (`lightning_ft.model.patching.MoEClasses.router_kind`) -> its routing math
-ROUTER_KINDS = {"softmax_topk": topk_routing, "sigmoid_grouped": grouped_topk_routing}
+ROUTER_KINDS = {"softmax_topk": topk_routing, "sigmoid_grouped": grouped_topk_routing, "topk_softmax": topk_softmax_routing}
 
 
 class ExpertRouting(NamedTuple):
@@ -299,6 +330,14 @@ def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> ExpertRouting
         num_tokens=num_tokens,
         top_k=top_k,
     )
+
+
+def expert_of_rows(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[S] int64: the expert owning each expert-sorted row, from the cumulative row ends ``offsets_E``
+    (`ExpertRouting.offsets_E`); one ``searchsorted`` on the device, no host sync. For per-expert
+    biases (gpt-oss) added to, or summed from, sorted rows."""
+    rows_S = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
+    return torch.searchsorted(offsets_E, rows_S, right=True)
 
 
 @triton.jit

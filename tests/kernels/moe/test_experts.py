@@ -18,7 +18,7 @@ def test_backend_matches_materialised_reference(backend, case_name, dtype, devic
     case = CASES[case_name]
     topk_idx, tensors = _make(case, device)
     grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
-    ref_out, ref_grads = _reference_run(case, topk_idx, tensors, grad_out)
+    ref_out, ref_grads = _reference_run(case, topk_idx, tensors, grad_out, dtype)
     out, grads = _run(backend, case, topk_idx, tensors, dtype, grad_out)
 
     assert out.dtype == dtype and out.shape == (case.tokens, case.hidden)

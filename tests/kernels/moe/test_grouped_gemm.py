@@ -13,8 +13,9 @@ from lightning_ft.kernels.moe.grouped_gemm import (
 from moe_cases import DEVICES, TOL, _assert_close, _skip_unless_runnable
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_grouped_gemm_gather_scatter_lora(device):
-    """One kernel call with every option on, against plain torch; expert 1 has no rows."""
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_triton_grouped_gemm_gather_scatter_lora(device, with_bias):
+    """One kernel call with every option on (a per-expert bias or none), against plain torch; expert 1 has no rows."""
     _skip_unless_runnable("triton", device)
     torch.manual_seed(0)
     rows, experts, c_dim, n_dim, rank = 23, 3, 20, 37, 5
@@ -28,19 +29,22 @@ def test_triton_grouped_gemm_gather_scatter_lora(device):
     scale = torch.rand(rows, device=device)
     mid = torch.randn(rows, rank, device=device)
     lora_b = torch.randn(experts, rank, n_dim, device=device)
+    bias = torch.randn(n_dim, experts, device=device).T if with_bias else None  # a strided view
 
     out = grouped_gemm(
         src, w_ECN, offsets, rows, src_idx_S=src_idx, out_idx_S=out_idx, row_scale_S=scale,
-        lora_mid_SR=mid, lora_b_ERN=lora_b, scaling=0.5,
+        lora_mid_SR=mid, lora_b_ERN=lora_b, scaling=0.5, bias_EN=bias,
     )
     per_row = torch.einsum("sc,scn->sn", src[src_idx], w_ECN[expert_of_row])
     per_row = per_row + 0.5 * torch.einsum("sr,srn->sn", mid, lora_b[expert_of_row])
+    if with_bias:
+        per_row = per_row + bias[expert_of_row]
     expected = torch.empty_like(out)
     expected[out_idx] = per_row * scale[:, None]
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     reference = grouped_gemm_reference(
         src, w_ECN, offsets, rows, src_idx_S=src_idx, out_idx_S=out_idx, row_scale_S=scale,
-        lora_mid_SR=mid, lora_b_ERN=lora_b, scaling=0.5,
+        lora_mid_SR=mid, lora_b_ERN=lora_b, scaling=0.5, bias_EN=bias,
     )
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 

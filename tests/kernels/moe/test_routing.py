@@ -7,11 +7,13 @@ from lightning_ft.kernels._utils import triton_can_run
 from lightning_ft.kernels.moe import routing as routing_module
 from lightning_ft.kernels.moe.routing import (
     ROUTER_KINDS,
+    expert_of_rows,
     grouped_topk_routing,
     permute_tokens,
     sort_by_expert,
     topk,
     topk_routing,
+    topk_softmax_routing,
     unpermute_tokens,
 )
 from lightning_ft.model.patching import PATCH_TABLES
@@ -95,6 +97,7 @@ MOE_TABLES = sorted(name for name, table in PATCH_TABLES.items() if table.moe is
 ROUTER_CONFIGS = {
     "qwen3_moe": dict(num_experts=8, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8),  # always renormalises
+    "gpt_oss": dict(num_local_experts=8),  # top-k of the logits, softmax over the k (its router's bias: zeros here)
     "glm4_moe": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
     "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
     "glm4_moe_lite": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
@@ -122,6 +125,8 @@ def _routing_like(router, kind: str, logits: torch.Tensor):
     """Our routing of ``kind`` with the settings of transformers' ``router`` module."""
     if kind == "softmax_topk":
         return ROUTER_KINDS[kind](logits, router.top_k, getattr(router, "norm_topk_prob", True))
+    if kind == "topk_softmax":
+        return ROUTER_KINDS[kind](logits, router.top_k)
     return ROUTER_KINDS[kind](
         logits, router.top_k, router.e_score_correction_bias, router.num_group, router.topk_group,
         router.norm_topk_prob, router.routed_scaling_factor,
@@ -181,6 +186,10 @@ def test_topk_routing_rejects_bad_arguments():
         topk_routing(torch.randn(3, 4), 5, True)
     with pytest.raises(ValueError, match=r"\[T, E\]"):
         topk_routing(torch.randn(3), 1, True)
+    with pytest.raises(ValueError, match=r"top_k=5 must be in \[1, num_experts=4\]"):
+        topk_softmax_routing(torch.randn(3, 4), 5)
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        topk_softmax_routing(torch.randn(3), 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -204,6 +213,15 @@ def test_sort_by_expert_groups_pairs(device, num_tokens, top_k, num_experts):
     assert torch.equal(routing.token_idx_S, routing.pair_idx_S // top_k)
     assert torch.equal(routing.inv_pair_S[routing.pair_idx_S], torch.arange(num_pairs, device=device))
     assert (routing.num_tokens, routing.top_k) == (num_tokens, top_k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_of_rows_names_each_sorted_row_s_expert(device):
+    """Empty experts (first, middle, last) included: the expert ids of the sorted pairs."""
+    topk_idx = torch.tensor([[3, 1], [1, 4], [4, 3], [1, 3]], device=device)  # experts 0, 2 and 5 empty
+    routing = sort_by_expert(topk_idx, 6)
+    got = expert_of_rows(routing.offsets_E, routing.token_idx_S.numel())
+    assert got.dtype == torch.int64 and torch.equal(got, topk_idx.flatten()[routing.pair_idx_S])
 
 
 def test_sort_by_expert_rejects_float_ids():
