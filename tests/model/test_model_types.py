@@ -95,15 +95,9 @@ def test_one_training_step_matches_transformers(model_type, monkeypatch):
     torch.testing.assert_close(loss.detach(), expected, atol=1e-4, rtol=1e-4)
 
 
-# strict: once the packed backends take gpt-oss's attention sinks (s_aux) it passes, and the mark must go
-_NO_PACKED_SINKS = pytest.mark.xfail(
-    reason="the packed attention backends refuse s_aux (attention sinks)", raises=AssertionError, strict=True
-)
-
-
 @pytest.mark.parametrize("name", [
     "qwen2_tiny", "mistral_tiny", "phi3_tiny", "gemma3_tiny", "mixtral_tiny", "glm4_moe_tiny", "deepseek_v3_tiny",
-    "glm4_moe_lite_tiny", pytest.param("gpt_oss_tiny", marks=_NO_PACKED_SINKS),
+    "glm4_moe_lite_tiny", "gpt_oss_tiny",
 ])  # fmt: skip
 def test_each_tiny_family_config_builds_on_packed_rows(name):
     import yaml
