@@ -362,14 +362,19 @@ def test_micro_benchmark_results_become_rows_of_their_own_table_and_a_report_sec
     attention = {**common, "command": "python benchmarks/attention_bench.py --cuda-graphs --out /x/a.json", "documents": "sampled",
                  "rows": [{"section": "cache", "model": "qwen3_0_6b", "tokens": 2041, "docs": 6, "backend": "varlen", "variant": "cached",
                            "ms": 98.3, "tokens_per_s": 20753.3, "peak_gib": 7.0, "skipped": None}]}
+    attention_kernels = {**common, "heads": [32, 8, 128], "rows": [
+        {"layout": "1x16K", "tokens": 16384, "docs": 1, "provider": provider, "ms": ms, "tflops": 545.0}
+        for provider, ms in (("cudnn_alone", 10.0), ("auto", 10.2))] + [{"layout": "1x64K", "provider": "flex", "skipped": "OOM"}]}
     assert micro_rows("kernels", {**kernels, "smoke": True}, "abc1234") == []  # a CPU check measures nothing
     rows = micro_rows("kernels", kernels, "abc1234") + micro_rows("moe", moe, "abc1234") + micro_rows("attention", attention, "abc1234")
+    rows += micro_rows("attention_kernels", attention_kernels, "abc1234")
     path = tmp_path / "micro.csv"
     append_rows(path, rows, MICRO)
     back = read_rows(path, MICRO)
     assert [(r["table"], r["op"], r["mode"], r["provider"]) for r in back] == [
         ("kernels", "rms_norm", "fwd", "ours"), ("kernels", "rms_norm", "fwd", "reference"), ("moe", "moe_block", "fwd", "hf_peft"),
-        ("moe", "moe_block", "fwd+bwd", "hf_peft"), ("attention", "attention_cache", "fwd+bwd cuda_graphs", "varlen:cached")]
+        ("moe", "moe_block", "fwd+bwd", "hf_peft"), ("attention", "attention_cache", "fwd+bwd cuda_graphs", "varlen:cached"),
+        ("attention_kernels", "attention", "fwd+bwd", "cudnn_alone"), ("attention_kernels", "attention", "fwd+bwd", "auto")]
     assert back[2]["shape"] == "T=1024 H=2048 I=768 E=128 k=8 r=16 bfloat16" and back[3]["peak_mib"] == 1664.8
     assert back[4]["command"] == "python benchmarks/attention_bench.py --cuda-graphs" and back[4]["peak_mib"] == 7168.0
     append_rows(tmp_path / "results.csv", [_table_row()])
@@ -377,6 +382,20 @@ def test_micro_benchmark_results_become_rows_of_their_own_table_and_a_report_sec
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## kernels" in text and "| rms_norm | fwd | 16384x4096 bf16 | `ours` | 0.043 | 10.37× | 6,242 | 2026-11-29 (abc1234) |" in text
     assert "## moe" in text and "## attention" in text
+    assert "| attention | fwd+bwd | 1x16K T=16384 docs=1 32q/8kv heads of 128 | `auto` | 10.200 | 0.98× | 545.0 |" in text
+
+
+def test_attention_kernels_bench_smoke(tmp_path):
+    """The script runs end to end on the CPU (sdpa, tiny shapes) and records nothing for a smoke run."""
+    import json
+    import subprocess
+    import sys
+
+    out, record = tmp_path / "a.json", tmp_path / "micro.csv"
+    subprocess.run([sys.executable, "benchmarks/attention_kernels_bench.py", "--smoke", "--out", str(out), "--record", str(record)],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = json.loads(out.read_text())
+    assert result["smoke"] and [r["provider"] for r in result["rows"]] == ["sdpa", "sdpa"] and not record.exists()
 
 
 def test_fault_drill_rows_become_a_report_section_and_refuse_other_columns(tmp_path):

@@ -26,7 +26,8 @@ SYSTEM_ORDER = ("hf_peft", "liger", "unsloth", "lightning_ft")
 PEERS = ("hf_peft", "unsloth")
 #: the micro-benchmark sections, their titles and the provider each row's time is compared with (same run, op, mode, shape)
 MICRO_SECTIONS = {"kernels": ("Fused kernels", "reference"), "moe": ("One MoE block", "hf_peft"),
-                  "attention": ("Packed attention", None)}
+                  "attention": ("Packed attention", None),
+                  "attention_kernels": ("Attention kernels per row layout (Llama-3.1-8B heads, fwd+bwd)", "cudnn_alone")}
 INTRO = """\
 Training-step benchmarks of `lightning_ft` against stock transformers + PEFT (`hf_peft`, the
 baseline of every ratio) and the peers Liger Kernel (`liger`) and Unsloth (`unsloth`): one sequence

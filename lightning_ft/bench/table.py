@@ -366,11 +366,12 @@ def table_rows(env: dict[str, Any], config: dict[str, Any], rows: list[dict[str,
 
 #: each micro-benchmark script's command line, where its JSON does not record one
 MICRO_COMMANDS = {"kernels": "python benchmarks/kernels_bench.py", "moe": "python benchmarks/moe_bench.py",
-                  "attention": "python benchmarks/attention_bench.py"}
+                  "attention": "python benchmarks/attention_bench.py",
+                  "attention_kernels": "python benchmarks/attention_kernels_bench.py"}
 
 
 def micro_rows(bench: str, result: dict[str, Any], commit: str) -> list[dict[str, Any]]:
-    """The `MICRO` rows of a micro-benchmark script's JSON ``result`` (``bench``: kernels | moe | attention); none for
+    """The `MICRO` rows of a micro-benchmark script's JSON ``result`` (``bench``: kernels | moe | attention | attention_kernels); none for
     a ``--smoke`` run (tiny shapes on the CPU check the script, they measure nothing)."""
     if result.get("smoke"):
         return []
@@ -404,6 +405,13 @@ def micro_rows(bench: str, result: dict[str, Any], commit: str) -> list[dict[str
                          "shape": f"{r['model']} T={r['tokens']} docs={r['docs']} ({documents})", "provider": f"{r['backend']}:{r['variant']}",
                          "ms": r["ms"], "tokens_per_s": r.get("tokens_per_s"),
                          "peak_mib": r["peak_gib"] * 1024 if r.get("peak_gib") is not None else None})
+    elif bench == "attention_kernels":
+        Hq, Hkv, D = result["heads"]
+        for r in result["rows"]:
+            if r.get("ms") is not None:
+                rows.append({**common, "op": "attention", "mode": "fwd+bwd",
+                             "shape": f"{r['layout']} T={r['tokens']} docs={r['docs']} {Hq}q/{Hkv}kv heads of {D}",
+                             "provider": r["provider"], "ms": r["ms"], "tflops": r["tflops"]})
     else:
         raise ValueError(f"unknown micro-benchmark {bench!r}: one of {sorted(MICRO_COMMANDS)}")
     return rows
