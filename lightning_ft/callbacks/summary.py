@@ -147,7 +147,7 @@ class RunSummary(L.Callback):
       ``learning_rates`` (every optimizer step's, the first parameter group's), the data
       statistics (``data``: examples, truncated, dropped, ``packing_efficiency``: the packed
       documents' tokens over the rows' capacity, ``data.max_tokens`` each, ...), ``cuda_graphs``
-      (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
+      (with ``strategy.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
       recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.

@@ -313,7 +313,7 @@ class _ModelGraphs:
         kept = self.kept_bytes() + nbytes
         if self.keep_max_bytes is not None and kept > self.keep_max_bytes:
             self.log_once(
-                f"model.cuda_graphs_keep_max_gib={self.keep_max_bytes / 2**30:g} reached: the rest of the layers' "
+                f"strategy.keep_max_gib={self.keep_max_bytes / 2**30:g} reached: the rest of the layers' "
                 f"{kind} outputs are recomputed"
             )
             return False
@@ -540,7 +540,7 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
 
 
 def keep_max_bytes(keep_max_gib: float | None) -> int | None:
-    """``model.cuda_graphs_keep_max_gib`` in bytes (None: no cap).
+    """``strategy.keep_max_gib`` in bytes (None: no cap).
 
     Raises:
         ValueError: not a number of GiB >= 0.
@@ -548,7 +548,7 @@ def keep_max_bytes(keep_max_gib: float | None) -> int | None:
     if keep_max_gib is None:
         return None
     if isinstance(keep_max_gib, bool) or not isinstance(keep_max_gib, (int, float)) or not keep_max_gib >= 0:
-        raise ValueError(f"model.cuda_graphs_keep_max_gib={keep_max_gib!r}: expected a number of GiB >= 0, or null for no cap")
+        raise ValueError(f"strategy.keep_max_gib={keep_max_gib!r}: expected a number of GiB >= 0, or null for no cap")
     return int(keep_max_gib * 2**30)
 
 
@@ -575,24 +575,24 @@ def check_cuda_graphs(
             layer, which a graph cannot record), or router logits to collect, naming the key to change.
     """
     if not gradient_checkpointing:
-        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
+        raise ValueError("strategy.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
     if attention not in ("varlen", "sdpa"):
-        raise ValueError(f"model.cuda_graphs=true needs model.attention=varlen or sdpa, not {attention}")
+        raise ValueError(f"strategy.cuda_graphs=true needs model.attention=varlen or sdpa, not {attention}")
     if dropout:
         raise ValueError(
-            f"model.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
+            f"strategy.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
             "the backward graph's recompute would draw a different dropout mask than the forward's"
         )
     if moe_backend == "native_torch":
         raise ValueError(
-            "model.cuda_graphs=true cannot record moe.backend=native_torch (its expert loop reads the offsets back "
-            "to the host once per layer): set moe.backend=grouped_mm or triton, or model.cuda_graphs=false"
+            "strategy.cuda_graphs=true cannot record moe.backend=native_torch (its expert loop reads the offsets back "
+            "to the host once per layer): set moe.backend=grouped_mm or triton, or strategy.cuda_graphs=false"
         )
     if output_router_logits:
         raise ValueError(
-            "model.cuda_graphs=true cannot collect router logits for the MoE load-balancing loss (transformers "
+            "strategy.cuda_graphs=true cannot collect router logits for the MoE load-balancing loss (transformers "
             "collects them with Python hooks, which replayed layers do not run): set "
-            "model.config.output_router_logits=false or model.cuda_graphs=false"
+            "model.config.output_router_logits=false or strategy.cuda_graphs=false"
         )
 
 
@@ -652,8 +652,8 @@ def apply_cuda_graphs(
     windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
     if windowed:
         raise ValueError(
-            f"model.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
-            "set model.cuda_graphs=false"
+            f"strategy.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
+            "set strategy.cuda_graphs=false"
         )
     revert_cuda_graphs(model)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

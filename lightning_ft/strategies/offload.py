@@ -56,7 +56,7 @@ def _check_version(saved: OffloadedTensor, x: torch.Tensor) -> None:
     if x._version != saved.version:
         raise RuntimeError(
             f"decoder layer {saved.layer_index}'s input was changed in place after its forward started; activation "
-            "offloading keeps (or copies) it as it was then: set model.activation_offload=false"
+            "offloading keeps (or copies) it as it was then: set strategy.activation_offload=false"
         )
 
 

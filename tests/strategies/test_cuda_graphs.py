@@ -25,7 +25,8 @@ from lightning_ft.strategies.cuda_graphs import (
     keep_max_bytes,
     revert_cuda_graphs,
 )
-from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs, check_model_switches
+from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs
+from lightning_ft.strategies.strategy import Execution
 from lightning_ft.module import FinetuneModule
 
 TINY = {
@@ -313,7 +314,7 @@ def test_varlen_rows_of_one_token_count_share_a_graph_per_document_count_bound()
 
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
     """One budget for every kind: what any layer keeps (attention and experts) counts against it;
-    ``model.cuda_graphs_keep_max_gib`` caps it further, on every device."""
+    ``strategy.keep_max_gib`` caps it further, on every device."""
     from lightning_ft.strategies.cuda_graphs import _ModelGraphs
 
     gib = 2**30
@@ -333,7 +334,7 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     no_experts = _ModelGraphs(max_signatures=8, varlen=True, keep_projections=False)
     assert no_experts.allow_keep(1, cuda, "attention") and not no_experts.allow_keep(1, cuda, "projections")
     assert _ModelGraphs(max_signatures=8, varlen=True).allow_keep(10**15, torch.device("cpu"))  # tests: no budget
-    # model.cuda_graphs_keep_max_gib: a cap on both kinds together, on every device, under the budget too
+    # strategy.keep_max_gib: a cap on both kinds together, on every device, under the budget too
     capped = _ModelGraphs(max_signatures=8, varlen=True, keep_max_bytes=keep_max_bytes(9))
     capped.kept_shared[(0, "attention")] = {(0, ()): (torch.empty(5 * gib, dtype=torch.uint8, device="meta"),)}
     capped.kept_shared[(0, "projections")] = {(0, ()): (torch.empty(3 * gib, dtype=torch.uint8, device="meta"),)}
@@ -343,7 +344,7 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     assert not _ModelGraphs(max_signatures=8, varlen=True, keep_max_bytes=0).allow_keep(1, torch.device("cpu"))
     assert keep_max_bytes(None) is None and keep_max_bytes(0.5) == gib // 2
     for bad in (-1, "8", True):
-        with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=.*expected a number of GiB >= 0"):
+        with pytest.raises(ValueError, match=r"strategy.keep_max_gib=.*expected a number of GiB >= 0"):
             keep_max_bytes(bad)
 
 
@@ -388,30 +389,31 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
         apply_cuda_graphs(module.model)
     cuda = torch.device("cuda")  # the config checks before the build (no GPU needed to construct the device)
-    graphs = {"gradient_checkpointing": True, "cuda_graphs": True}
-    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, False)
+    graphs, on = {"gradient_checkpointing": True}, Execution(cuda_graphs=True)
+    assert _use_cuda_graphs(graphs, on, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
-        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, False)
+        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, on, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.attention=varlen or sdpa, not flex"):
-        _use_cuda_graphs(graphs, LORA, "flex", cuda, False)
+        _use_cuda_graphs(graphs, on, LORA, "flex", cuda, False)
     with pytest.raises(ValueError, match="lora.dropout=0"):
-        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
+        _use_cuda_graphs(graphs, on, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
     with pytest.raises(ValueError, match="cannot record moe.backend=native_torch"):
-        _use_cuda_graphs(graphs, LORA, "varlen", cuda, False, "native_torch")
+        _use_cuda_graphs(graphs, on, LORA, "varlen", cuda, False, "native_torch")
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
-        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, False)
+        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, on, LORA, "varlen", cuda, False)
     moe = _module("qwen3_moe", "cpu")
     moe.model.config.output_router_logits = True  # e.g. from a checkpoint's config.json
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
         apply_cuda_graphs(moe.model)
-    cpu_graphs = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True}, lora={**LORA, "target_parameters": None}))
-    with pytest.raises(ValueError, match="model.cuda_graphs=true needs a CUDA device"):
-        cpu_graphs.configure_model()
-    offload_alone = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True}, lora={**LORA, "target_parameters": None}))
-    with pytest.raises(ValueError, match="model.activation_offload=true needs model.cuda_graphs=true"):
-        offload_alone.configure_model()
-    with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=-2: expected a number of GiB >= 0"):
-        check_model_switches({"cuda_graphs": True, "cuda_graphs_keep_max_gib": -2})
+    builder = ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True}, lora={**LORA, "target_parameters": None})
+    with pytest.raises(ValueError, match="strategy.cuda_graphs=true needs a CUDA device"):
+        builder(torch.device("cpu"), execution=Execution(cuda_graphs=True))
+    with pytest.raises(ValueError, match="strategy.activation_offload=true needs strategy.cuda_graphs=true"):
+        builder(torch.device("cpu"), execution=Execution(activation_offload=True))
+    with pytest.raises(ValueError, match=r"strategy.keep_max_gib=-2: expected a number of GiB >= 0"):
+        Execution(cuda_graphs=True, keep_max_gib=-2).check()
+    with pytest.raises(ValueError, match=r"model.cuda_graphs: moved to strategy.cuda_graphs"):  # the model's keys before
+        ModelBuilder(model={"cuda_graphs": True}, lora=LORA)
 
 
 @pytest.mark.gpu
