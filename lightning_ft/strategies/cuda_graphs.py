@@ -96,9 +96,10 @@ from lightning_ft.model.attention import ATTENTION_NAMES, device_cu_seqlens
 from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
+from lightning_ft.strategies.planner import Plan
 
 __all__ = [
-    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
+    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "apply_memory_plan", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -273,6 +274,7 @@ class _ModelGraphs:
         self.varlen = varlen
         self.keep = {"attention": keep_attention, "projections": keep_projections}  # the kinds layers may keep
         self.keep_max_bytes = keep_max_bytes  # a cap on all that is kept (None: the memory budget alone)
+        self.plan: Plan | None = None  # a memory plan: per layer, which kinds keep (`apply_memory_plan`)
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
         self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
         self.statics: dict[tuple, _StaticInputs] = {}
@@ -299,16 +301,18 @@ class _ModelGraphs:
         kinds = KINDS if kind is None else (kind,)
         return sum(stored_nbytes(store) for (_, k), store in self.kept_shared.items() if k in kinds)
 
-    def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
-        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.strategies.kept`).
+    def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention", layer: int | None = None) -> bool:
+        """Whether decoder layer ``layer`` may keep ``nbytes`` more of ``kind`` (`lightning_ft.strategies.kept`).
 
-        On CUDA: while the peak reserved so far, everything kept so far, these, and
+        With a memory plan (`apply_memory_plan`): only where the plan keeps ``kind`` in that layer. On CUDA: while the peak reserved so far, everything kept so far, these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
         stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. On every
         device: while everything kept so far and these fit in ``keep_max_bytes``, when set. Layers
         that do not fit recompute instead (when the kind may keep at all).
         """
         if not self.keep[kind]:
+            return False
+        if self.plan is not None and layer is not None and self.plan.action(layer, kind) != "keep":
             return False
         kept = self.kept_bytes() + nbytes
         if self.keep_max_bytes is not None and kept > self.keep_max_bytes:
@@ -397,7 +401,7 @@ class _ModelGraphs:
         kept = {  # what they keep enters their layer's shared store (and kept_bytes) as it is kept
             kind: KeptActivations(
                 kind,
-                functools.partial(self.allow_keep, device=hidden.device, kind=kind),
+                functools.partial(self.allow_keep, device=hidden.device, kind=kind, layer=getattr(layer, _INDEX_ATTR, None)),
                 shared=self.kept_shared.setdefault((id(layer), kind), {}),
             )
             for kind in KINDS
@@ -674,6 +678,35 @@ def apply_cuda_graphs(
         layer.forward = types.MethodType(_graphed_layer_forward, layer)
     logger.info("cuda graphs: %d decoder layers run from graphs in training", len(layers))
     return len(layers)
+
+
+def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
+    """Let ``plan`` (`lightning_ft.strategies.planner.plan`) decide, per decoder layer of a model patched by
+    `apply_cuda_graphs`, which kinds its recordings keep (``attention``, ``projections``: kept where the plan
+    says ``keep``, recomputed otherwise) and whether its input is offloaded (``input``: ``offload``).
+
+    The graphs recorded so far are dropped (with their kept buffers): every layer records again, under the
+    plan, the next time it runs. The keep switches, ``keep_max_gib`` and the 90% memory check still apply
+    on top of the plan.
+
+    Raises:
+        ValueError: ``model`` is not patched, the plan is for another number of layers, or it offloads
+            something other than layer inputs (plan attention and projections with ``keep``/``recompute`` only).
+    """
+    layers = [m for m in model.modules() if hasattr(m, _STATE_ATTR)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: apply_cuda_graphs first (the memory plan drives the graphed layers)")
+    if len(plan.actions) != len(layers):
+        raise ValueError(f"memory plan for {len(plan.actions)} decoder layers, the model has {len(layers)}")
+    if moved := sorted({name for name in KINDS for _ in plan.layers_where(name, "offload")}):
+        raise ValueError(f"memory plan offloads {', '.join(moved)}: only layer inputs can be offloaded; plan them keep | recompute")
+    state: _ModelGraphs = getattr(layers[0], _STATE_ATTR)
+    state.plan = plan
+    offloaded = plan.layers_where("input", "offload")
+    state.offload = ActivationOffload(len(layers), layers=offloaded) if offloaded else None
+    state.graphs.clear()
+    state.kept_shared.clear()
+    state.kept_writers.clear()
 
 
 def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:

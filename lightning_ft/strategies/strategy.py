@@ -15,12 +15,15 @@ choice does: the connector hands the devices of ``trainer.devices`` to any strat
 
 from __future__ import annotations
 
+import io
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightning_ft.strategies.planner import Plan, budget_bytes
 
 __all__ = ["STRATEGY_NAME", "Execution", "ExecutionMixin", "SingleDeviceStrategy", "make_strategy"]
 
@@ -72,7 +75,6 @@ class Execution:
                 null nor a positive number.
         """
         from lightning_ft.strategies.cuda_graphs import keep_max_bytes
-        from lightning_ft.strategies.planner import budget_bytes
 
         keep_max_bytes(self.keep_max_gib)
         budget_bytes(self.memory_budget_gib, free_bytes=0)
@@ -99,6 +101,28 @@ class ExecutionMixin:
     def __init__(self, *args: Any, execution: Execution | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.execution = execution if execution is not None else Execution()
+        self.memory_plan: Plan | None = None  # the plan in use (`apply_memory_plan`), for the log and summary.json
+
+    def memory_budget(self, device: torch.device) -> int | None:
+        """``strategy.memory_budget_gib`` in bytes on ``device`` (`lightning_ft.strategies.planner.budget_bytes`;
+        ``auto``: the free memory now less the margin); None off CUDA (no plan there) or with no budget."""
+        if device.type != "cuda" or self.execution.memory_budget_gib is None:
+            return None
+        return budget_bytes(self.execution.memory_budget_gib, torch.cuda.mem_get_info(device)[0])
+
+    def apply_memory_plan(self, model: torch.nn.Module, plan: Plan) -> None:
+        """Use ``plan`` for ``model``'s graphed layers (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`)
+        and log it as a table (rank zero); summary.json reports its predicted peak beside the measured one."""
+        from lightning.pytorch.utilities import rank_zero_info
+        from rich.console import Console
+
+        from lightning_ft.strategies.cuda_graphs import apply_memory_plan
+
+        apply_memory_plan(model, plan)
+        self.memory_plan = plan
+        console = Console(width=120, record=True, file=io.StringIO())
+        console.print(plan.table())
+        rank_zero_info("memory plan:\n" + console.export_text().rstrip())
 
 
 class SingleDeviceStrategy(ExecutionMixin, LightningSingleDeviceStrategy):
