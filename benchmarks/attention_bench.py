@@ -23,7 +23,7 @@ lengths are GSM8K's (question + answer, tokenized with the project's builtin tok
     row with ``model.attention=auto``; ``tokens/s`` counts real tokens only, ``padding`` is the padded
     fraction of the padded batch; ``packed x`` = padded time / packed time.
 
-With ``--cuda-graphs`` every module is built with gradient checkpointing and ``model.cuda_graphs``
+With ``--cuda-graphs`` every module is built with gradient checkpointing and ``strategy.cuda_graphs``
 (both the packed and the padded rows: the padded batch's layers are graphed too, with its attention
 mask as a graph input), and each row reports the share of its layer calls replayed from graphs.
 
@@ -159,12 +159,11 @@ def _build(shape: dict, device, dtype: str, cuda_graphs: bool):
 
     from lightning_ft.model.build import ModelBuilder
     from lightning_ft.module import FinetuneModule
+    from lightning_ft.strategies.strategy import Execution
 
     torch.manual_seed(0)
-    model = {"init": "random", "config": dict(shape), "dtype": dtype, "attention": "sdpa"}
-    if cuda_graphs:
-        model |= {"gradient_checkpointing": True, "cuda_graphs": True}
-    module = FinetuneModule(ModelBuilder(model=model, lora=LORA))
+    model = {"init": "random", "config": dict(shape), "dtype": dtype, "attention": "sdpa", "gradient_checkpointing": cuda_graphs}
+    module = FinetuneModule(ModelBuilder(model=model, lora=LORA, execution=Execution(cuda_graphs=cuda_graphs)))
     with device:
         module.configure_model()
     module.model.train()
@@ -340,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=165.0, help="skip rows that would end later than this")
     parser.add_argument(
         "--cuda-graphs", action="store_true",
-        help="gradient checkpointing + model.cuda_graphs=true for every row (packed and padded); varlen/sdpa only",
+        help="gradient checkpointing + strategy.cuda_graphs=true for every row (packed and padded); varlen/sdpa only",
     )  # fmt: skip
     args = parser.parse_args(argv)
 

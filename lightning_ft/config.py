@@ -20,6 +20,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+#: keys of the ``model`` config that the ``strategy`` config group owns now → their new names
+MOVED_KEYS = {
+    "model.cuda_graphs": "strategy.cuda_graphs",
+    "model.cuda_graphs_keep_attention": "strategy.keep_attention",
+    "model.cuda_graphs_keep_projections": "strategy.keep_projections",
+    "model.cuda_graphs_keep_max_gib": "strategy.keep_max_gib",
+    "model.activation_offload": "strategy.activation_offload",
+}
+
+
 @dataclass
 class ModelConfig:
     """``model=``: which network to fine-tune and how to build it."""
@@ -31,12 +41,20 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16: the weights' dtype
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     attention: str = "auto"  # auto | varlen | flex | sdpa packed attention (auto: varlen on CUDA in bf16/fp16, else sdpa)
-    cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs in training (CUDA, checkpointing, varlen|sdpa, no dropout)
-    cuda_graphs_keep_attention: bool = True  # with cuda_graphs: keep attention's output for the backward (skips its recompute; [T, heads, head_dim] per layer, while it fits)
-    cuda_graphs_keep_projections: bool = True  # with cuda_graphs: keep the outputs of the projections (LoRA q/k/v/o..., MoE experts' gate/up) for the backward (skips those GEMMs' recompute; per layer, while it fits)
-    cuda_graphs_keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (attention and projections together, GiB, in layer order); null: while 90% of the GPU's memory holds
-    activation_offload: bool = False  # with cuda_graphs: each layer's checkpointed input waits in pinned host memory for the backward (less GPU memory for long rows; copies overlapped)
     trust_remote_code: bool = False
+
+
+@dataclass
+class StrategyConfig:
+    """``strategy=``: how a training step runs on its devices (the lightning_ft Strategy: one device,
+    ``strategy=ddp`` or ``strategy=fsdp2``; `lightning_ft.strategies.strategy`)."""
+
+    cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs in training (CUDA, model.gradient_checkpointing, attention varlen|sdpa, no dropout; skipped under fsdp2)
+    keep_attention: bool = True  # with cuda_graphs: keep attention's output and softmax statistics for the backward (skips its recompute; per layer, while it fits)
+    keep_projections: bool = True  # with cuda_graphs: keep the projections' outputs (LoRA q/k/v/o..., MoE experts' gate/up) for the backward (skips those GEMMs' recompute; per layer, while it fits)
+    keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (attention and projections together, GiB, in layer order); null: the memory plan's, else while 90% of the GPU's memory holds
+    activation_offload: bool = False  # with cuda_graphs: each layer's checkpointed input waits in pinned host memory for the backward (copies overlapped with compute)
+    memory_budget_gib: Any = "auto"  # GPU memory a step may use (GiB) for the memory plan of what is kept; auto: free memory less a margin; null: no plan (off CUDA: never a plan)
 
 
 @dataclass
@@ -119,6 +137,7 @@ class FitConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     optimizer: Any = None  # a `_partial_` optimizer
     scheduler: Any = None  # a `_partial_` LR scheduler taking the optimizer (and num_training_steps where its signature has it), or null
     trainer: dict[str, Any] = field(default_factory=dict)  # lightning.Trainer arguments
@@ -299,6 +318,8 @@ def key_hint(key: str, schema: Any) -> str | None:
 
     from omegaconf import DictConfig
 
+    if hint := moved_key_hint(key):
+        return hint
     node: Any = schema
     path: list[str] = []
     for part in key.split("."):
@@ -312,6 +333,21 @@ def key_hint(key: str, schema: Any) -> str | None:
         node = node._get_node(part)
         path.append(part)
     return None
+
+
+def moved_key_hint(key: str) -> str | None:
+    """For a key the ``strategy`` group owns now (`MOVED_KEYS`): one line naming its new key; else None."""
+    if key in MOVED_KEYS:
+        return f"{key}: moved to {MOVED_KEYS[key]} (the lightning_ft strategy's options): write {MOVED_KEYS[key]}=..."
+    return None
+
+
+def moved_keys_in(report: str) -> list[str]:
+    """`moved_key_hint` lines for the moved keys that Hydra's report of a config that does not compose names
+    (``full_key: model.cuda_graphs``: a YAML file of the user's that sets one)."""
+    import re
+
+    return [hint for key in dict.fromkeys(re.findall(r"full_key: (\S+)", report)) if (hint := moved_key_hint(key))]
 
 
 def unknown_schema_keys(cfg: Any, prefix: str = "") -> list[str]:

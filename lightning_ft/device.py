@@ -13,7 +13,7 @@ experiment, ``hparams_search=...``) picked, exactly as if they had been typed:
 
 ``device=gpu`` asks for the GPU path (an error without a CUDA GPU), ``device=cpu`` (or
 ``trainer.accelerator=cpu`` on the command line) for the CPU path on a machine with a GPU. CUDA
-graphs and gradient checkpointing stay the model config's choice (``model.cuda_graphs``,
+graphs and gradient checkpointing stay the model config's choice (``strategy.cuda_graphs``,
 ``model.gradient_checkpointing``; the GPU model configs switch both on). One line says what was
 picked. ``--cfg job`` prints the config before this choice.
 """

@@ -284,11 +284,13 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
     """
     import torch
 
+    from lightning_ft.config import MOVED_KEYS
     from lightning_ft.model.build import ModelBuilder
 
-    stock = {"gradient_checkpointing": False, "cuda_graphs": False, "activation_offload": False, "attention": "sdpa"}
+    stock = {"gradient_checkpointing": False, "attention": "sdpa"}  # and the strategy's defaults: no CUDA graphs
+    model = {k: v for k, v in cfg["model"].items() if f"model.{k}" not in MOVED_KEYS}  # a config written before they moved
     builder = ModelBuilder(
-        model={**cfg["model"], **stock},
+        model={**model, **stock},
         lora={**cfg["lora"], "enabled": lora},
         kernels={},
         moe={"backend": "hf"},

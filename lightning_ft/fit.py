@@ -34,7 +34,7 @@ from lightning_ft.errors import (
     check_logger_installed,
     out_of_memory,
 )
-from lightning_ft.model.build import ModelBuilder, check_model_switches
+from lightning_ft.model.build import ModelBuilder
 from lightning_ft.module import FinetuneModule
 from lightning_ft.run_dir import (
     check_new_run_dir,
@@ -51,6 +51,7 @@ from lightning_ft.run_dir import (
 from lightning_ft.strategies.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY  # registers it with Lightning
 import lightning_ft.strategies.fsdp2  # noqa: F401  registers trainer.strategy=fsdp2 with Lightning
+from lightning_ft.strategies.strategy import Execution, make_strategy
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: no tokenizer can be named (neither ``model.tokenizer`` nor ``model.name_or_path``),
-            model switches that need a GPU or each other (`check_model_switches`),
+            strategy options that need a GPU or each other (`Execution.check`) or a lightning_ft strategy
+            (`make_strategy`),
             ``eval.generate`` without validation data or with ``strategy=fsdp2``, ``ckpt_path=last``
             with no last checkpoint, a ``trainer.`` value of the wrong type or ``trainer.max_steps=0``,
             or a new run (no ``ckpt_path``) in a folder that holds a run already.
@@ -107,12 +109,13 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     _check_trainer_arguments(trainer_kwargs)
     on_cpu = trainer_kwargs.get("accelerator") == "cpu"
     no_cuda = "trainer.accelerator=cpu" if on_cpu else None if torch.cuda.is_available() else "no CUDA device here"
-    check_model_switches(cfg.model, no_cuda=no_cuda, hint="" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)")
+    execution = Execution.from_config(OmegaConf.to_container(cfg.strategy, resolve=True))
+    execution.check(no_cuda=no_cuda, hint="" if on_cpu else " (and trainer=cpu precision=fp32 for the GPU experiments)")
     _check_option_values(cfg, no_cuda)
-    if trainer_kwargs.get("strategy", "auto") == "auto" and _processes(trainer_kwargs) > 1:
-        trainer_kwargs["strategy"] = DDP_STRATEGY  # what Lightning's auto picks (DDP), built on the training stream
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            log.info("trainer.strategy=auto with several devices: %s (strategy=ddp)", DDP_STRATEGY)
+    strategy_name = trainer_kwargs.get("strategy", "auto")
+    if strategy_name == "auto" and _processes(trainer_kwargs) > 1 and os.environ.get("LOCAL_RANK", "0") == "0":
+        log.info("trainer.strategy=auto with several devices: %s (strategy=ddp)", DDP_STRATEGY)
+    trainer_kwargs["strategy"] = make_strategy(strategy_name, execution, _processes(trainer_kwargs))
     # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
     written = OmegaConf.to_container(cfg, resolve=False)
     if cfg.ckpt_path:
@@ -308,7 +311,7 @@ def _train(
         if "gpu backend" in str(err).lower():  # a GPU config on a machine without one
             named = ["accelerator"]
             hint = (
-                "; no GPU here: trainer=cpu precision=fp32 (and model.cuda_graphs=false model.activation_offload=false "
+                "; no GPU here: trainer=cpu precision=fp32 (and strategy.cuda_graphs=false strategy.activation_offload=false "
                 "for the GPU model configs)"
             )
         else:

@@ -135,6 +135,7 @@ class FinetuneModule(L.LightningModule):
             trainer.strategy.root_device if trainer is not None else torch.get_default_device(),
             precision=str(trainer.precision) if trainer is not None else None,
             sharded=sharded,
+            execution=getattr(trainer.strategy, "execution", None) if trainer is not None else None,
         )
         self.model = built.model
         self.fused_linear_cross_entropy = built.fused_linear_cross_entropy

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_ft.atomic import PARTIAL_SUFFIX
 from lightning_ft.callbacks.summary import CONFIG_FILE, RunSummary
+from lightning_ft.config import MOVED_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ log = logging.getLogger(__name__)
 _RESUMABLE_CHANGES = (
     "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
     "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
-    "model.cuda_graphs", "model.cuda_graphs_keep_attention", "model.cuda_graphs_keep_projections",
-    "model.cuda_graphs_keep_max_gib", "model.activation_offload", "moe.lora_slots",
+    "strategy", "moe.lora_slots", *MOVED_KEYS,  # MOVED_KEYS: where a config written before the move has them
 )
 
 
@@ -237,8 +237,7 @@ def check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) 
             f"ckpt_path={ckpt_path}: this config differs from the interrupted run's ({saved_file}): "
             + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
             + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
-            "model.cuda_graphs, model.cuda_graphs_keep_attention, model.cuda_graphs_keep_projections, "
-            "model.cuda_graphs_keep_max_gib, model.activation_offload and moe.lora_slots may change)"
+            "strategy.* and moe.lora_slots may change)"
         )
     stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
     if stretched and config.get("scheduler") and first_process():

@@ -149,9 +149,10 @@ def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
     assert proc.stderr.splitlines()[-1] == "error: systems: unknown ['unslot']; did you mean unsloth? known: ['hf_peft', 'liger', 'unsloth', 'lightning_ft']"
     assert not (tmp_path / "new").exists()  # the folder Hydra created for the refused run is removed
-    for override, message in (("+model.activation_offloading=true", "model.activation_offloading: no key 'activation_offloading' in model; "
-                                                                    "did you mean model.activation_offload?"),
-                              ("+model.activation_offload=maybe", "model.activation_offload: Value 'maybe' is not a valid bool")):
+    for override, message in (("+strategy.activation_offloading=true", "strategy.activation_offloading: no key 'activation_offloading' in "
+                                                                       "strategy; did you mean strategy.activation_offload?"),
+                              ("strategy.activation_offload=maybe", "strategy.activation_offload: Value 'maybe' is not a valid bool"),
+                              ("model.activation_offload=true", "model.activation_offload: moved to strategy.activation_offload")):
         cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", override]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -63,7 +63,7 @@ def test_the_gpu_path_picks_what_the_gpu_experiments_pick(experiment, cuda):
     from omegaconf import OmegaConf
 
     picks = _picks(experiment)
-    model_type = OmegaConf.load(Path(config_dir()) / "model" / f"{picks['model']}.yaml").config.model_type
+    model_type = OmegaConf.load(Path(config_dir()) / "model" / f"{picks['model']}.yaml").model.config.model_type  # @package _global_
     auto = device_choices("auto", set(), model_type)[0]
     assert {g: picks.get(g, CPU_PATH[g] if g == "moe" else None) for g in auto} == auto
     assert chosen_groups([], {"experiment": experiment}, config_dir()) == set(auto) & set(picks)

@@ -286,10 +286,10 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "lora.rank=4", ok=False)
     assert "lora.rank: 16 in the interrupted run, 4 now" in proc.stderr
     # switches a resume may change, but not on this machine: refused before anything is written too
-    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.activation_offload=true", ok=False)
-    assert "model.activation_offload=true needs model.cuda_graphs=true" in proc.stderr
-    proc = run_cli(tmp_path, *FAST, "ckpt_path=last", "model.cuda_graphs=true", "model.activation_offload=true", ok=False)
-    assert "set model.cuda_graphs=false model.activation_offload=false" in proc.stderr
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "strategy.activation_offload=true", ok=False)
+    assert "strategy.activation_offload=true needs strategy.cuda_graphs=true" in proc.stderr
+    proc = run_cli(tmp_path, *FAST, "ckpt_path=last", "strategy.cuda_graphs=true", "strategy.activation_offload=true", ok=False)
+    assert "set strategy.cuda_graphs=false strategy.activation_offload=false" in proc.stderr
     # refused after the data is read (a change a resume may make, that this run cannot do): config.json and .hydra/ kept too
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "eval.generate=true", ok=False)
     assert "eval.generate=true needs validation data" in proc.stderr
@@ -317,12 +317,12 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     (tmp_path / "logs" / "metrics.1.csv").rename(tmp_path / "logs" / "metrics.csv")  # as it was before that attempt
     # a longer run of the same config is fine (its learning-rate schedule stretches: warned), and so is a
     # switch that does not change the math
-    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "model.cuda_graphs_keep_attention=false")
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "strategy.keep_attention=false")
     assert "resume with trainer.max_steps: 3 → 5: the learning-rate schedule is rebuilt" in proc.stdout + proc.stderr
     assert summary(tmp_path)["steps"] == 5
     # a resume that trains records its own overrides in .hydra/, as Hydra did when it wrote them
     overrides = (tmp_path / ".hydra" / "overrides.yaml").read_text()
-    assert "- ckpt_path=last\n" in overrides and "- model.cuda_graphs_keep_attention=false\n" in overrides
+    assert "- ckpt_path=last\n" in overrides and "- strategy.keep_attention=false\n" in overrides
     # the first run's metrics survive the resume beside the new file
     assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1
     assert (tmp_path / "logs" / "metrics.csv").exists()

@@ -8,8 +8,9 @@
 - ``unsloth``: Unsloth's ``FastLanguageModel`` (16-bit LoRA, ``use_gradient_checkpointing=
   "unsloth"``) loaded from a checkpoint folder of the same random weights, then the same loop as
   ``hf_peft``. Its first step compiles every layer, so give it ≥ 2 warm-up steps.
-- ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config and the model
-  config's ``attention`` and ``cuda_graphs``, trained by a Lightning `Trainer` exactly as ``fit``
+- ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config, the model
+  config's ``attention`` and the ``strategy`` options (CUDA graphs, kept and offloaded activations),
+  trained by a Lightning `Trainer` with the lightning_ft strategy exactly as ``fit``
   does (the step time includes Lightning's loop; with CUDA graphs, give it >= 2 warm-up steps:
   the second records them).
 
@@ -222,6 +223,7 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
     from lightning_ft.model.build import ModelBuilder
     from lightning_ft.module import FinetuneModule
+    from lightning_ft.strategies.strategy import Execution, SingleDeviceStrategy
 
     class StepTimerCallback(StepTimer, L.Callback):
         """`StepTimer` as a Lightning callback (its hooks take Lightning's arguments)."""
@@ -246,6 +248,7 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
+        strategy=SingleDeviceStrategy(execution=Execution.from_config(spec.get("strategy"))),
         precision="bf16-mixed" if cuda else "32-true",
         max_steps=num_steps,
         logger=False,

@@ -282,8 +282,8 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     ``bf16 ckpt lora=r16a32:q,k,v,o+experts kernels=rms_norm,rope,swiglu,lora,flce moe=auto graphs=keep:attn,proj``.
 
     Every system: dtype, gradient checkpointing, LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
-    MoE backend (MoE shapes), attention, CUDA graphs and what they keep, activation offload. A key the config lacks
-    is left out."""
+    MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload. A key the config
+    lacks is left out."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
         parts.append("ckpt")
@@ -308,17 +308,20 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     model = config.get("model") or {}
     if model.get("attention") not in (None, "auto"):
         parts.append(f"attn={model['attention']}")
-    if "cuda_graphs" in model:
-        if not model["cuda_graphs"]:
-            parts.append("eager")
-        elif "cuda_graphs_keep_attention" not in model:  # a recorded config without the keep options: nothing kept
+    from lightning_ft.config import MOVED_KEYS
+
+    # the strategy's options; a config recorded before they moved there has them under model
+    strategy = config.get("strategy") or {
+        new.split(".")[1]: model[old.split(".")[1]] for old, new in MOVED_KEYS.items() if old.split(".")[1] in model
+    }
+    if strategy.get("cuda_graphs"):  # off (eager): nothing said
+        if "keep_attention" not in strategy:  # a recorded config without the keep options: nothing kept
             parts.append("graphs")
         else:
-            keep = [name for key, name in (("cuda_graphs_keep_attention", "attn"), ("cuda_graphs_keep_projections", "proj"))
-                    if model.get(key)]
-            limit = model.get("cuda_graphs_keep_max_gib")
+            keep = [name for key, name in (("keep_attention", "attn"), ("keep_projections", "proj")) if strategy.get(key)]
+            limit = strategy.get("keep_max_gib")
             parts.append(f"graphs=keep:{','.join(keep) or 'none'}" + (f"<={limit}GiB" if limit else ""))
-    if model.get("activation_offload"):
+    if strategy.get("activation_offload"):
         parts.append("offload")
     return " ".join(parts)
 

@@ -141,13 +141,15 @@ class RunSummary(L.Callback):
       ``step_losses`` (every optimizer step; null for a skipped one), ``skipped_steps``
       (``no_target_tokens``, ``nonfinite``), ``steps``, ``train_tokens``, ``tokens_per_s``,
       ``peak_memory_bytes`` (on CUDA also split into ``peak_memory_setup_bytes``, building and
-      sharding the model, and ``peak_memory_train_bytes``), ``adapter_dir``, ``checkpoint_path``,
+      sharding the model, and ``peak_memory_train_bytes``), ``predicted_peak_memory_bytes`` and
+      ``memory_plan`` (with a memory plan, `lightning_ft.strategies.planner.Plan.summary`; else null),
+      ``adapter_dir``, ``checkpoint_path``,
       ``val_loss``, ``val_perplexity``, ``val_exact_match`` (with ``eval.generate``; the last
       validation's), ``val_losses`` (``[optimizer step, loss]`` of every validation),
       ``learning_rates`` (every optimizer step's, the first parameter group's), the data
       statistics (``data``: examples, truncated, dropped, ``packing_efficiency``: the packed
       documents' tokens over the rows' capacity, ``data.max_tokens`` each, ...), ``cuda_graphs``
-      (with ``model.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
+      (with ``strategy.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
       recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.
@@ -282,6 +284,7 @@ class RunSummary(L.Callback):
         peak = max(peak, self._setup_peak or 0)
         ckpt = trainer.checkpoint_callback
         metrics = trainer.callback_metrics
+        plan = getattr(trainer.strategy, "memory_plan", None)  # lightning_ft.strategies.strategy.ExecutionMixin
         self.summary = {
             "status": _status(error),
             "error": None if error is None else _describe(error),
@@ -298,6 +301,9 @@ class RunSummary(L.Callback):
             "peak_memory_setup_bytes": self._setup_peak,
             "peak_memory_train_bytes": train_peak,
             "peak_memory_kind": peak_kind,
+            # the memory plan's prediction of the training peak (None: no plan), beside the measured one above
+            "predicted_peak_memory_bytes": plan.peak_bytes if plan is not None else None,
+            "memory_plan": plan.summary() if plan is not None else None,
             "adapter_dir": str(adapter_dir) if error is None else None,
             "checkpoint_path": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt else None,
             "val_loss": _float(metrics.get("val/loss")),

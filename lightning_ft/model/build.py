@@ -16,8 +16,9 @@
    (`lightning_ft.model.router.check_router_training`, a warning where the LM loss cannot train
    the router) and the load-balancing loss announced (``model.config.output_router_logits``);
 5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
-6. with ``model.cuda_graphs``, each decoder layer replayed from CUDA graphs
-   (`lightning_ft.strategies.cuda_graphs`), checked against the config first, before any weight loads;
+6. with the strategy's ``cuda_graphs`` (`lightning_ft.strategies.strategy.Execution`), each decoder layer
+   replayed from CUDA graphs (`lightning_ft.strategies.cuda_graphs`), checked against the config first,
+   before any weight loads;
 7. the model in training mode.
 
 With every kernel off and ``moe.backend=hf`` the result is stock transformers + PEFT.
@@ -48,9 +49,10 @@ from lightning_ft.model.router import (
     router_module_names,
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
-from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs, keep_max_bytes
+from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
+from lightning_ft.strategies.strategy import Execution
 
-__all__ = ["BuiltModel", "ModelBuilder", "check_model_switches", "load_causal_lm"]
+__all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -194,37 +196,16 @@ def _config_value_error(err: Exception, overrides: dict[str, Any], name_or_path:
     return ValueError(f"{source} field {field!r}: {why}")
 
 
-def check_model_switches(model: dict[str, Any], no_cuda: str | None = None, hint: str = "") -> None:
-    """The model switches that need each other or CUDA, from the config (`fit` checks them before writing anything).
-
-    Args:
-        model: the ``model`` config.
-        no_cuda: why no CUDA device will run the model (e.g. ``"trainer.accelerator=cpu"``), or None.
-        hint: appended to the no-CUDA error.
-
-    Raises:
-        ValueError: ``model.activation_offload`` without ``model.cuda_graphs``, ``model.cuda_graphs``
-            where ``no_cuda`` says why it cannot run, naming every key to change, or a
-            ``model.cuda_graphs_keep_max_gib`` that is not a number of GiB >= 0.
-    """
-    keep_max_bytes(model.get("cuda_graphs_keep_max_gib"))
-    offload = bool(model.get("activation_offload"))
-    if offload and not model.get("cuda_graphs"):
-        raise ValueError("model.activation_offload=true needs model.cuda_graphs=true (the graphed layers offload their inputs)")
-    if model.get("cuda_graphs") and no_cuda:
-        keys = "model.cuda_graphs=false" + (" model.activation_offload=false" if offload else "")
-        raise ValueError(f"model.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
-
-
 def _use_cuda_graphs(
     model: dict[str, Any],
+    execution: Execution,
     lora: dict[str, Any],
     attention: str,
     device: torch.device,
     sharded: bool = False,
     moe_backend: str | None = None,
 ) -> bool:
-    """Whether ``model.cuda_graphs=true`` applies, checked from the config before the model is built.
+    """Whether ``strategy.cuda_graphs=true`` applies, checked from the config before the model is built.
 
     Skipped (with a warning) when ``sharded`` (FSDP2). `check_cuda_graphs`, which `apply_cuda_graphs` runs again
     on the built model, runs here on the config first, so a bad combination fails before 60 GB of
@@ -235,11 +216,11 @@ def _use_cuda_graphs(
     """
     if sharded:
         rank_zero_warn(
-            "model.cuda_graphs=true (and with it model.activation_offload) is skipped under strategy=fsdp2 (FSDP2 "
-            "gathers each layer's weights at new addresses every step); set model.cuda_graphs=false to silence this"
+            "strategy.cuda_graphs=true (and with it strategy.activation_offload) is skipped under strategy=fsdp2 (FSDP2 "
+            "gathers each layer's weights at new addresses every step); set strategy.cuda_graphs=false to silence this"
         )
         return False
-    check_model_switches(model, no_cuda=None if device.type == "cuda" else f"the model is on {device}")
+    execution.check(no_cuda=None if device.type == "cuda" else f"the model is on {device}")
     dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
     router_logits = bool((model.get("config") or {}).get("output_router_logits", False))
     check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits)
@@ -286,6 +267,11 @@ class ModelBuilder:
         seed: with ``model.init=random``, ``torch.manual_seed(seed)`` right before the weights are drawn
             (the run's ``seed``), so that ``python -m lightning_ft export`` rebuilds the same base on the
             same kind of device (random draws differ between the CPU and CUDA); None: the current RNG state.
+        execution: the strategy's options where no strategy gives them when called (a model built without
+            a Trainer); default: `Execution`'s defaults (no CUDA graphs).
+
+    Raises:
+        ValueError: ``model`` has a key the strategy owns now (`lightning_ft.config.MOVED_KEYS`), naming its new key.
     """
 
     def __init__(
@@ -296,15 +282,23 @@ class ModelBuilder:
         moe: dict[str, Any] | None = None,
         vocab_size: int | None = None,
         seed: int | None = None,
+        execution: Execution | None = None,
     ):
+        from lightning_ft.config import MOVED_KEYS
+
+        if moved := [key for key in MOVED_KEYS if key.split(".")[1] in model]:
+            raise ValueError(f"{', '.join(moved)}: moved to {', '.join(MOVED_KEYS[k] for k in moved)} (the strategy's options)")
         self.model_cfg = dict(model)
         self.lora_cfg = dict(lora)
         self.kernels_cfg = dict(kernels or {})
         self.moe_cfg = dict(moe or {})
         self.vocab_size = vocab_size
         self.seed = seed
+        self.execution = execution if execution is not None else Execution()
 
-    def __call__(self, device: torch.device, precision: str | None = None, sharded: bool = False) -> BuiltModel:
+    def __call__(
+        self, device: torch.device, precision: str | None = None, sharded: bool = False, execution: Execution | None = None
+    ) -> BuiltModel:
         """Build the model on ``device`` (the current default device for a random init).
 
         Args:
@@ -314,10 +308,12 @@ class ModelBuilder:
                 (`lightning_ft.model.lora._skip_adapter_input_casts`).
             sharded: the strategy shards the model afterwards (FSDP2): no CUDA graphs (warned) and no
                 LoRA slots in the expert weights.
+            execution: the strategy's options (`lightning_ft.strategies.strategy.Execution`: CUDA graphs,
+                kept and offloaded activations); None: the builder's own.
 
         Raises:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
-                `check_model_switches`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
+                `Execution.check`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
                 `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
                 against what ``lora.modules_to_save`` or ``lora.init_from`` says), ``lora.modules_to_save``
                 without LoRA, and the patches refuse.
@@ -326,8 +322,9 @@ class ModelBuilder:
         dtype = _DTYPES.get(cfg.get("dtype", "float32"))
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
         moe_backend = self.moe_cfg.get("backend", "hf")
-        check_model_switches(cfg)
-        cuda_graphs = cfg.get("cuda_graphs") and _use_cuda_graphs(cfg, self.lora_cfg, attention, device, sharded, moe_backend)
+        execution = execution if execution is not None else self.execution
+        execution.check()
+        cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
             torch.manual_seed(self.seed)  # every device's generator: the base does not depend on what drew before
@@ -346,8 +343,8 @@ class ModelBuilder:
         support = architecture_support(model.config)
         if support.packing is not None:
             if cuda_graphs:
-                raise ValueError(f"model.cuda_graphs=true needs packed rows, which {model.config.model_type} cannot take "
-                                 f"({support.packing}): set model.cuda_graphs=false")
+                raise ValueError(f"strategy.cuda_graphs=true needs packed rows, which {model.config.model_type} cannot take "
+                                 f"({support.packing}): set strategy.cuda_graphs=false")
             rank_zero_warn(f"{model.config.model_type}: one document per padded row, not packed rows ({support.packing})")
             if model._supports_attention_backend:
                 model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
@@ -377,7 +374,7 @@ class ModelBuilder:
             if lora_slots and (augmented := augment_expert_weights(model)):
                 rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
-                _use_cuda_graphs(cfg, self.lora_cfg, attention, device, sharded, backend)
+                _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         if note := check_router_training(model, train_router, hf.config):
             rank_zero_warn(note)
@@ -392,13 +389,13 @@ class ModelBuilder:
             rank_zero_info(line)
         pad_for_graphs = False
         if cuda_graphs:
-            offload = bool(cfg.get("activation_offload", False))
+            offload = execution.activation_offload
             layers = apply_cuda_graphs(
                 model,
-                keep_attention=cfg.get("cuda_graphs_keep_attention", True),
+                keep_attention=execution.keep_attention,
                 activation_offload=offload,
-                keep_projections=cfg.get("cuda_graphs_keep_projections", True),
-                keep_max_gib=cfg.get("cuda_graphs_keep_max_gib"),
+                keep_projections=execution.keep_projections,
+                keep_max_gib=execution.keep_max_gib,
             )
             rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
             if attention == "varlen":

@@ -98,9 +98,10 @@ from lightning_ft.model.attention_plan import NEVER, VARLEN_ONLY, min_crossover
 from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
+from lightning_ft.strategies.planner import Plan
 
 __all__ = [
-    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
+    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "apply_memory_plan", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,7 @@ class _ModelGraphs:
         self.attention = attention  # the attention backend: how packed batches are keyed (`_packed_layout`)
         self.keep = {"attention": keep_attention, "projections": keep_projections}  # the kinds layers may keep
         self.keep_max_bytes = keep_max_bytes  # a cap on all that is kept (None: the memory budget alone)
+        self.plan: Plan | None = None  # a memory plan: per layer, which kinds keep (`apply_memory_plan`)
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
         self.optimizer_bytes = optimizer_bytes  # room left for optimizer states that may not exist yet
         self.statics: dict[tuple, _StaticInputs] = {}
@@ -305,10 +307,10 @@ class _ModelGraphs:
         kinds = KINDS if kind is None else (kind,)
         return sum(stored_nbytes(store) for (_, k), store in self.kept_shared.items() if k in kinds)
 
-    def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention") -> bool:
-        """Whether one more layer may keep ``nbytes`` of ``kind`` (`lightning_ft.strategies.kept`).
+    def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention", layer: int | None = None) -> bool:
+        """Whether decoder layer ``layer`` may keep ``nbytes`` more of ``kind`` (`lightning_ft.strategies.kept`).
 
-        On CUDA: while the peak reserved so far, everything kept so far, these, and
+        With a memory plan (`apply_memory_plan`): only where the plan keeps ``kind`` in that layer. On CUDA: while the peak reserved so far, everything kept so far, these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
         stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. On every
         device: while everything kept so far and these fit in ``keep_max_bytes``, when set. Layers
@@ -316,10 +318,12 @@ class _ModelGraphs:
         """
         if not self.keep[kind]:
             return False
+        if self.plan is not None and layer is not None and self.plan.action(layer, kind) != "keep":
+            return False
         kept = self.kept_bytes() + nbytes
         if self.keep_max_bytes is not None and kept > self.keep_max_bytes:
             self.log_once(
-                f"model.cuda_graphs_keep_max_gib={self.keep_max_bytes / 2**30:g} reached: the rest of the layers' "
+                f"strategy.keep_max_gib={self.keep_max_bytes / 2**30:g} reached: the rest of the layers' "
                 f"{kind} outputs are recomputed"
             )
             return False
@@ -403,7 +407,7 @@ class _ModelGraphs:
         kept = {  # what they keep enters their layer's shared store (and kept_bytes) as it is kept
             kind: KeptActivations(
                 kind,
-                functools.partial(self.allow_keep, device=hidden.device, kind=kind),
+                functools.partial(self.allow_keep, device=hidden.device, kind=kind, layer=getattr(layer, _INDEX_ATTR, None)),
                 shared=self.kept_shared.setdefault((id(layer), kind), {}),
             )
             for kind in KINDS
@@ -546,7 +550,7 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
 
 
 def keep_max_bytes(keep_max_gib: float | None) -> int | None:
-    """``model.cuda_graphs_keep_max_gib`` in bytes (None: no cap).
+    """``strategy.keep_max_gib`` in bytes (None: no cap).
 
     Raises:
         ValueError: not a number of GiB >= 0.
@@ -554,7 +558,7 @@ def keep_max_bytes(keep_max_gib: float | None) -> int | None:
     if keep_max_gib is None:
         return None
     if isinstance(keep_max_gib, bool) or not isinstance(keep_max_gib, (int, float)) or not keep_max_gib >= 0:
-        raise ValueError(f"model.cuda_graphs_keep_max_gib={keep_max_gib!r}: expected a number of GiB >= 0, or null for no cap")
+        raise ValueError(f"strategy.keep_max_gib={keep_max_gib!r}: expected a number of GiB >= 0, or null for no cap")
     return int(keep_max_gib * 2**30)
 
 
@@ -581,24 +585,24 @@ def check_cuda_graphs(
             layer, which a graph cannot record), or router logits to collect, naming the key to change.
     """
     if not gradient_checkpointing:
-        raise ValueError("model.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
+        raise ValueError("strategy.cuda_graphs=true needs model.gradient_checkpointing=true (the graphs recompute each layer)")
     if attention not in (*VARLEN_FAMILY, "sdpa"):
-        raise ValueError(f"model.cuda_graphs=true needs model.attention=auto, cudnn, varlen or sdpa, not {attention}")
+        raise ValueError(f"strategy.cuda_graphs=true needs model.attention=auto, cudnn, varlen or sdpa, not {attention}")
     if dropout:
         raise ValueError(
-            f"model.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
+            f"strategy.cuda_graphs=true needs lora.dropout=0 and no other dropout in the layers (found p={dropout}): "
             "the backward graph's recompute would draw a different dropout mask than the forward's"
         )
     if moe_backend == "native_torch":
         raise ValueError(
-            "model.cuda_graphs=true cannot record moe.backend=native_torch (its expert loop reads the offsets back "
-            "to the host once per layer): set moe.backend=grouped_mm or triton, or model.cuda_graphs=false"
+            "strategy.cuda_graphs=true cannot record moe.backend=native_torch (its expert loop reads the offsets back "
+            "to the host once per layer): set moe.backend=grouped_mm or triton, or strategy.cuda_graphs=false"
         )
     if output_router_logits:
         raise ValueError(
-            "model.cuda_graphs=true cannot collect router logits for the MoE load-balancing loss (transformers "
+            "strategy.cuda_graphs=true cannot collect router logits for the MoE load-balancing loss (transformers "
             "collects them with Python hooks, which replayed layers do not run): set "
-            "model.config.output_router_logits=false or model.cuda_graphs=false"
+            "model.config.output_router_logits=false or strategy.cuda_graphs=false"
         )
 
 
@@ -658,8 +662,8 @@ def apply_cuda_graphs(
     windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
     if windowed:
         raise ValueError(
-            f"model.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
-            "set model.cuda_graphs=false"
+            f"strategy.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
+            "set strategy.cuda_graphs=false"
         )
     revert_cuda_graphs(model)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -680,6 +684,35 @@ def apply_cuda_graphs(
         layer.forward = types.MethodType(_graphed_layer_forward, layer)
     logger.info("cuda graphs: %d decoder layers run from graphs in training", len(layers))
     return len(layers)
+
+
+def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
+    """Let ``plan`` (`lightning_ft.strategies.planner.plan`) decide, per decoder layer of a model patched by
+    `apply_cuda_graphs`, which kinds its recordings keep (``attention``, ``projections``: kept where the plan
+    says ``keep``, recomputed otherwise) and whether its input is offloaded (``input``: ``offload``).
+
+    The graphs recorded so far are dropped (with their kept buffers): every layer records again, under the
+    plan, the next time it runs. The keep switches, ``keep_max_gib`` and the 90% memory check still apply
+    on top of the plan.
+
+    Raises:
+        ValueError: ``model`` is not patched, the plan is for another number of layers, or it offloads
+            something other than layer inputs (plan attention and projections with ``keep``/``recompute`` only).
+    """
+    layers = [m for m in model.modules() if hasattr(m, _STATE_ATTR)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: apply_cuda_graphs first (the memory plan drives the graphed layers)")
+    if len(plan.actions) != len(layers):
+        raise ValueError(f"memory plan for {len(plan.actions)} decoder layers, the model has {len(layers)}")
+    if moved := sorted({name for name in KINDS for _ in plan.layers_where(name, "offload")}):
+        raise ValueError(f"memory plan offloads {', '.join(moved)}: only layer inputs can be offloaded; plan them keep | recompute")
+    state: _ModelGraphs = getattr(layers[0], _STATE_ATTR)
+    state.plan = plan
+    offloaded = plan.layers_where("input", "offload")
+    state.offload = ActivationOffload(len(layers), layers=offloaded) if offloaded else None
+    state.graphs.clear()
+    state.kept_shared.clear()
+    state.kept_writers.clear()
 
 
 def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:

@@ -24,14 +24,17 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ft.strategies.strategy import ExecutionMixin
+
 STRATEGY_NAME = "lightning_ft_ddp"
 
 
-class DDPStrategy(LightningDDPStrategy):
-    """Lightning's `DDPStrategy`, with `DistributedDataParallel` built on the current stream.
+class DDPStrategy(ExecutionMixin, LightningDDPStrategy):
+    """Lightning's `DDPStrategy`, with `DistributedDataParallel` built on the current stream, and the run's
+    execution options (`lightning_ft.strategies.strategy.ExecutionMixin`).
 
     Args:
-        kwargs: `DDPStrategy` arguments; `DistributedDataParallel` keyword arguments among them
+        kwargs: ``execution`` and `DDPStrategy` arguments; `DistributedDataParallel` keyword arguments among them
             override the default ``gradient_as_bucket_view=True``.
     """
 

@@ -62,6 +62,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, Strate
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ft.strategies.strategy import ExecutionMixin
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -70,7 +72,7 @@ STRATEGY_NAME = "fsdp2"
 _LOSS_METHOD = "loss_terms"  # the FinetuneModule method that reads the root unit's weights
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(ExecutionMixin, ModelParallelStrategy):
     """Lightning's `ModelParallelStrategy` as pure data parallelism: FSDP2 over every device of every node.
 
     ``trainer.devices`` (times ``trainer.num_nodes``) ranks form the ``data_parallel`` mesh
@@ -79,7 +81,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     single files holding the full trainable weights (see the module docstring).
 
     Args:
-        kwargs: other `ModelParallelStrategy` arguments (``process_group_backend``, ``timeout``).
+        kwargs: ``execution`` (`lightning_ft.strategies.strategy.ExecutionMixin`: CUDA graphs are skipped
+            here) and other `ModelParallelStrategy` arguments (``process_group_backend``, ``timeout``).
     """
 
     def __init__(self, **kwargs: Any):

@@ -16,7 +16,8 @@ input is copied to the host in forward and back in backward, overlapped with com
   the copy of layer i-1's (prefetch, one layer ahead), so it overlaps layer i's backward; the
   compute stream waits only on the event of the copy it needs. Two reloaded inputs are alive at a
   time (double buffering): the one in use and the one arriving.
-- the last layer's input stays on the GPU: its backward comes first, with nothing to hide a copy.
+- the last layer's input stays on the GPU: its backward comes first, with nothing to hide a copy;
+  so do the inputs of the layers a memory plan keeps (``layers``; `lightning_ft.strategies.planner`).
 
 No host-device sync in steady state: non-blocking copies between device and pinned memory, CUDA
 events. Host tensors come from torch's caching host allocator, which does not hand a block out
@@ -56,7 +57,7 @@ def _check_version(saved: OffloadedTensor, x: torch.Tensor) -> None:
     if x._version != saved.version:
         raise RuntimeError(
             f"decoder layer {saved.layer_index}'s input was changed in place after its forward started; activation "
-            "offloading keeps (or copies) it as it was then: set model.activation_offload=false"
+            "offloading keeps (or copies) it as it was then: set strategy.activation_offload=false"
         )
 
 
@@ -101,13 +102,16 @@ class ActivationOffload:
 
     Args:
         num_layers: decoder layers in the model; the last one's input is not offloaded.
+        layers: the layers whose inputs are offloaded (a memory plan, `lightning_ft.strategies.planner`);
+            the others stay on the device as the last one's does. None: every layer but the last.
 
     Attributes (counters over the run): ``saved`` inputs offloaded, ``saved_bytes`` copied to the
     host, ``prefetched`` loads whose copy had been started by the next layer's load.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, layers: set[int] | None = None):
         self.num_layers = num_layers
+        self.layers = layers
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.last: weakref.ref[OffloadedTensor] | None = None  # the input saved last (not kept alive)
         self.holding: OffloadedTensor | None = None  # the one input whose device memory is still held
@@ -161,7 +165,7 @@ class ActivationOffload:
             x = x.contiguous()
         last = self.last() if self.last is not None else None
         previous = last if last is not None and last.layer_index == layer_index - 1 and not last.consumed else None
-        if layer_index >= self.num_layers - 1:
+        if layer_index >= self.num_layers - 1 or (self.layers is not None and layer_index not in self.layers):
             saved = OffloadedTensor(x, None, layer_index, previous)
         elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
@@ -215,7 +219,7 @@ class ActivationOffload:
             self._start_load(saved)
         elif saved.host is not None:
             self.prefetched += 1
-        else:  # the last layer's input, kept on the device
+        else:  # an input kept on the device (the last layer's, or one a memory plan keeps)
             _check_version(saved, saved.loaded)
         previous, saved.previous = saved.previous, None
         if previous is not None and previous.loaded is None and not previous.consumed:

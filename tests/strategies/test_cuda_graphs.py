@@ -21,11 +21,14 @@ from lightning_ft.kernels.moe.grouped_mm import padded_rank
 from lightning_ft.strategies.cuda_graphs import (
     _STATE_ATTR,
     apply_cuda_graphs,
+    apply_memory_plan,
     cuda_graph_stats,
     keep_max_bytes,
     revert_cuda_graphs,
 )
-from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs, check_model_switches
+from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs
+from lightning_ft.strategies.planner import Plan
+from lightning_ft.strategies.strategy import Execution
 from lightning_ft.module import FinetuneModule
 
 TINY = {
@@ -335,7 +338,7 @@ def test_rows_with_cudnn_segments_get_graphs_per_exact_layout(monkeypatch):
 
 def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimizer(monkeypatch):
     """One budget for every kind: what any layer keeps (attention and experts) counts against it;
-    ``model.cuda_graphs_keep_max_gib`` caps it further, on every device."""
+    ``strategy.keep_max_gib`` caps it further, on every device."""
     from lightning_ft.strategies.cuda_graphs import _ModelGraphs
 
     gib = 2**30
@@ -355,7 +358,7 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     no_experts = _ModelGraphs(max_signatures=8, attention="varlen", keep_projections=False)
     assert no_experts.allow_keep(1, cuda, "attention") and not no_experts.allow_keep(1, cuda, "projections")
     assert _ModelGraphs(max_signatures=8, attention="varlen").allow_keep(10**15, torch.device("cpu"))  # tests: no budget
-    # model.cuda_graphs_keep_max_gib: a cap on both kinds together, on every device, under the budget too
+    # strategy.keep_max_gib: a cap on both kinds together, on every device, under the budget too
     capped = _ModelGraphs(max_signatures=8, attention="varlen", keep_max_bytes=keep_max_bytes(9))
     capped.kept_shared[(0, "attention")] = {(0, ()): (torch.empty(5 * gib, dtype=torch.uint8, device="meta"),)}
     capped.kept_shared[(0, "projections")] = {(0, ()): (torch.empty(3 * gib, dtype=torch.uint8, device="meta"),)}
@@ -365,7 +368,7 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     assert not _ModelGraphs(max_signatures=8, attention="varlen", keep_max_bytes=0).allow_keep(1, torch.device("cpu"))
     assert keep_max_bytes(None) is None and keep_max_bytes(0.5) == gib // 2
     for bad in (-1, "8", True):
-        with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=.*expected a number of GiB >= 0"):
+        with pytest.raises(ValueError, match=r"strategy.keep_max_gib=.*expected a number of GiB >= 0"):
             keep_max_bytes(bad)
 
 
@@ -410,30 +413,31 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
         apply_cuda_graphs(module.model)
     cuda = torch.device("cuda")  # the config checks before the build (no GPU needed to construct the device)
-    graphs = {"gradient_checkpointing": True, "cuda_graphs": True}
-    assert _use_cuda_graphs(graphs, LORA, "varlen", cuda, False)
+    graphs, on = {"gradient_checkpointing": True}, Execution(cuda_graphs=True)
+    assert _use_cuda_graphs(graphs, on, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.gradient_checkpointing=true"):
-        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, LORA, "varlen", cuda, False)
+        _use_cuda_graphs({**graphs, "gradient_checkpointing": False}, on, LORA, "varlen", cuda, False)
     with pytest.raises(ValueError, match="model.attention=auto, cudnn, varlen or sdpa, not flex"):
-        _use_cuda_graphs(graphs, LORA, "flex", cuda, False)
+        _use_cuda_graphs(graphs, on, LORA, "flex", cuda, False)
     with pytest.raises(ValueError, match="lora.dropout=0"):
-        _use_cuda_graphs(graphs, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
+        _use_cuda_graphs(graphs, on, {**LORA, "dropout": 0.05}, "varlen", cuda, False)
     with pytest.raises(ValueError, match="cannot record moe.backend=native_torch"):
-        _use_cuda_graphs(graphs, LORA, "varlen", cuda, False, "native_torch")
+        _use_cuda_graphs(graphs, on, LORA, "varlen", cuda, False, "native_torch")
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
-        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, LORA, "varlen", cuda, False)
+        _use_cuda_graphs({**graphs, "config": {"output_router_logits": True}}, on, LORA, "varlen", cuda, False)
     moe = _module("qwen3_moe", "cpu")
     moe.model.config.output_router_logits = True  # e.g. from a checkpoint's config.json
     with pytest.raises(ValueError, match="model.config.output_router_logits=false"):
         apply_cuda_graphs(moe.model)
-    cpu_graphs = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "cuda_graphs": True}, lora={**LORA, "target_parameters": None}))
-    with pytest.raises(ValueError, match="model.cuda_graphs=true needs a CUDA device"):
-        cpu_graphs.configure_model()
-    offload_alone = FinetuneModule(ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True, "activation_offload": True}, lora={**LORA, "target_parameters": None}))
-    with pytest.raises(ValueError, match="model.activation_offload=true needs model.cuda_graphs=true"):
-        offload_alone.configure_model()
-    with pytest.raises(ValueError, match=r"model.cuda_graphs_keep_max_gib=-2: expected a number of GiB >= 0"):
-        check_model_switches({"cuda_graphs": True, "cuda_graphs_keep_max_gib": -2})
+    builder = ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True}, lora={**LORA, "target_parameters": None})
+    with pytest.raises(ValueError, match="strategy.cuda_graphs=true needs a CUDA device"):
+        builder(torch.device("cpu"), execution=Execution(cuda_graphs=True))
+    with pytest.raises(ValueError, match="strategy.activation_offload=true needs strategy.cuda_graphs=true"):
+        builder(torch.device("cpu"), execution=Execution(activation_offload=True))
+    with pytest.raises(ValueError, match=r"strategy.keep_max_gib=-2: expected a number of GiB >= 0"):
+        Execution(cuda_graphs=True, keep_max_gib=-2).check()
+    with pytest.raises(ValueError, match=r"model.cuda_graphs: moved to strategy.cuda_graphs"):  # the model's keys before
+        ModelBuilder(model={"cuda_graphs": True}, lora=LORA)
 
 
 @pytest.mark.gpu
@@ -565,3 +569,112 @@ def test_offloading_leaves_calls_with_keyword_tensors_that_require_grad_to_check
     got = grads()
     assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-7) for g, w in zip(got, want))
     assert state.offload.stats()["offloaded_inputs"] == 0 and state.eager == 1
+
+
+def _plan(actions: list[dict[str, str]]) -> Plan:
+    """A memory plan with these per-layer actions (the predictions do not matter to the layers)."""
+    n = len(actions)
+    return Plan(actions=tuple(actions), layer_s=(0.0,) * n, kept_bytes=(0,) * n, offloaded_bytes=(0,) * n,
+                step_s=0.0, peak_bytes=0, budget_bytes=0, names=("input", "attention", "projections"))
+
+
+# llama has 3 decoder layers, qwen3_moe 2; per plan: what each layer does with its input, attention, projections
+PLANS = {
+    "recompute everything": lambda n: [{"input": "keep", "attention": "recompute", "projections": "recompute"}] * n,
+    "offload, recompute": lambda n: [{"input": "offload", "attention": "recompute", "projections": "recompute"}] * n,
+    "mixed": lambda n: [
+        {"input": ("offload", "keep")[i % 2], "attention": ("keep", "recompute")[i % 2], "projections": ("recompute", "keep")[i % 2]}
+        for i in range(n)
+    ],
+    "keep everything": lambda n: [{"input": "keep", "attention": "keep", "projections": "keep"}] * n,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("name", list(PLANS))
+def test_every_memory_plan_gives_the_gradients_of_plain_checkpointing(kind, name, device):
+    """The graphed layers under a memory plan (`apply_memory_plan`) against the same model with transformers'
+    gradient checkpointing, step after step (rows of two layouts, an update after each step). On the CPU a
+    plan that keeps no projections gives the same gradients bit for bit; where they are kept, within 1e-5
+    (a kept linear layer hands its input one gradient, base + LoRA summed:
+    `test_kept_projections_give_the_eager_gradients`); on the GPU within bf16's tolerance (`_close`). The
+    layers keep, offload and recompute what the plan says, and the last layer's input never moves. MoE
+    through the stock experts on the CPU (quick under TRITON_INTERPRET), grouped_mm on the GPU."""
+    cuda = device == "cuda"
+    moe_backend = "grouped_mm" if cuda else "hf"
+    module = _module(kind, device, moe_backend=moe_backend, lora_kernel=True)
+    reference = _module(kind, device, moe_backend=moe_backend, lora_kernel=True)
+    reference.model.load_state_dict(module.model.state_dict())
+    layers = TINY[kind]["num_hidden_layers"]
+    plan = _plan(PLANS[name](layers))
+    apply_cuda_graphs(module.model)
+    apply_memory_plan(module.model, plan)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    bitwise = not cuda and not plan.layers_where("projections", "keep")
+    for step, row in enumerate(["a", "b", "a", "b"]):
+        batch = _batch(row, device, seed=step)
+        want_loss, want = _loss_and_grads(reference, batch, train=True)
+        got_loss, got = _loss_and_grads(module, batch, train=True)
+        assert got.keys() == want.keys()
+        if cuda:
+            bad = [n for n in want if not _close(got[n], want[n], cuda=True)]
+            assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-2) and not bad, f"step {step}: {bad[:4]}"
+        elif bitwise:
+            assert torch.equal(got_loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
+        else:
+            bad = [n for n in want if not torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-5)]
+            assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-6) and not bad, f"step {step}: {bad[:4]}"
+        with torch.no_grad():  # the same update on both: replays must read the current weights
+            for (n, p), q in zip(module.model.named_parameters(), reference.model.parameters()):
+                if n in got:
+                    p.add_(got[n], alpha=-0.1)
+                    q.copy_(p)
+    for (layer_id, _), graphs in state.graphs.items():
+        index = next(i for i, m in enumerate(module.model.get_base_model().model.layers) if id(m) == layer_id)
+        for kind_ in ("attention", "projections"):
+            assert bool(graphs.kept[kind_].enabled) == (plan.action(index, kind_) == "keep"), (index, kind_)
+    offloaded = plan.layers_where("input", "offload") - {layers - 1}
+    stats = cuda_graph_stats(module.model)
+    assert stats["replayed_layer_calls"] > 0
+    assert stats.get("offloaded_inputs", 0) == 4 * len(offloaded)  # every step's forward, eager or replayed
+
+
+def test_a_memory_plan_replaces_the_recordings_and_refuses_what_it_cannot_do():
+    module = _module("llama", "cpu", lora_kernel=True)
+    with pytest.raises(ValueError, match="apply_cuda_graphs first"):
+        apply_memory_plan(module.model, _plan(PLANS["mixed"](3)))
+    apply_cuda_graphs(module.model)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    for step in range(2):
+        _loss_and_grads(module, _batch("a", "cpu", seed=step), train=True)
+    assert state.graphs and state.kept_bytes() > 0
+    apply_memory_plan(module.model, _plan(PLANS["recompute everything"](3)))
+    assert not state.graphs and state.kept_bytes() == 0 and state.offload is None
+    _loss_and_grads(module, _batch("a", "cpu", seed=2), train=True)  # recorded again, under the plan
+    assert state.graphs and state.kept_bytes() == 0
+    with pytest.raises(ValueError, match="memory plan for 2 decoder layers, the model has 3"):
+        apply_memory_plan(module.model, _plan(PLANS["mixed"](2)))
+    offload_attention = [{"input": "keep", "attention": "offload", "projections": "keep"}] * 3
+    with pytest.raises(ValueError, match="memory plan offloads attention: only layer inputs can be offloaded"):
+        apply_memory_plan(module.model, _plan(offload_attention))
+
+
+def test_the_strategy_logs_the_plan_and_the_summary_reports_its_peak(caplog):
+    from lightning_ft.strategies.planner import GIB, MIB, Bandwidth, LayerProfile, SavedClass, plan
+    from lightning_ft.strategies.strategy import SingleDeviceStrategy
+
+    module = _module("llama", "cpu", lora_kernel=True)
+    apply_cuda_graphs(module.model)
+    strategy = SingleDeviceStrategy(execution=Execution(cuda_graphs=True))
+    assert strategy.memory_budget(torch.device("cpu")) is None  # no plan off CUDA
+    profile = LayerProfile(2e-3, 4e-3, (
+        SavedClass("input", 64 * MIB, actions=("keep", "offload")),
+        SavedClass("attention", 32 * MIB, recompute_s=1e-3, actions=("keep", "recompute")),
+        SavedClass("projections", 128 * MIB, recompute_s=2e-3, actions=("keep", "recompute")),
+    ))
+    made = plan([profile] * 3, budget=GIB + 400 * MIB, base_bytes=GIB, bandwidth=Bandwidth(50e9, 50e9))
+    with caplog.at_level("INFO"):
+        strategy.apply_memory_plan(module.model, made)
+    assert strategy.memory_plan is made and "memory plan" in caplog.text and "predicted step" in caplog.text
+    assert made.summary()["predicted_peak_bytes"] == made.peak_bytes <= GIB + 400 * MIB

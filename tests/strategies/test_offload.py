@@ -172,3 +172,13 @@ def test_the_last_input_saved_is_returned_as_it_is_when_no_layer_came_after():
     loaded = offload.load(saved[1])
     assert loaded.data_ptr() == inputs[1].data_ptr() and offload.holding is None  # no round trip through the host
     assert torch.equal(offload.load(saved[0]), inputs[0])
+
+
+def test_a_memory_plan_offloads_only_its_layers():
+    """``layers`` (a memory plan): the others stay on the device as the last layer's does; all come back unchanged."""
+    offload = ActivationOffload(num_layers=4, layers={0, 2})
+    inputs = [torch.randn(3, 5) for _ in range(4)]
+    saved = _forward(offload, [x.clone() for x in inputs])
+    assert [s.host is not None for s in saved] == [True, False, True, False]
+    assert all(torch.equal(offload.load(s), x) for s, x in zip(reversed(saved), reversed(inputs)))
+    assert offload.stats()["offloaded_inputs"] == 2

@@ -171,5 +171,5 @@ def _refuse_host_sync_in_capture(x: torch.Tensor, why: str) -> None:
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"the MoE experts cannot be recorded in a CUDA graph: {why}; "
-            "set moe.backend=triton (sync-free for every dtype and size) or model.cuda_graphs=false"
+            "set moe.backend=triton (sync-free for every dtype and size) or strategy.cuda_graphs=false"
         )

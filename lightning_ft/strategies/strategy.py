@@ -1,0 +1,194 @@
+"""The lightning_ft Strategy: Lightning's single-device, DDP and FSDP2 strategies plus how a step runs.
+
+`ExecutionMixin` mixes into each of them (`SingleDeviceStrategy` here, registered as ``lightning_ft``;
+`lightning_ft.strategies.ddp.DDPStrategy`, ``lightning_ft_ddp``; `lightning_ft.strategies.fsdp2.FSDP2Strategy`,
+``fsdp2``) and holds the ``strategy`` config group's options (`Execution`): CUDA graphs, which saved
+activations the graphed layers keep, activation offloading, the memory budget. The model is built
+by `lightning_ft.model.build.ModelBuilder`, which reads them from ``trainer.strategy.execution``.
+
+``fit`` makes the strategy (`make_strategy`) from ``trainer.strategy`` (a registry name; ``auto``:
+this one on one device, DDP on several) and the ``strategy`` options. The single-device strategy
+learns its device from Lightning's accelerator connector, exactly as Lightning's own ``auto``
+choice does: the connector hands the devices of ``trainer.devices`` to any strategy with a
+``parallel_devices`` attribute.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightning_ft.strategies.planner import Plan, budget_bytes
+
+__all__ = ["STRATEGY_NAME", "Execution", "ExecutionMixin", "SingleDeviceStrategy", "make_strategy"]
+
+STRATEGY_NAME = "lightning_ft"
+
+@dataclass(frozen=True)
+class Execution:
+    """How a training step runs (the ``strategy`` config group; `lightning_ft.config.StrategyConfig` documents each key).
+
+    Attributes:
+        cuda_graphs: replay each checkpointed decoder layer from CUDA graphs (`lightning_ft.strategies.cuda_graphs`).
+        keep_attention: with CUDA graphs, keep attention's output and log-sum-exp for the backward (`lightning_ft.strategies.kept`).
+        keep_projections: with CUDA graphs, keep the projections' outputs for the backward.
+        keep_max_gib: with CUDA graphs, at most this many GiB kept (None: while the memory budget holds).
+        activation_offload: with CUDA graphs, each layer's checkpointed input waits in pinned host memory
+            (`lightning_ft.strategies.offload`).
+        memory_budget_gib: the GPU memory a step may use, in GiB, for the memory plan
+            (`lightning_ft.strategies.planner`); ``auto``: the free memory less a margin; None: no plan
+            (off CUDA there is never a plan).
+    """
+
+    cuda_graphs: bool = False
+    keep_attention: bool = True
+    keep_projections: bool = True
+    keep_max_gib: float | None = None
+    activation_offload: bool = False
+    memory_budget_gib: Any = "auto"
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any] | None) -> Execution:
+        """From the ``strategy`` config node (a plain dict; unknown keys are an error)."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(options) - known):
+            raise ValueError(f"strategy.{unknown[0]}: not an option of the lightning_ft strategy ({', '.join(sorted(known))})")
+        return cls(**options)
+
+    def check(self, no_cuda: str | None = None, hint: str = "") -> None:
+        """The options that need each other or CUDA (``fit`` checks them before writing anything).
+
+        Args:
+            no_cuda: why no CUDA device will run the model (e.g. ``"trainer.accelerator=cpu"``), or None.
+            hint: appended to the no-CUDA error.
+
+        Raises:
+            ValueError: ``strategy.activation_offload`` without ``strategy.cuda_graphs``, ``strategy.cuda_graphs``
+                where ``no_cuda`` says why it cannot run (naming every key to change), a ``strategy.keep_max_gib``
+                that is not a number of GiB >= 0, or a ``strategy.memory_budget_gib`` that is neither ``auto``,
+                null nor a positive number.
+        """
+        from lightning_ft.strategies.cuda_graphs import keep_max_bytes
+
+        keep_max_bytes(self.keep_max_gib)
+        budget_bytes(self.memory_budget_gib, free_bytes=0)
+        if self.activation_offload and not self.cuda_graphs:
+            raise ValueError("strategy.activation_offload=true needs strategy.cuda_graphs=true (the graphed layers offload their inputs)")
+        if self.cuda_graphs and no_cuda:
+            keys = "strategy.cuda_graphs=false" + (" strategy.activation_offload=false" if self.activation_offload else "")
+            raise ValueError(f"strategy.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
+
+    def non_default(self) -> list[str]:
+        """``strategy.<key>=<value>`` for each option away from its default."""
+        default = asdict(Execution())
+        return [f"strategy.{k}={v}" for k, v in asdict(self).items() if v != default[k]]
+
+
+class ExecutionMixin:
+    """Mixed into a Lightning strategy (first among the bases): holds the run's `Execution`.
+
+    Args:
+        execution: the options (default: `Execution`'s defaults).
+        args, kwargs: the Lightning strategy's own arguments.
+    """
+
+    def __init__(self, *args: Any, execution: Execution | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.execution = execution if execution is not None else Execution()
+        self.memory_plan: Plan | None = None  # the plan in use (`apply_memory_plan`), for the log and summary.json
+
+    def memory_budget(self, device: torch.device) -> int | None:
+        """``strategy.memory_budget_gib`` in bytes on ``device`` (`lightning_ft.strategies.planner.budget_bytes`;
+        ``auto``: the free memory now less the margin); None off CUDA (no plan there) or with no budget."""
+        if device.type != "cuda" or self.execution.memory_budget_gib is None:
+            return None
+        return budget_bytes(self.execution.memory_budget_gib, torch.cuda.mem_get_info(device)[0])
+
+    def apply_memory_plan(self, model: torch.nn.Module, plan: Plan) -> None:
+        """Use ``plan`` for ``model``'s graphed layers (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`)
+        and log it as a table (rank zero); summary.json reports its predicted peak beside the measured one."""
+        from lightning.pytorch.utilities import rank_zero_info
+        from rich.console import Console
+
+        from lightning_ft.strategies.cuda_graphs import apply_memory_plan
+
+        apply_memory_plan(model, plan)
+        self.memory_plan = plan
+        console = Console(width=120, record=True, file=io.StringIO())
+        console.print(plan.table())
+        rank_zero_info("memory plan:\n" + console.export_text().rstrip())
+
+
+class SingleDeviceStrategy(ExecutionMixin, LightningSingleDeviceStrategy):
+    """Lightning's `SingleDeviceStrategy` with the run's `Execution`, on the one device of ``trainer.devices``.
+
+    Args:
+        execution: the options.
+        device: the device; None: the one Lightning's accelerator connector picks from
+            ``trainer.accelerator`` and ``trainer.devices`` (through `parallel_devices`).
+        kwargs: other `SingleDeviceStrategy` arguments.
+
+    Raises:
+        ValueError: (when the Trainer is built) ``trainer.devices`` names several devices.
+    """
+
+    def __init__(self, execution: Execution | None = None, device: Any = None, **kwargs: Any):
+        super().__init__(execution=execution, device=device if device is not None else "cpu", **kwargs)
+        self._device_chosen = device is not None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The device, once chosen (Lightning's connector reads this and sets it when it is empty)."""
+        return [self.root_device] if self._device_chosen else None
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if len(devices) != 1:
+            raise ValueError(
+                f"trainer.devices: {len(devices)} devices ({', '.join(map(str, devices))}) for one process; set "
+                "trainer.devices=1, or trainer.devices=N with strategy=ddp or strategy=fsdp2"
+            )
+        self._root_device, self._device_chosen = torch.device(devices[0]), True
+
+
+def make_strategy(name: Any, execution: Execution, processes: int) -> Any:
+    """The Lightning strategy ``fit`` trains with: ``trainer.strategy`` with the run's ``execution``.
+
+    Args:
+        name: ``trainer.strategy``: ``auto`` (ours on one device: `SingleDeviceStrategy`; several:
+            DDP, `lightning_ft.strategies.ddp`), a registry name, or a `Strategy` object (kept).
+        execution: the ``strategy`` options.
+        processes: the processes ``trainer.devices`` × ``trainer.num_nodes`` asks for (0: Lightning decides).
+
+    Returns:
+        A strategy object for a lightning_ft registry name (or ``auto``), else ``name`` unchanged.
+
+    Raises:
+        ValueError: options away from their defaults with a strategy that is not lightning_ft's.
+    """
+    from lightning_ft.strategies.ddp import STRATEGY_NAME as DDP_STRATEGY
+
+    if isinstance(name, Strategy):
+        return name
+    if name in (None, "auto"):
+        name = DDP_STRATEGY if processes > 1 else STRATEGY_NAME
+    entry = StrategyRegistry[name] if name in StrategyRegistry else None
+    if entry is not None and issubclass(entry["strategy"], ExecutionMixin):
+        return entry["strategy"](execution=execution, **entry["init_params"])
+    if changed := execution.non_default():
+        raise ValueError(
+            f"{' '.join(changed)}: these need a lightning_ft strategy (trainer.strategy=auto, or strategy=ddp | fsdp2), "
+            f"not trainer.strategy={name}"
+        )
+    return name
+
+
+StrategyRegistry.register(
+    STRATEGY_NAME, SingleDeviceStrategy, description="One device, with lightning_ft's execution options"
+)
