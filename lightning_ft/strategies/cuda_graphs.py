@@ -65,7 +65,8 @@ auto/varlen, rows of flash-attention 2 alone with the same token count share gra
 power-of-two bound on the document count (the graph's ``cu_seqlens`` padded with empty documents)
 and on the longest document (`_packed_layout`; `FinetuneModule` pads packed rows to one token
 count); rows with cuDNN segments and, with sdpa, every row get graphs per exact layout (the
-segments' lengths, the dense mask, are in the graph); no sliding-window attention; no dropout
+segments' lengths, the dense mask, are in the graph); sliding windows are a layer's constant (recorded
+with it); no dropout
 (the recompute would draw another mask); no keyword tensor that requires grad; layers not sharded (FSDP2 gathers weights per layer at new
 addresses: `FinetuneModule` skips the graphs there, with a warning). The graphs read weights at
 their addresses: a layer whose parameters are replaced, move or change ``requires_grad`` is
@@ -644,7 +645,7 @@ def apply_cuda_graphs(
         The number of layers patched.
 
     Raises:
-        ValueError: no ``GradientCheckpointingLayer`` in the model, sliding-window attention, a
+        ValueError: no ``GradientCheckpointingLayer`` in the model, a
             negative ``keep_max_gib``, or what `check_cuda_graphs` refuses.
     """
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -659,12 +660,6 @@ def apply_cuda_graphs(
         dropout=max([*dropouts, getattr(config, "attention_dropout", 0.0) or 0.0]),
         output_router_logits=bool(getattr(config, "output_router_logits", False)),
     )
-    windowed = sorted({w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))})
-    if windowed:
-        raise ValueError(
-            f"strategy.cuda_graphs=true does not support sliding-window attention yet (window {windowed}): "
-            "set strategy.cuda_graphs=false"
-        )
     revert_cuda_graphs(model)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = _ModelGraphs(

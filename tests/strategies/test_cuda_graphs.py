@@ -41,6 +41,10 @@ TINY = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2,
         norm_topk_prob=True, vocab_size=128,
     ),
+    "mistral": dict(  # a sliding window shorter than the rows' documents
+        model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=128,
+    ),
 }
 LORA = {
     "rank": 4, "alpha": 8, "dropout": 0.0,
@@ -58,7 +62,7 @@ def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_k
     cuda = device == "cuda"
     lora_kernel = cuda if lora_kernel is None else lora_kernel
     lora = dict(lora)
-    if kind == "llama":
+    if kind != "qwen3_moe":
         lora.pop("target_parameters")
     else:  # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
         lora["target_modules"] = [t for t in lora["target_modules"] if t not in ("gate_proj", "up_proj", "down_proj")]
@@ -120,7 +124,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, cuda: bool) -> bool:
 @pytest.mark.parametrize(
     "kind, moe_backend, offload",
     [
-        ("llama", "hf", False), ("llama", "hf", True), ("qwen3_moe", "native_torch", False),
+        ("llama", "hf", False), ("llama", "hf", True), ("mistral", "hf", False), ("qwen3_moe", "native_torch", False),
         ("qwen3_moe", "grouped_mm", False), ("qwen3_moe", "grouped_mm", True), ("qwen3_moe", "triton", False),
     ],
 )  # fmt: skip
