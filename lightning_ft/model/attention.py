@@ -396,7 +396,7 @@ def sdpa_attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if softcap is not None or (sinks is not None and query.device.type != "cpu"):
+    if softcap is not None or (sinks is not None and (query.device.type != "cpu" or dropout)):
         if dropout:
             raise ValueError("model.attention=sdpa: attention dropout with soft-capping or sinks is not supported")
         return _math_attention(*autocast_inputs(query, key, value), mask, scaling, sinks, softcap).transpose(1, 2).contiguous()

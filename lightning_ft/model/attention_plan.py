@@ -232,6 +232,8 @@ def crossover(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
         return _CROSSOVERS[key]
     if not cudnn_runs(q):
         _CROSSOVERS[key] = NEVER
+        logger.info(f"attention auto ({key[0]} q / {key[1]} kv heads of {key[2]}, {q.dtype}): flash-attention 2 for every "
+                    f"document (cuDNN's attention here needs a Hopper GPU, bf16/fp16, head dim <= 128 and a multiple of 8)")
         return NEVER
     if torch.cuda.is_current_stream_capturing():
         return NEVER
