@@ -39,7 +39,7 @@ and offloading for training DNNs").
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 GIB = 2**30
@@ -49,7 +49,7 @@ MIB = 2**20
 AUTO_MARGIN = 0.10
 ACTIONS = ("keep", "offload", "recompute")
 
-__all__ = ["ACTIONS", "AUTO_MARGIN", "Bandwidth", "LayerProfile", "Plan", "SavedClass", "budget_bytes", "plan"]
+__all__ = ["ACTIONS", "AUTO_MARGIN", "Bandwidth", "LayerProfile", "Plan", "SavedClass", "budget_bytes", "host_bytes", "plan"]
 
 
 def budget_bytes(memory_budget_gib: Any, free_bytes: int, margin: float = AUTO_MARGIN) -> int | None:
@@ -70,6 +70,12 @@ def budget_bytes(memory_budget_gib: Any, free_bytes: int, margin: float = AUTO_M
     if isinstance(memory_budget_gib, bool) or not isinstance(memory_budget_gib, (int, float)) or not memory_budget_gib > 0:
         raise ValueError(f"strategy.memory_budget_gib={memory_budget_gib!r}: expected a number of GiB > 0, auto, or null for no plan")
     return int(memory_budget_gib * GIB)
+
+
+def host_bytes(offloaded: Iterable[int]) -> int:
+    """The pinned host memory that tensors of these sizes (bytes) take: each rounded up to a power of two
+    (torch's caching host allocator; `lightning_ft.strategies.offload`)."""
+    return sum(1 << (n - 1).bit_length() for n in offloaded if n > 0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,10 @@ class Plan:
         peak_bytes: the predicted peak: base + Σ kept + two staging buffers of the largest offload.
         budget_bytes: the budget it was made for.
         fits: whether ``peak_bytes`` fits ``budget_bytes`` (else the leanest plan, which does not).
+        base_bytes: the step's memory without any saved class (`plan`'s ``base_bytes``).
+        names: the saved classes, in the layers' order.
+        host_bytes: the pinned host memory the offloaded tensors take (`host_bytes`).
+        fallbacks: why the plan is not the fastest one (a pinned-host budget that took offloading away), for the log.
     """
 
     actions: tuple[dict[str, str], ...]
@@ -145,18 +155,24 @@ class Plan:
     fits: bool = True
     base_bytes: int = 0
     names: tuple[str, ...] = field(default=())
+    host_bytes: int = 0
+    fallbacks: tuple[str, ...] = ()
 
     def action(self, layer: int, name: str) -> str:
         """What happens to ``name`` in ``layer`` (``keep`` for a class or layer the plan does not know)."""
         return self.actions[layer].get(name, "keep") if 0 <= layer < len(self.actions) else "keep"
+
+    def layers_offloading(self) -> list[int]:
+        """The layers that offload anything, in order."""
+        return [i for i, n in enumerate(self.offloaded_bytes) if n > 0]
 
     def layers_where(self, name: str, action: str) -> set[int]:
         """The layers whose ``name`` gets ``action``."""
         return {i for i, acts in enumerate(self.actions) if acts.get(name) == action}
 
     def summary(self) -> dict[str, Any]:
-        """For summary.json: ``predicted_step_s``, ``predicted_peak_bytes``, ``budget_bytes``, ``fits``, and per
-        class the layers kept, offloaded and recomputed (counts)."""
+        """For summary.json: ``predicted_step_s``, ``predicted_peak_bytes``, ``budget_bytes``, ``fits``,
+        ``host_bytes``, ``fallbacks``, and per class the layers kept, offloaded and recomputed (counts)."""
         counts = {
             name: {action: len(self.layers_where(name, action)) for action in ACTIONS} for name in self.names
         }
@@ -165,6 +181,8 @@ class Plan:
             "predicted_peak_bytes": self.peak_bytes,
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
+            "host_bytes": self.host_bytes,
+            "fallbacks": list(self.fallbacks),
             "layers": counts,
         }
 
@@ -251,6 +269,7 @@ def plan(
     bandwidth: Bandwidth,
     other_s: float = 0.0,
     copy_overhead: float = 0.01,
+    host_budget: int | None = None,
 ) -> Plan:
     """The fastest predicted plan within ``budget`` bytes (see the module docstring for the model).
 
@@ -262,6 +281,7 @@ def plan(
         bandwidth: the measured copy bandwidths.
         other_s: the rest of the step (embedding, loss, optimizer), seconds, added to the prediction.
         copy_overhead: the share of a hidden copy's time still counted (keeping wins ties).
+        host_budget: the pinned host memory the offloaded tensors may take, bytes (`host_bytes`); None: no limit.
 
     Returns:
         The `Plan`; where even the leanest plan does not fit, that one with ``fits=False``.
@@ -278,6 +298,24 @@ def plan(
         _options(layer, layers[i + 1].backward_s if i + 1 < len(layers) else 0.0, bandwidth, copy_overhead, i == len(layers) - 1)
         for i, layer in enumerate(layers)
     ]
+    made = fastest = _plan(layers, per_layer, budget, base_bytes, other_s)
+    limited = 0  # layers, first to last, that may not offload
+    while host_budget is not None and made.host_bytes > host_budget and limited < len(layers):
+        limited = max(limited + 1, min(made.layers_offloading()) + 1)
+        per_layer[:limited] = [[o for o in options if not o.offloaded] for options in per_layer[:limited]]
+        made = _plan(layers, per_layer, budget, base_bytes, other_s)
+    if limited:
+        reason = (
+            f"strategy.host_budget_gib={host_budget / GIB:.2f}: the fastest plan offloads {fastest.host_bytes / GIB:.2f} GiB "
+            f"to pinned host memory, more than that; {len(made.layers_offloading())} of {len(layers)} layers offload "
+            f"({made.host_bytes / GIB:.2f} GiB), the others keep or recompute instead"
+        )
+        made = replace(made, fallbacks=(*made.fallbacks, reason))
+    return made
+
+
+def _plan(layers: list[LayerProfile], per_layer: list[list[_Option]], budget: int, base_bytes: int, other_s: float) -> Plan:
+    """`plan`'s search over ``per_layer``'s options (see the module docstring)."""
     # the bytes' unit of the search: fine enough to be exact to a fraction of a percent, coarse enough to be quick
     unit = max(MIB, sum(max(o.kept for o in options) for options in per_layer) // 4096)
     best: tuple[float, int, list[_Option]] | None = None
@@ -304,4 +342,5 @@ def plan(
         fits=fits,
         base_bytes=base_bytes,
         names=names,
+        host_bytes=host_bytes(o.offloaded for o in chosen),
     )
