@@ -15,9 +15,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_cuda_graphs import DEVICES, TINY, _batch, _loss_and_grads, _module
+from test_cuda_graphs import DEVICES, PLANS, TINY, _batch, _close, _loss_and_grads, _module, _plan
 
-from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
+from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, apply_memory_plan, cuda_graph_stats, graphed_layers
+from lightning_ft.strategies.offload import ActivationOffload
 from lightning_ft.strategies.planner import GIB, MIB, Bandwidth
 from lightning_ft.strategies.profiler import StepProfiler
 from lightning_ft.strategies.strategy import Execution, SingleDeviceStrategy
@@ -167,6 +168,67 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     assert len(mine) == len(grads) == len(batches)
     for step, (got, want) in enumerate(zip(mine, grads)):
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
+
+
+def _slow_copies(monkeypatch, device: str) -> None:
+    """Make every copy of the offloaded inputs as late as the offload allows.
+
+    CUDA: the copy stream sleeps (``torch.cuda._sleep``, about 10 ms) before each use, so each copy to the host and
+    back starts long after the compute stream queued it. CPU (copies are synchronous there): each copy to the host
+    lands only when the offload lets its input go (`ActivationOffload._let_go`, the latest point its design allows),
+    reading the input as it is then; until then the host copy holds NaN."""
+    if device == "cuda":
+        stream = ActivationOffload._stream
+
+        def sleepy(self, on):
+            s = stream(self, on)
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(20_000_000)
+            return s
+
+        monkeypatch.setattr(ActivationOffload, "_stream", sleepy)
+        return
+    save, let_go, pending = ActivationOffload.save, ActivationOffload._let_go, {}
+
+    def late_save(self, x, layer_index):
+        saved = save(self, x, layer_index)
+        if saved.host is not None and saved.source is not None:
+            pending[id(saved)] = saved
+            saved.host = torch.full_like(saved.host, float("nan"))
+        return saved
+
+    def late_let_go(self):
+        if self.holding is not None and pending.pop(id(self.holding), None) is not None:
+            self.holding.host.copy_(self.holding.source)
+        let_go(self)
+
+    monkeypatch.setattr(ActivationOffload, "save", late_save)
+    monkeypatch.setattr(ActivationOffload, "_let_go", late_let_go)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, device):
+    """Offloaded inputs whose copies are as late as possible (`_slow_copies`) against transformers' checkpointing:
+    the same loss and gradients, bit for bit on the CPU (within bf16's tolerance on the GPU), step after step."""
+    cuda = device == "cuda"
+    module = _module("llama", device)
+    reference = _module("llama", device)
+    reference.model.load_state_dict(module.model.state_dict())
+    apply_cuda_graphs(module.model)
+    apply_memory_plan(module.model, _plan(PLANS["offload, recompute"](TINY["llama"]["num_hidden_layers"])))
+    _slow_copies(monkeypatch, device)
+    for step, row in enumerate(["a", "b", "a", "a"]):  # eager, eager, then replayed from graphs
+        batch = _batch(row, device, seed=step)
+        want_loss, want = _loss_and_grads(reference, batch, train=True)
+        got_loss, got = _loss_and_grads(module, batch, train=True)
+        assert got.keys() == want.keys()
+        if cuda:
+            bad = [n for n in want if not _close(got[n], want[n], cuda=True)]
+            assert abs(got_loss.item() - want_loss.item()) <= 1e-2 * abs(want_loss.item()) and not bad, f"step {step}: {bad[:4]}"
+        else:
+            assert torch.equal(got_loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
+    stats = cuda_graph_stats(module.model)
+    assert stats["offloaded_inputs"] == 4 * (TINY["llama"]["num_hidden_layers"] - 1) and stats["replayed_layer_calls"] > 0
 
 
 @pytest.mark.gpu
