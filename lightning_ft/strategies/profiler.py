@@ -18,7 +18,8 @@ backward), the memory base (what is allocated now, the trainable weights' gradie
 two moments per trainable weight if it has no state yet, and the larger of one layer's backward
 working set with nothing kept and the rest of the forward's working set), and the device ↔ pinned
 host bandwidth (a timed copy of `COPY_BYTES` each way). The peak statistics are reset after each
-layer's timing, so the measuring's own allocations do not count as the training step's peak.
+layer's timing and at the end, so the measuring's own allocations do not count as the training step's peak
+(summary.json reads the peak of building the model before: ``peak_memory_setup_bytes``).
 
 Everything device-specific goes through methods a test can replace (`StepProfiler.timed`,
 `bandwidth`, `free_bytes`, `free_host_bytes`, `memory_allocated`, `peak_allocated`): off CUDA the
@@ -171,11 +172,12 @@ class StepProfiler:
             forward_peak[0] = max(forward_peak[0], self.peak_allocated(device))
             kwargs = dict(kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states")
-            if index == 0:  # the kernels' first calls (autotuning, workspaces) are not the layers' times
-                self._layer(layer, hidden, kwargs, kinds, device, index)
-            measuring[index] = self.timed(
-                lambda: results.__setitem__(index, self._layer(layer, hidden, kwargs, kinds, device, index)), device, index, "measuring"
-            )
+            def run() -> None:
+                if index == 0:  # the kernels' first calls (autotuning, workspaces) are not the layers' times
+                    self._layer(layer, hidden, kwargs, kinds, device, index)
+                results[index] = self._layer(layer, hidden, kwargs, kinds, device, index)
+
+            measuring[index] = self.timed(run, device, index, "measuring")
             self.peak_allocated(device, reset=True)
 
         handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
@@ -188,6 +190,7 @@ class StepProfiler:
         forward_peak[0] = max(forward_peak[0], self.peak_allocated(device, reset=True))
         bandwidth = self.bandwidth(device)
         self.synchronize(device)
+        self.peak_allocated(device, reset=True)  # the measuring's own memory is not the training step's peak
         if len(results) != len(layers):
             raise RuntimeError(f"memory plan: the forward ran {len(results)} of the {len(layers)} decoder layers")
         profiles, working = [], 0
@@ -221,11 +224,9 @@ class StepProfiler:
 
         def backward(keeps: list[KeptActivations]) -> None:
             with torch.enable_grad(), keeping(*keeps, recompute=True):
-                inputs = x.detach().requires_grad_(hidden.requires_grad)
+                inputs = x.detach().requires_grad_()  # as in training past the first layer: the input's gradient too
                 out = forward(inputs, **kwargs)
-            wrt = [inputs, *params] if inputs.requires_grad else params
-            if wrt and out.requires_grad:
-                torch.autograd.grad(out, wrt, x, allow_unused=True)  # the input as the output's gradient: no RNG drawn
+            torch.autograd.grad(out, [inputs, *params], x, allow_unused=True)  # the input as the output's gradient: no RNG drawn
 
         result: dict[str, Any] = {"input_bytes": x.numel() * x.element_size()}
         with torch.no_grad():

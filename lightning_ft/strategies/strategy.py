@@ -196,6 +196,7 @@ class ExecutionMixin:
         context = getattr(getattr(self, "precision_plugin", None), "train_step_context", None)
         measured = self.profiler.measure(module, batch, layers, kinds, context)
         made = plan(measured.layers, budget, measured.base_bytes, measured.bandwidth, measured.other_s, host_budget=self.host_budget())
+        made = self.broadcast(made)  # several processes: rank zero's plan for all (their timings differ a little)
         for reason in made.fallbacks:
             rank_zero_info(f"memory plan: {reason}")
         if not made.fits:

@@ -15,9 +15,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_cuda_graphs import DEVICES, PLANS, TINY, _batch, _close, _loss_and_grads, _module, _plan
+from test_cuda_graphs import (
+    DEVICES,
+    TINY,
+    _batch,
+    _loss_and_grads,
+    _module,
+)
+from test_cuda_graphs import test_every_memory_plan_gives_the_gradients_of_plain_checkpointing as _plan_gives_plain_gradients
 
-from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, apply_memory_plan, cuda_graph_stats, graphed_layers
+from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
 from lightning_ft.strategies.offload import ActivationOffload
 from lightning_ft.strategies.planner import GIB, MIB, Bandwidth
 from lightning_ft.strategies.profiler import StepProfiler
@@ -207,28 +214,13 @@ def _slow_copies(monkeypatch, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, device):
-    """Offloaded inputs whose copies are as late as possible (`_slow_copies`) against transformers' checkpointing:
-    the same loss and gradients, bit for bit on the CPU (within bf16's tolerance on the GPU), step after step."""
-    cuda = device == "cuda"
-    module = _module("llama", device)
-    reference = _module("llama", device)
-    reference.model.load_state_dict(module.model.state_dict())
-    apply_cuda_graphs(module.model)
-    apply_memory_plan(module.model, _plan(PLANS["offload, recompute"](TINY["llama"]["num_hidden_layers"])))
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, kind, device):
+    """`test_every_memory_plan_gives_the_gradients_of_plain_checkpointing` with every layer input but the last
+    offloaded and the copies as late as possible (`_slow_copies`): the same loss and gradients as transformers'
+    checkpointing, bit for bit on the CPU (within bf16's tolerance on the GPU), step after step."""
     _slow_copies(monkeypatch, device)
-    for step, row in enumerate(["a", "b", "a", "a"]):  # eager, eager, then replayed from graphs
-        batch = _batch(row, device, seed=step)
-        want_loss, want = _loss_and_grads(reference, batch, train=True)
-        got_loss, got = _loss_and_grads(module, batch, train=True)
-        assert got.keys() == want.keys()
-        if cuda:
-            bad = [n for n in want if not _close(got[n], want[n], cuda=True)]
-            assert abs(got_loss.item() - want_loss.item()) <= 1e-2 * abs(want_loss.item()) and not bad, f"step {step}: {bad[:4]}"
-        else:
-            assert torch.equal(got_loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
-    stats = cuda_graph_stats(module.model)
-    assert stats["offloaded_inputs"] == 4 * (TINY["llama"]["num_hidden_layers"] - 1) and stats["replayed_layer_calls"] > 0
+    _plan_gives_plain_gradients(kind, "offload, recompute", device)
 
 
 @pytest.mark.gpu
