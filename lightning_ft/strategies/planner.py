@@ -86,7 +86,8 @@ class SavedClass:
         name: ``input`` (the checkpointed layer input), ``attention``, ``projections``, ...
         nbytes: its bytes in one layer.
         recompute_s: seconds to recompute it in the backward (ignored where ``recompute`` is not allowed).
-        actions: what may happen to it (a subset of `ACTIONS`; ``keep`` always).
+        actions: what may happen to it (a non-empty subset of `ACTIONS`; a class that may only be offloaded is
+            kept in the last layer, which offloads nothing).
     """
 
     name: str
@@ -95,8 +96,8 @@ class SavedClass:
     actions: tuple[str, ...] = ACTIONS
 
     def __post_init__(self):
-        if "keep" not in self.actions or not set(self.actions) <= set(ACTIONS):
-            raise ValueError(f"saved class {self.name}: actions {self.actions} must include keep, from {ACTIONS}")
+        if not self.actions or not set(self.actions) <= set(ACTIONS):
+            raise ValueError(f"saved class {self.name}: actions {self.actions} must be some of {ACTIONS}")
         if self.nbytes < 0 or self.recompute_s < 0:
             raise ValueError(f"saved class {self.name}: negative bytes or recompute time")
 
@@ -215,9 +216,10 @@ class Plan:
         return table
 
 
-def _options(layer: LayerProfile, window_s: float, bandwidth: Bandwidth, copy_overhead: float, last: bool) -> list[_Option]:
-    """Every combination of actions for ``layer``, with its bytes kept and offloaded and its time."""
-    choices = [[a for a in c.actions if not (last and a == "offload")] for c in layer.saved]
+def _options(layer: LayerProfile, window_s: float, bandwidth: Bandwidth, copy_overhead: float, no_offload: bool) -> list[_Option]:
+    """Every combination of actions for ``layer``, with its bytes kept and offloaded and its time; ``no_offload``
+    (the last layer, or a pinned-host budget): a class that may only be offloaded is kept."""
+    choices = [[a for a in c.actions if not (no_offload and a == "offload")] or ["keep"] for c in layer.saved]
     options = []
     for actions in itertools.product(*choices):
         kept = sum(c.nbytes for c, a in zip(layer.saved, actions) if a == "keep")
@@ -294,16 +296,18 @@ def plan(
         raise ValueError("memory plan: no decoder layers")
     if not (bandwidth.device_to_host > 0 and bandwidth.host_to_device > 0):
         raise ValueError(f"memory plan: copy bandwidth must be positive, got {bandwidth}")
-    per_layer = [
-        _options(layer, layers[i + 1].backward_s if i + 1 < len(layers) else 0.0, bandwidth, copy_overhead, i == len(layers) - 1)
-        for i, layer in enumerate(layers)
-    ]
-    made = fastest = _plan(layers, per_layer, budget, base_bytes, other_s)
+    def per_layer(limited: int) -> list[list[_Option]]:  # layers before ``limited`` offload nothing
+        return [
+            _options(layer, layers[i + 1].backward_s if i + 1 < len(layers) else 0.0, bandwidth, copy_overhead,
+                     i == len(layers) - 1 or i < limited)
+            for i, layer in enumerate(layers)
+        ]
+
+    made = fastest = _plan(layers, per_layer(0), budget, base_bytes, other_s)
     limited = 0  # layers, first to last, that may not offload
     while host_budget is not None and made.host_bytes > host_budget and limited < len(layers):
         limited = max(limited + 1, min(made.layers_offloading()) + 1)
-        per_layer[:limited] = [[o for o in options if not o.offloaded] for options in per_layer[:limited]]
-        made = _plan(layers, per_layer, budget, base_bytes, other_s)
+        made = _plan(layers, per_layer(limited), budget, base_bytes, other_s)
     if limited:
         reason = (
             f"strategy.host_budget_gib={host_budget / GIB:.2f}: the fastest plan offloads {fastest.host_bytes / GIB:.2f} GiB "
@@ -321,6 +325,8 @@ def _plan(layers: list[LayerProfile], per_layer: list[list[_Option]], budget: in
     best: tuple[float, int, list[_Option]] | None = None
     for staging in sorted({o.offloaded for options in per_layer for o in options}):
         allowed = [[o for o in options if o.offloaded <= staging] for options in per_layer]
+        if not all(allowed):  # a layer that must offload more than this staging size
+            continue
         chosen = _knapsack(allowed, budget - base_bytes - 2 * staging, unit)
         if chosen is not None:
             time = sum(o.time for o in chosen)

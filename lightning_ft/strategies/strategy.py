@@ -22,7 +22,7 @@ choice does: the connector hands the devices of ``trainer.devices`` to any strat
 from __future__ import annotations
 
 import io
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -175,6 +175,8 @@ class ExecutionMixin:
         """Measure ``module``'s graphed decoder layers on ``batch`` (``profiler``), make the memory plan within
         `memory_budget` and `host_budget` (`lightning_ft.strategies.planner.plan`) and `apply_memory_plan` it.
 
+        The options constrain the plan: ``strategy.keep_attention=false`` (``keep_projections``) leaves that class
+        out (recomputed), ``strategy.activation_offload=true`` offloads every layer input (but the last layer's).
         No plan (None) where there is no budget (off CUDA, ``strategy.memory_budget_gib=null``) or the layers are
         not graphed (``strategy.cuda_graphs=false``, FSDP2; logged). The fallbacks of the host budget are logged
         once each, and a plan that does not fit the budget is a warning (the leanest plan is used).
@@ -195,6 +197,9 @@ class ExecutionMixin:
         kinds = tuple(kind for kind in KINDS if options[kind])
         context = getattr(getattr(self, "precision_plugin", None), "train_step_context", None)
         measured = self.profiler.measure(module, batch, layers, kinds, context)
+        if self.execution.activation_offload:  # asked for: every layer input offloaded (the last one's stays)
+            offload = lambda c: replace(c, actions=("offload",)) if c.name == "input" else c  # noqa: E731
+            measured = replace(measured, layers=tuple(replace(p, saved=tuple(map(offload, p.saved))) for p in measured.layers))
         made = plan(measured.layers, budget, measured.base_bytes, measured.bandwidth, measured.other_s, host_budget=self.host_budget())
         made = self.broadcast(made)  # several processes: rank zero's plan for all (their timings differ a little)
         for reason in made.fallbacks:

@@ -118,6 +118,14 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
     assert not hostless.layers_where("input", "offload") and hostless.host_bytes == 0 and not hostless.fits
     assert ("strategy.host_budget_gib=0.00: the fastest plan offloads 0.08 GiB to pinned host memory, more than that; 0 of 6 "
             "layers offload (0.00 GiB), the others keep or recompute instead") in caplog.text
+    # the options constrain it: activation_offload offloads every input but the last, keep_* false leaves a class out
+    forced = _strategy(FakeProfiler(**scaled), memory_budget_gib=8.0, activation_offload=True, keep_projections=False)
+    forced = forced.plan_memory(module, batch)
+    assert forced.layers_where("input", "offload") == set(range(layers - 1)) and forced.action(layers - 1, "input") == "keep"
+    assert forced.names == ("input", "attention") and forced.layers_where("attention", "keep") == set(range(layers))
+    hostless = _strategy(FakeProfiler(**scaled), memory_budget_gib=8.0, activation_offload=True, host_budget_gib=0)
+    hostless = hostless.plan_memory(module, batch)  # the host budget wins: the inputs stay, said so
+    assert not hostless.layers_where("input", "offload") and hostless.fits and hostless.fallbacks
     assert _strategy(FakeProfiler(), host_budget_gib=None).host_budget() is None
     assert _strategy(FakeProfiler(host=4 * GIB)).host_budget() == 3 * GIB  # auto: 75% of what is available
 
@@ -243,3 +251,12 @@ def test_the_gpu_measures_the_layers_and_the_plan_fits_the_measured_peak():
     for step in range(3):
         _loss_and_grads(module, _batch("a", "cuda", seed=step), train=True)
     assert torch.cuda.max_memory_allocated() <= made.budget_bytes
+
+
+def test_host_budget_option_errors_name_the_key():
+    from lightning_ft.strategies.strategy import host_budget_bytes
+
+    for bad in (-1, "lots", True):
+        with pytest.raises(ValueError, match=r"strategy.host_budget_gib=.*: expected a number of GiB >= 0, auto, or null for no limit"):
+            Execution(host_budget_gib=bad).check()
+    assert host_budget_bytes(2, available=0) == 2 * GIB and host_budget_bytes("auto", available=8 * GIB, processes=2) == 3 * GIB
