@@ -1,7 +1,9 @@
 """``python -m lightning_ft bench report``: regenerate ``benchmarks/RESULTS.md`` and its plots from the results tables.
 
-For each table (the ``table`` column, one per bench preset) the report shows the latest row of each
-(system, layers, seq_len): date order, and file order among rows of the same date. Each row's ratios
+It leads with speed at equal memory, where memory-matched rows exist (bench ``memory_matched=SYSTEM``):
+each such ``lightning_ft`` row beside the peer whose measured peak was its memory budget, same run and
+length (`equal_memory_section`). For each table (the ``table`` column, one per bench preset) the report
+shows the latest row of each (system, layers, seq_len, memory_matched): date order, and file order among rows of the same date. Each row's ratios
 (× ``hf_peft``, × ``unsloth``, memory) are against the peer's row of the same run and length; a
 peer that did not run in that run gives no ratio. The table's text is the leading comment of its
 preset (``configs/bench/<table>.yaml``); the plot (tokens/s and peak memory against the length)
@@ -44,13 +46,48 @@ This file is generated: `python -m lightning_ft bench report` rebuilds it and th
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The latest row of each (system, layers, seq_len) of ``rows`` (one table's), by date and then file order;
-    sorted by length, then `SYSTEM_ORDER`."""
+    """The latest row of each (system, layers, seq_len, memory_matched) of ``rows`` (one table's), by date and then file
+    order; sorted by length, then `SYSTEM_ORDER` (a memory-matched row after the system's own)."""
     latest: dict[tuple, dict[str, Any]] = {}
     for index, row in sorted(enumerate(rows), key=lambda item: (item[1]["date"], item[0])):
-        latest[(row["system"], row["layers"], row["seq_len"])] = row
+        latest[(row["system"], row["layers"], row["seq_len"], row.get("memory_matched"))] = row
     rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
-    return sorted(latest.values(), key=lambda r: (r["layers"], r["seq_len"], rank.get(r["system"], len(rank)), r["system"]))
+    return sorted(latest.values(), key=lambda r: (r["layers"], r["seq_len"], rank.get(r["system"], len(rank)), r["system"],
+                                                  r.get("memory_matched") or ""))
+
+
+def _system_cell(row: dict[str, Any]) -> str:
+    matched = row.get("memory_matched")
+    return f"`{row['system']}`" + (f" at `{matched}`'s memory" if matched else "")
+
+
+def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Speed at equal memory: the latest memory-matched ``lightning_ft`` row of each (table, model, layers, length,
+    peer) beside the peer's row of its run (whose peak was its budget); [] where there are none."""
+    latest: dict[tuple, dict[str, Any]] = {}
+    for index, row in sorted(enumerate(rows), key=lambda item: (item[1]["date"], item[0])):
+        if row.get("memory_matched") and row["table"]:
+            latest[(row["table"], row["model"], row["layers"], row["seq_len"], row["memory_matched"])] = row
+    if not latest:
+        return []
+    head = ["table", "model (layers)", "tokens", "peer", "peer tokens/s", "peer peak GiB", "lightning_ft tokens/s", "× peer",
+            "lightning_ft peak GiB", "predicted within", "run (commit)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("table", "model (layers)", "peer", "run (commit)") else "---:"
+                                                        for h in head) + "|"]
+    for r in latest.values():
+        peer = _peer(rows, r, r["memory_matched"])
+        ok = r["status"] == "ok"
+        within = "–" if not ok or r["peak_mem_gib"] is None or r["memory_budget_gib"] is None else (
+            "yes" if r["peak_mem_gib"] <= r["memory_budget_gib"] else f"no (+{r['peak_mem_gib'] - r['memory_budget_gib']:.2f})")
+        cells = [r["table"], f"{r['model']} ({r['layers']})", str(r["seq_len"]), f"`{r['memory_matched']}`",
+                 _num(peer and peer["tokens_per_s"], ",.0f"), _num(peer and peer["peak_mem_gib"], ".2f"),
+                 _num(r["tokens_per_s"], ",.0f") if ok else r["status"], _ratio(r["tokens_per_s"] if ok else None, peer and peer["tokens_per_s"]),
+                 _num(r["peak_mem_gib"] if ok else None, ".2f"), within, f"{r['date'][:10]} ({r['commit']})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return ["## Speed at equal memory", "",
+            "`lightning_ft` with `strategy.memory_budget_gib` set to the peer's measured peak (allocated) of the same run "
+            "and length (`python -m lightning_ft bench +bench=PRESET memory_matched=PEER`): tokens/s at equal memory. "
+            "*Within*: whether its own measured peak kept to that budget.", "", *lines, ""]
 
 
 def _peer(rows: list[dict[str, Any]], row: dict[str, Any], system: str) -> dict[str, Any] | None:
@@ -93,7 +130,7 @@ def markdown_table(shown: list[dict[str, Any]], rows: list[dict[str, Any]]) -> s
             speed.append(_ratio(r["tokens_per_s"], base and base["tokens_per_s"]) + mark)
             mem.append(_ratio(r["peak_mem_gib"], base and base["peak_mem_gib"]) + mark)
             other_run = other_run or bool(mark)
-        cells = [str(r["seq_len"]), str(r["layers"]), f"`{r['system']}`", ms, _num(r["tokens_per_s"] if ok else None, ",.0f"),
+        cells = [str(r["seq_len"]), str(r["layers"]), _system_cell(r), ms, _num(r["tokens_per_s"] if ok else None, ",.0f"),
                  *speed, _num(r["mfu"] if ok and r["mfu"] is not None else None, ".1%"), memory, *mem,
                  _num(r["loss_last"] if ok else None, ".4f"), f"{r['date'][:10]} ({r['commit']})"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -110,12 +147,14 @@ def plot(shown: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
-    for system in dict.fromkeys(r["system"] for r in shown):
-        ok = sorted((r for r in shown if r["system"] == system and r["status"] == "ok"), key=lambda r: r["seq_len"])
+    for system, matched in dict.fromkeys((r["system"], r.get("memory_matched")) for r in shown):
+        ok = sorted((r for r in shown if (r["system"], r.get("memory_matched")) == (system, matched) and r["status"] == "ok"),
+                    key=lambda r: r["seq_len"])
         if not ok:
             continue
         seqs = [r["seq_len"] for r in ok]
-        style = {"marker": "o", "label": system, "color": f"C{SYSTEM_ORDER.index(system) if system in SYSTEM_ORDER else len(SYSTEM_ORDER)}"}
+        style = {"marker": "o", "label": system + (f" at {matched}'s memory" if matched else ""), "linestyle": "--" if matched else "-",
+                 "color": f"C{SYSTEM_ORDER.index(system) if system in SYSTEM_ORDER else len(SYSTEM_ORDER)}"}
         axes[0].plot(seqs, [r["tokens_per_s"] for r in ok], **style)
         with_mem = [r for r in ok if r["peak_mem_gib"] is not None]
         if with_mem:
@@ -256,6 +295,7 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
     micro = micro or []
     links = order + [b for b in MICRO_SECTIONS if any(r["table"] == b for r in micro)] + (["fault-drills"] if drills else [])
     parts += ["Tables: " + ", ".join(f"[{t}](#{t})" for t in links), ""] if links else []
+    parts += equal_memory_section(rows)
     for table in order:
         table_rows = shown[table]
         models = ", ".join(dict.fromkeys(f"{r['model']} ({r['layers']} layers)" for r in table_rows))

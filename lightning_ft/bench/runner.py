@@ -5,6 +5,12 @@ append each row to the results table (``results_table``; `lightning_ft.bench.tab
 The systems run one after another on the same device (never at the same time); each gets its
 own process so that allocator state, compiled kernels and monkey-patches (Liger patches
 transformers classes) never leak from one to the next.
+
+Memory-matched runs (``memory_matched=SYSTEM``): at each length the named peer runs first and
+``lightning_ft`` then runs with ``strategy.memory_budget_gib`` set to the peer's measured peak
+(allocated) of that length, so the two compare at equal memory; the ``lightning_ft`` row records the
+peer (``memory_matched``) and the budget (``memory_budget_gib``). Where the peer measured no peak (it
+failed, or on the CPU), the ``lightning_ft`` row is not run and says why.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ log = logging.getLogger(__name__)
 _COLUMNS = [("system", "system"), ("layers", "layers"), ("seq_len", "seq"), ("status", "status"),
             ("ms_per_step", "ms/step"), ("tokens_per_s", "tokens/s"), ("x_vs_hf_peft", "× hf_peft"),
             ("mfu", "MFU"), ("peak_mem_gib", "peak GiB"), ("mem_vs_hf_peft", "mem × hf_peft"), ("loss_last", "loss")]
-_PROFILE_COLUMNS = [("device_busy_ms_per_step", "device busy ms"), ("kernels_per_step", "kernels/step")]
+_PROFILE_COLUMNS = [("device_busy_ms_per_step", "device busy ms"), ("kernels_per_step", "kernels/step"),
+                    ("memory_budget_gib", "budget GiB"), ("predicted_peak_gib", "predicted peak GiB")]
 
 
 def environment() -> dict[str, Any]:
@@ -71,6 +78,12 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
 
     import torch
 
+    matched = cfg.get("memory_matched")
+    if matched is not None and (matched not in SYSTEMS or matched == "lightning_ft" or "lightning_ft" not in cfg.systems):
+        raise ValueError(
+            f"memory_matched={matched}: expected a peer ({', '.join(s for s in SYSTEMS if s != 'lightning_ft')}) whose "
+            "measured peak becomes lightning_ft's strategy.memory_budget_gib, with lightning_ft in systems"
+        )
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
         close = sorted({c for s in unknown for c in difflib.get_close_matches(str(s), list(SYSTEMS), n=1)})
@@ -103,8 +116,10 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     config = OmegaConf.to_container(cfg, resolve=True)
     commit = results_table.git_commit() if table_path else None
     rows = []
+    systems = list(cfg.systems) if matched is None else [matched, *(s for s in cfg.systems if s != matched)]  # the peer first
     for seq_len in cfg.seq_lens:
-        for system in cfg.systems:
+        peer: dict[str, Any] | None = None
+        for system in systems:
             spec = {
                 "system": system,
                 "model": cfg.name,
@@ -123,7 +138,12 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
                 "peak_flops": peak,
                 "profile": str(out_dir / f"profile_{system}_{seq_len}.txt") if cfg.profile else None,
             }
-            row = _run_worker(spec, cfg.timeout_s)
+            if matched is not None and system == "lightning_ft":
+                row = _memory_matched(spec, peer, matched, cfg.timeout_s)
+            else:
+                row = _run_worker(spec, cfg.timeout_s)
+            if system == matched:
+                peer = row
             log.info("bench row: %s", row_text(row))
             rows.append(row)
             _write(out_dir, env, _with_ratios(rows), cfg)
@@ -139,7 +159,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
 
 #: overrides that leave a preset's measurement as it is (which lengths and systems, how many steps, where output goes)
 _SAME_MEASUREMENT = {"seq_lens", "systems", "warmup_steps", "timed_steps", "timeout_s", "out_dir", "name", "results_table",
-                     "table"}
+                     "table", "memory_matched"}  # memory_matched: its rows say so (`lightning_ft.bench.table`'s column)
 
 
 def _table_target(cfg: DictConfig) -> tuple[Path | None, str]:
@@ -174,9 +194,25 @@ def _table_target(cfg: DictConfig) -> tuple[Path | None, str]:
     return path, str(name)
 
 
+def _memory_matched(spec: dict[str, Any], peer: dict[str, Any], matched: str, timeout_s: int) -> dict[str, Any]:
+    """``lightning_ft``'s row with ``strategy.memory_budget_gib`` = the ``peer`` row's peak (allocated, GiB); not run
+    (a row saying why) where the peer measured none."""
+    budget = peer.get("peak_mem_gib") if peer.get("status") == "ok" else None
+    record = {"memory_matched": matched, "memory_budget_gib": budget}
+    if budget is None:
+        why = peer.get("status") if peer.get("status") != "ok" else "no peak memory: not on CUDA"
+        return {**_row_base(spec), "status": f"not run: memory_matched={matched} measured no peak ({why})", **record}
+    spec = {**spec, "strategy": {**spec["strategy"], "memory_budget_gib": budget}}
+    return {**_run_worker(spec, timeout_s), **record}
+
+
+def _row_base(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: spec[k] for k in ("system", "model", "seq_len")} | {"layers": spec["model_config"]["num_hidden_layers"]}
+
+
 def _run_worker(spec: dict[str, Any], timeout_s: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "lightning_ft.bench.worker", json.dumps(spec)]
-    base = {k: spec[k] for k in ("system", "model", "seq_len")} | {"layers": spec["model_config"]["num_hidden_layers"]}
+    base = _row_base(spec)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:

@@ -214,8 +214,9 @@ def unsloth_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int)
 def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
     """Run ``num_steps`` steps of `FinetuneModule` under a Lightning `Trainer`; returns (seconds per step, last loss, summary).
 
-    The summary has `StepTimer`'s entries and, with CUDA graphs, `cuda_graph_stats` prefixed
-    ``cuda_graphs_`` (layer calls replayed, bytes of attention and projection outputs kept).
+    The summary has `StepTimer`'s entries, with a memory plan its predicted peak (``predicted_peak_gib``) and,
+    with CUDA graphs, `cuda_graph_stats` prefixed ``cuda_graphs_`` (layer calls replayed, bytes of attention and
+    projection outputs kept).
     """
     import lightning as L
 
@@ -261,7 +262,9 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     loader = torch.utils.data.DataLoader([batch] * num_steps, batch_size=1, collate_fn=lambda items: items[0])
     trainer.fit(module, train_dataloaders=loader)
     graphs = cuda_graph_stats(module.model) or {}  # how many layers replayed, what they kept (bytes)
-    return timer.times, module.step_losses[-1], {**timer.summary, **{f"cuda_graphs_{k}": v for k, v in graphs.items()}}
+    plan = trainer.strategy.memory_plan  # the memory plan (strategy.memory_budget_gib), if one was made
+    predicted = {"predicted_peak_gib": plan.peak_bytes / 2**30} if plan is not None else {}
+    return timer.times, module.step_losses[-1], {**timer.summary, **predicted, **{f"cuda_graphs_{k}": v for k, v in graphs.items()}}
 
 
 class StepTimer:

@@ -11,7 +11,10 @@
 ``python -m lightning_ft bench report`` regenerates ``benchmarks/RESULTS.md`` and its plots from them
 (`lightning_ft.bench.report`). The schemas live here and nowhere else: each `Schema` has its columns
 (name, type, meaning) and a version that goes up whenever they change; a file whose header differs
-is refused by `read_rows` and `append_rows` with the missing and unknown column names.
+is refused by `read_rows` and `append_rows` with the missing and unknown column names, but for a file of an
+older version whose columns are the first of the current ones (columns are only ever added at the end):
+`read_rows` reads its rows with the new columns empty and `append_rows` first rewrites it under the current
+header.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: (column, type, meaning); floats are written with the digits in `_DIGITS`, an unknown value as an empty cell
 COLUMNS: tuple[tuple[str, type, str], ...] = (
@@ -63,6 +66,9 @@ COLUMNS: tuple[tuple[str, type, str], ...] = (
     ("liger_kernel", str, "version of the peer liger-kernel, if installed"),
     ("unsloth", str, "version of the peer unsloth, if installed"),
     ("unsloth_zoo", str, "version of unsloth-zoo, if installed"),
+    ("memory_matched", str, "lightning_ft rows of a memory-matched run (bench memory_matched=SYSTEM): the peer whose measured "
+                            "peak, in the same run and length, was the memory budget"),
+    ("memory_budget_gib", float, "the strategy.memory_budget_gib the row ran with: the matched peer's peak allocated memory (GiB)"),
 )
 COLUMN_NAMES = tuple(name for name, _, _ in COLUMNS)
 #: the columns every appended row must have
@@ -161,8 +167,13 @@ def _schema_text(schema: Schema) -> str:
     return f"the {schema.name} table's schema (version {schema.version})"
 
 
+def _older(header: list[str], schema: Schema) -> bool:
+    """Whether ``header`` is an older version's: the schema's first columns (columns are added at the end)."""
+    return 0 < len(header) < len(schema.names) and tuple(header) == schema.names[: len(header)]
+
+
 def _check_header(header: list[str], path: Path, schema: Schema) -> None:
-    if tuple(header) == schema.names:
+    if tuple(header) == schema.names or _older(header, schema):
         return
     missing = [c for c in schema.names if c not in header]
     unknown = [c for c in header if c not in schema.names]
@@ -204,7 +215,8 @@ def read_rows(path: str | Path, schema: Schema = STEP) -> list[dict[str, Any]]:
         if header is None:
             return []
         _check_header(header, path, schema)
-        return [{name: _parse(name, cell, schema) for name, cell in zip(schema.names, line)} for line in reader if line]
+        pad = [""] * (len(schema.names) - len(header))  # an older version's file: its rows lack the new columns
+        return [{name: _parse(name, cell, schema) for name, cell in zip(schema.names, line + pad)} for line in reader if line]
 
 
 def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], schema: Schema = STEP) -> int:
@@ -231,7 +243,16 @@ def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], schema: Schema
     exists = path.exists() and path.stat().st_size > 0
     if exists:
         with path.open(newline="") as f:
-            _check_header(next(csv.reader(f), []), path, schema)
+            header = next(csv.reader(f), [])
+        _check_header(header, path, schema)
+        if _older(header, schema):  # rewritten under the current header, the new columns empty
+            from lightning_ft.atomic import atomic_file
+
+            with path.open(newline="") as f:
+                lines = [line for line in csv.reader(f) if line][1:]
+            pad = [""] * (len(schema.names) - len(header))  # every cell kept as written
+            with atomic_file(path) as f:
+                f.write(_csv_text([schema.names, *(line + pad for line in lines)]).encode())
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", newline="") as f:
@@ -240,6 +261,14 @@ def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], schema: Schema
             writer.writerow(schema.names)
         writer.writerows([_cell(name, row.get(name), schema) for name in schema.names] for row in rows)
     return len(rows)
+
+
+def _csv_text(lines: Iterable[Iterable[str]]) -> str:
+    import io
+
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(lines)
+    return out.getvalue()
 
 
 def git_commit(cwd: str | Path | None = None) -> str:

@@ -102,7 +102,8 @@ from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpo
 from lightning_ft.strategies.planner import Plan
 
 __all__ = [
-    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "apply_memory_plan", "check_cuda_graphs", "cuda_graph_stats", "keep_max_bytes", "recomputing_for_backward", "revert_cuda_graphs",
+    "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "apply_memory_plan", "check_cuda_graphs", "cuda_graph_stats", "graphed_layers", "keep_max_bytes",
+    "recomputing_for_backward", "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -681,6 +682,11 @@ def apply_cuda_graphs(
     return len(layers)
 
 
+def graphed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of ``model`` that `apply_cuda_graphs` patched, in the model's order ([] where none is)."""
+    return [m for m in model.modules() if hasattr(m, _STATE_ATTR)]
+
+
 def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
     """Let ``plan`` (`lightning_ft.strategies.planner.plan`) decide, per decoder layer of a model patched by
     `apply_cuda_graphs`, which kinds its recordings keep (``attention``, ``projections``: kept where the plan
@@ -694,7 +700,7 @@ def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
         ValueError: ``model`` is not patched, the plan is for another number of layers, or it offloads
             something other than layer inputs (plan attention and projections with ``keep``/``recompute`` only).
     """
-    layers = [m for m in model.modules() if hasattr(m, _STATE_ATTR)]
+    layers = graphed_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: apply_cuda_graphs first (the memory plan drives the graphed layers)")
     if len(plan.actions) != len(layers):

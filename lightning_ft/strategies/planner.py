@@ -39,7 +39,7 @@ and offloading for training DNNs").
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 GIB = 2**30
@@ -49,7 +49,7 @@ MIB = 2**20
 AUTO_MARGIN = 0.10
 ACTIONS = ("keep", "offload", "recompute")
 
-__all__ = ["ACTIONS", "AUTO_MARGIN", "Bandwidth", "LayerProfile", "Plan", "SavedClass", "budget_bytes", "plan"]
+__all__ = ["ACTIONS", "AUTO_MARGIN", "Bandwidth", "LayerProfile", "Plan", "SavedClass", "budget_bytes", "host_bytes", "plan"]
 
 
 def budget_bytes(memory_budget_gib: Any, free_bytes: int, margin: float = AUTO_MARGIN) -> int | None:
@@ -72,6 +72,12 @@ def budget_bytes(memory_budget_gib: Any, free_bytes: int, margin: float = AUTO_M
     return int(memory_budget_gib * GIB)
 
 
+def host_bytes(offloaded: Iterable[int]) -> int:
+    """The pinned host memory that tensors of these sizes (bytes) take: each rounded up to a power of two
+    (torch's caching host allocator; `lightning_ft.strategies.offload`)."""
+    return sum(1 << (n - 1).bit_length() for n in offloaded if n > 0)
+
+
 @dataclass(frozen=True)
 class SavedClass:
     """One class of tensors a decoder layer's forward saves for its backward.
@@ -80,7 +86,8 @@ class SavedClass:
         name: ``input`` (the checkpointed layer input), ``attention``, ``projections``, ...
         nbytes: its bytes in one layer.
         recompute_s: seconds to recompute it in the backward (ignored where ``recompute`` is not allowed).
-        actions: what may happen to it (a subset of `ACTIONS`; ``keep`` always).
+        actions: what may happen to it (a non-empty subset of `ACTIONS`; a class that may only be offloaded is
+            kept in the last layer, which offloads nothing).
     """
 
     name: str
@@ -89,8 +96,8 @@ class SavedClass:
     actions: tuple[str, ...] = ACTIONS
 
     def __post_init__(self):
-        if "keep" not in self.actions or not set(self.actions) <= set(ACTIONS):
-            raise ValueError(f"saved class {self.name}: actions {self.actions} must include keep, from {ACTIONS}")
+        if not self.actions or not set(self.actions) <= set(ACTIONS):
+            raise ValueError(f"saved class {self.name}: actions {self.actions} must be some of {ACTIONS}")
         if self.nbytes < 0 or self.recompute_s < 0:
             raise ValueError(f"saved class {self.name}: negative bytes or recompute time")
 
@@ -133,6 +140,10 @@ class Plan:
         peak_bytes: the predicted peak: base + Σ kept + two staging buffers of the largest offload.
         budget_bytes: the budget it was made for.
         fits: whether ``peak_bytes`` fits ``budget_bytes`` (else the leanest plan, which does not).
+        base_bytes: the step's memory without any saved class (`plan`'s ``base_bytes``).
+        names: the saved classes, in the layers' order.
+        host_bytes: the pinned host memory the offloaded tensors take (`host_bytes`).
+        fallbacks: why the plan is not the fastest one (a pinned-host budget that took offloading away), for the log.
     """
 
     actions: tuple[dict[str, str], ...]
@@ -145,18 +156,24 @@ class Plan:
     fits: bool = True
     base_bytes: int = 0
     names: tuple[str, ...] = field(default=())
+    host_bytes: int = 0
+    fallbacks: tuple[str, ...] = ()
 
     def action(self, layer: int, name: str) -> str:
         """What happens to ``name`` in ``layer`` (``keep`` for a class or layer the plan does not know)."""
         return self.actions[layer].get(name, "keep") if 0 <= layer < len(self.actions) else "keep"
+
+    def layers_offloading(self) -> list[int]:
+        """The layers that offload anything, in order."""
+        return [i for i, n in enumerate(self.offloaded_bytes) if n > 0]
 
     def layers_where(self, name: str, action: str) -> set[int]:
         """The layers whose ``name`` gets ``action``."""
         return {i for i, acts in enumerate(self.actions) if acts.get(name) == action}
 
     def summary(self) -> dict[str, Any]:
-        """For summary.json: ``predicted_step_s``, ``predicted_peak_bytes``, ``budget_bytes``, ``fits``, and per
-        class the layers kept, offloaded and recomputed (counts)."""
+        """For summary.json: ``predicted_step_s``, ``predicted_peak_bytes``, ``budget_bytes``, ``fits``,
+        ``host_bytes``, ``fallbacks``, and per class the layers kept, offloaded and recomputed (counts)."""
         counts = {
             name: {action: len(self.layers_where(name, action)) for action in ACTIONS} for name in self.names
         }
@@ -165,6 +182,8 @@ class Plan:
             "predicted_peak_bytes": self.peak_bytes,
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
+            "host_bytes": self.host_bytes,
+            "fallbacks": list(self.fallbacks),
             "layers": counts,
         }
 
@@ -197,9 +216,10 @@ class Plan:
         return table
 
 
-def _options(layer: LayerProfile, window_s: float, bandwidth: Bandwidth, copy_overhead: float, last: bool) -> list[_Option]:
-    """Every combination of actions for ``layer``, with its bytes kept and offloaded and its time."""
-    choices = [[a for a in c.actions if not (last and a == "offload")] for c in layer.saved]
+def _options(layer: LayerProfile, window_s: float, bandwidth: Bandwidth, copy_overhead: float, no_offload: bool) -> list[_Option]:
+    """Every combination of actions for ``layer``, with its bytes kept and offloaded and its time; ``no_offload``
+    (the last layer, or a pinned-host budget): a class that may only be offloaded is kept."""
+    choices = [[a for a in c.actions if not (no_offload and a == "offload")] or ["keep"] for c in layer.saved]
     options = []
     for actions in itertools.product(*choices):
         kept = sum(c.nbytes for c, a in zip(layer.saved, actions) if a == "keep")
@@ -251,6 +271,7 @@ def plan(
     bandwidth: Bandwidth,
     other_s: float = 0.0,
     copy_overhead: float = 0.01,
+    host_budget: int | None = None,
 ) -> Plan:
     """The fastest predicted plan within ``budget`` bytes (see the module docstring for the model).
 
@@ -262,6 +283,7 @@ def plan(
         bandwidth: the measured copy bandwidths.
         other_s: the rest of the step (embedding, loss, optimizer), seconds, added to the prediction.
         copy_overhead: the share of a hidden copy's time still counted (keeping wins ties).
+        host_budget: the pinned host memory the offloaded tensors may take, bytes (`host_bytes`); None: no limit.
 
     Returns:
         The `Plan`; where even the leanest plan does not fit, that one with ``fits=False``.
@@ -274,15 +296,37 @@ def plan(
         raise ValueError("memory plan: no decoder layers")
     if not (bandwidth.device_to_host > 0 and bandwidth.host_to_device > 0):
         raise ValueError(f"memory plan: copy bandwidth must be positive, got {bandwidth}")
-    per_layer = [
-        _options(layer, layers[i + 1].backward_s if i + 1 < len(layers) else 0.0, bandwidth, copy_overhead, i == len(layers) - 1)
-        for i, layer in enumerate(layers)
-    ]
+    def per_layer(limited: int) -> list[list[_Option]]:  # layers before ``limited`` offload nothing
+        return [
+            _options(layer, layers[i + 1].backward_s if i + 1 < len(layers) else 0.0, bandwidth, copy_overhead,
+                     i == len(layers) - 1 or i < limited)
+            for i, layer in enumerate(layers)
+        ]
+
+    made = fastest = _plan(layers, per_layer(0), budget, base_bytes, other_s)
+    limited = 0  # layers, first to last, that may not offload
+    while host_budget is not None and made.host_bytes > host_budget and limited < len(layers):
+        limited = max(limited + 1, min(made.layers_offloading()) + 1)
+        made = _plan(layers, per_layer(limited), budget, base_bytes, other_s)
+    if limited:
+        reason = (
+            f"strategy.host_budget_gib={host_budget / GIB:.2f}: the fastest plan offloads {fastest.host_bytes / GIB:.2f} GiB "
+            f"to pinned host memory, more than that; {len(made.layers_offloading())} of {len(layers)} layers offload "
+            f"({made.host_bytes / GIB:.2f} GiB), the others keep or recompute instead"
+        )
+        made = replace(made, fallbacks=(*made.fallbacks, reason))
+    return made
+
+
+def _plan(layers: list[LayerProfile], per_layer: list[list[_Option]], budget: int, base_bytes: int, other_s: float) -> Plan:
+    """`plan`'s search over ``per_layer``'s options (see the module docstring)."""
     # the bytes' unit of the search: fine enough to be exact to a fraction of a percent, coarse enough to be quick
     unit = max(MIB, sum(max(o.kept for o in options) for options in per_layer) // 4096)
     best: tuple[float, int, list[_Option]] | None = None
     for staging in sorted({o.offloaded for options in per_layer for o in options}):
         allowed = [[o for o in options if o.offloaded <= staging] for options in per_layer]
+        if not all(allowed):  # a layer that must offload more than this staging size
+            continue
         chosen = _knapsack(allowed, budget - base_bytes - 2 * staging, unit)
         if chosen is not None:
             time = sum(o.time for o in chosen)
@@ -304,4 +348,5 @@ def plan(
         fits=fits,
         base_bytes=base_bytes,
         names=names,
+        host_bytes=host_bytes(o.offloaded for o in chosen),
     )

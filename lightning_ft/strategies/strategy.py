@@ -6,6 +6,12 @@
 activations the graphed layers keep, activation offloading, the memory budget. The model is built
 by `lightning_ft.model.build.ModelBuilder`, which reads them from ``trainer.strategy.execution``.
 
+The memory plan: at the first training batch on CUDA, with graphed decoder layers and a memory budget
+(`ExecutionMixin.plan_memory`), the strategy measures the layers on that batch
+(`lightning_ft.strategies.profiler.StepProfiler`, before any graph is recorded), makes the plan within
+``strategy.memory_budget_gib`` and ``strategy.host_budget_gib`` (`lightning_ft.strategies.planner.plan`),
+applies it and logs it as a table.
+
 ``fit`` makes the strategy (`make_strategy`) from ``trainer.strategy`` (a registry name; ``auto``:
 this one on one device, DDP on several) and the ``strategy`` options. The single-device strategy
 learns its device from Lightning's accelerator connector, exactly as Lightning's own ``auto``
@@ -16,14 +22,14 @@ choice does: the connector hands the devices of ``trainer.devices`` to any strat
 from __future__ import annotations
 
 import io
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
-from lightning_ft.strategies.planner import Plan, budget_bytes
+from lightning_ft.strategies.planner import GIB, Plan, budget_bytes, plan
 
 __all__ = ["STRATEGY_NAME", "Execution", "ExecutionMixin", "SingleDeviceStrategy", "make_strategy"]
 
@@ -43,6 +49,8 @@ class Execution:
         memory_budget_gib: the GPU memory a step may use, in GiB, for the memory plan
             (`lightning_ft.strategies.planner`); ``auto``: the free memory less a margin; None: no plan
             (off CUDA there is never a plan).
+        host_budget_gib: the pinned host memory the plan may offload to, in GiB; ``auto``: the host's
+            available memory less `HOST_MARGIN` of it, shared by the processes of the node; None: no limit.
     """
 
     cuda_graphs: bool = False
@@ -51,6 +59,7 @@ class Execution:
     keep_max_gib: float | None = None
     activation_offload: bool = False
     memory_budget_gib: Any = "auto"
+    host_budget_gib: Any = "auto"
 
     @classmethod
     def from_config(cls, options: dict[str, Any] | None) -> Execution:
@@ -71,13 +80,15 @@ class Execution:
         Raises:
             ValueError: ``strategy.activation_offload`` without ``strategy.cuda_graphs``, ``strategy.cuda_graphs``
                 where ``no_cuda`` says why it cannot run (naming every key to change), a ``strategy.keep_max_gib``
-                that is not a number of GiB >= 0, or a ``strategy.memory_budget_gib`` that is neither ``auto``,
-                null nor a positive number.
+                that is not a number of GiB >= 0, a ``strategy.memory_budget_gib`` that is neither ``auto``,
+                null nor a positive number, or a ``strategy.host_budget_gib`` that is neither ``auto``, null nor a
+                number >= 0.
         """
         from lightning_ft.strategies.cuda_graphs import keep_max_bytes
 
         keep_max_bytes(self.keep_max_gib)
         budget_bytes(self.memory_budget_gib, free_bytes=0)
+        host_budget_bytes(self.host_budget_gib, available=0)
         if self.activation_offload and not self.cuda_graphs:
             raise ValueError("strategy.activation_offload=true needs strategy.cuda_graphs=true (the graphed layers offload their inputs)")
         if self.cuda_graphs and no_cuda:
@@ -90,25 +101,117 @@ class Execution:
         return [f"strategy.{k}={v}" for k, v in asdict(self).items() if v != default[k]]
 
 
+#: ``host_budget_gib=auto``: the host's available memory less this share of it (the data loader, Python, the OS)
+HOST_MARGIN = 0.25
+
+
+def host_budget_bytes(host_budget_gib: Any, available: int, processes: int = 1) -> int | None:
+    """``strategy.host_budget_gib`` in bytes.
+
+    Args:
+        host_budget_gib: a number of GiB >= 0, ``auto`` (``available`` less `HOST_MARGIN` of it, over ``processes``)
+            or None (no limit).
+        available: the host's available memory (`lightning_ft.strategies.profiler.available_host_bytes`), for ``auto``.
+        processes: the processes of this node that offload (each gets its share of ``auto``).
+
+    Raises:
+        ValueError: anything else, naming the key.
+    """
+    if host_budget_gib is None:
+        return None
+    if host_budget_gib == "auto":
+        return int(available * (1 - HOST_MARGIN) / max(processes, 1))
+    if isinstance(host_budget_gib, bool) or not isinstance(host_budget_gib, (int, float)) or not host_budget_gib >= 0:
+        raise ValueError(f"strategy.host_budget_gib={host_budget_gib!r}: expected a number of GiB >= 0, auto, or null for no limit")
+    return int(host_budget_gib * GIB)
+
+
 class ExecutionMixin:
-    """Mixed into a Lightning strategy (first among the bases): holds the run's `Execution`.
+    """Mixed into a Lightning strategy (first among the bases): holds the run's `Execution` and makes the memory plan.
 
     Args:
         execution: the options (default: `Execution`'s defaults).
         args, kwargs: the Lightning strategy's own arguments.
+
+    Attributes:
+        profiler: measures what the plan needs (`lightning_ft.strategies.profiler.StepProfiler`; tests put a fake one here).
+        memory_plan: the plan in use (`apply_memory_plan`), for the log and summary.json; None: no plan.
     """
 
     def __init__(self, *args: Any, execution: Execution | None = None, **kwargs: Any):
+        from lightning_ft.strategies.profiler import StepProfiler
+
         super().__init__(*args, **kwargs)
         self.execution = execution if execution is not None else Execution()
-        self.memory_plan: Plan | None = None  # the plan in use (`apply_memory_plan`), for the log and summary.json
+        self.memory_plan: Plan | None = None
+        self.profiler = StepProfiler()
+        self._planned = False  # `plan_memory` ran (once per fit)
 
     def memory_budget(self, device: torch.device) -> int | None:
         """``strategy.memory_budget_gib`` in bytes on ``device`` (`lightning_ft.strategies.planner.budget_bytes`;
-        ``auto``: the free memory now less the margin); None off CUDA (no plan there) or with no budget."""
-        if device.type != "cuda" or self.execution.memory_budget_gib is None:
+        ``auto``: the memory this process could use now, `StepProfiler.free_bytes`, less the margin); None where the
+        profiler has no figure (off CUDA: no plan there) or with no budget."""
+        free = self.profiler.free_bytes(device)
+        if free is None or self.execution.memory_budget_gib is None:
             return None
-        return budget_bytes(self.execution.memory_budget_gib, torch.cuda.mem_get_info(device)[0])
+        return budget_bytes(self.execution.memory_budget_gib, free)
+
+    def host_budget(self) -> int | None:
+        """``strategy.host_budget_gib`` in bytes (`host_budget_bytes`; ``auto`` from `StepProfiler.free_host_bytes`,
+        shared by this node's processes); None: no limit."""
+        if self.execution.host_budget_gib is None:
+            return None
+        processes = getattr(self, "num_processes", 1)  # DDP and FSDP2: this node's devices
+        return host_budget_bytes(self.execution.host_budget_gib, self.profiler.free_host_bytes(), processes)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Lightning's hook: at the run's first training batch, `plan_memory` (before any CUDA graph is recorded)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if not self._planned:
+            self._planned = True
+            self.plan_memory(self.lightning_module, batch)
+
+    def plan_memory(self, module: Any, batch: Any) -> Plan | None:
+        """Measure ``module``'s graphed decoder layers on ``batch`` (``profiler``), make the memory plan within
+        `memory_budget` and `host_budget` (`lightning_ft.strategies.planner.plan`) and `apply_memory_plan` it.
+
+        The options constrain the plan: ``strategy.keep_attention=false`` (``keep_projections``) leaves that class
+        out (recomputed), ``strategy.activation_offload=true`` offloads every layer input (but the last layer's).
+        No plan (None) where there is no budget (off CUDA, ``strategy.memory_budget_gib=null``) or the layers are
+        not graphed (``strategy.cuda_graphs=false``, FSDP2; logged). The fallbacks of the host budget are logged
+        once each, and a plan that does not fit the budget is a warning (the leanest plan is used).
+        """
+        from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+        from lightning_ft.strategies.cuda_graphs import graphed_layers
+        from lightning_ft.strategies.kept import KINDS
+
+        budget = self.memory_budget(batch.input_ids.device)
+        if budget is None:
+            return None
+        layers = graphed_layers(module.model)
+        if not layers:
+            rank_zero_info("memory plan: none (it drives the CUDA-graphed layers: strategy.cuda_graphs=true, not under fsdp2)")
+            return None
+        options = {"attention": self.execution.keep_attention, "projections": self.execution.keep_projections}
+        kinds = tuple(kind for kind in KINDS if options[kind])
+        context = getattr(getattr(self, "precision_plugin", None), "train_step_context", None)
+        measured = self.profiler.measure(module, batch, layers, kinds, context)
+        if self.execution.activation_offload:  # asked for: every layer input offloaded (the last one's stays)
+            offload = lambda c: replace(c, actions=("offload",)) if c.name == "input" else c  # noqa: E731
+            measured = replace(measured, layers=tuple(replace(p, saved=tuple(map(offload, p.saved))) for p in measured.layers))
+        made = plan(measured.layers, budget, measured.base_bytes, measured.bandwidth, measured.other_s, host_budget=self.host_budget())
+        made = self.broadcast(made)  # several processes: rank zero's plan for all (their timings differ a little)
+        for reason in made.fallbacks:
+            rank_zero_info(f"memory plan: {reason}")
+        if not made.fits:
+            rank_zero_warn(
+                f"memory plan: even keeping nothing and offloading every layer input the predicted peak, "
+                f"{made.peak_bytes / GIB:.2f} GiB, is above strategy.memory_budget_gib ({budget / GIB:.2f} GiB): "
+                "training with the leanest plan; raise the budget or shorten data.max_tokens"
+            )
+        self.apply_memory_plan(module.model, made)
+        return made
 
     def apply_memory_plan(self, model: torch.nn.Module, plan: Plan) -> None:
         """Use ``plan`` for ``model``'s graphed layers (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`)

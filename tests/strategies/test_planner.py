@@ -149,3 +149,20 @@ def test_budget_bytes():
     for bad in (0, -1, "lots", True):
         with pytest.raises(ValueError, match="strategy.memory_budget_gib=.*expected a number of GiB > 0, auto, or null"):
             budget_bytes(bad, 0)
+
+
+def test_a_host_budget_bounds_what_is_offloaded_and_says_why():
+    from lightning_ft.strategies.planner import host_bytes
+
+    layers = _layers(n=8, actions=("keep", "recompute"))
+    tight = GIB + 400 * MIB  # keeping every input (8 × 64 MiB) does not fit beside the base: some must be offloaded
+    free = plan(layers, tight, GIB, FAST)
+    assert free.fits and free.layers_offloading() and free.host_bytes == host_bytes(free.offloaded_bytes) and not free.fallbacks
+    assert host_bytes([3 * MIB, 0, 64 * MIB]) == 4 * MIB + 64 * MIB  # a power of two each, as the caching host allocator
+    limit = free.host_bytes - 64 * MIB
+    bounded = plan(layers, tight, GIB, FAST, host_budget=limit)
+    assert bounded.host_bytes <= limit and len(bounded.layers_offloading()) < len(free.layers_offloading())
+    assert bounded.step_s >= free.step_s and bounded.fallbacks and "strategy.host_budget_gib=" in bounded.fallbacks[0]
+    assert bounded.summary()["fallbacks"] == list(bounded.fallbacks) and bounded.summary()["host_bytes"] == bounded.host_bytes
+    assert not plan(layers, tight, GIB, FAST, host_budget=free.host_bytes).fallbacks  # enough: the same plan
+    assert plan(layers, tight, GIB, FAST, host_budget=0).host_bytes == 0

@@ -1,0 +1,247 @@
+"""What the memory planner needs, measured at the start of training (`lightning_ft.strategies.planner`).
+
+`StepProfiler.measure` runs the first training batch's forward once more, without gradients, and at
+each decoder layer (a forward pre-hook, so one layer input is alive at a time) times that layer
+eagerly on its real input and keyword arguments (CUDA events; the graphs record nothing: the
+layer's own forward is called, not the patched one):
+
+    forward      the layer under no_grad (checkpointing's first forward)
+    backward     the recompute with gradients and ``autograd.grad`` into the input and the trainable
+                 weights (``.grad`` is not touched), with every saved class kept (taken back from
+                 `lightning_ft.strategies.kept`'s stores instead of recomputed)
+    recompute    per saved class (``attention``, ``projections``): the same backward with that class
+                 recomputed, less the one above
+    bytes        per saved class, what its store kept (`KeptActivations.nbytes`); the input's bytes
+
+and from the pass as a whole: the rest of the forward (embedding, LM head, loss; ×3 for their
+backward), the memory base (what is allocated now, the trainable weights' gradients, the optimizer's
+two moments per trainable weight if it has no state yet, and the larger of one layer's backward
+working set with nothing kept and the rest of the forward's working set), and the device ↔ pinned
+host bandwidth (a timed copy of `COPY_BYTES` each way). The peak statistics are reset after each
+layer's timing and at the end, so the measuring's own allocations do not count as the training step's peak
+(summary.json reads the peak of building the model before: ``peak_memory_setup_bytes``).
+
+Everything device-specific goes through methods a test can replace (`StepProfiler.timed`,
+`bandwidth`, `free_bytes`, `free_host_bytes`, `memory_allocated`, `peak_allocated`): off CUDA the
+clock is the host's and the memory figures are 0, and `free_bytes` is None, so no plan is made there
+unless a test says otherwise.
+
+Sources: CUDA events for device timing (CUDA C++ Programming Guide); the cost model the measurements
+feed is `lightning_ft.strategies.planner`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from lightning_ft.strategies.kept import KeptActivations, keeping
+from lightning_ft.strategies.planner import Bandwidth, LayerProfile, SavedClass
+
+__all__ = ["COPY_BYTES", "Measurement", "StepProfiler", "available_host_bytes"]
+
+#: the bytes of the timed copy between the device and pinned host memory, each way
+COPY_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What `lightning_ft.strategies.planner.plan` takes, as measured.
+
+    Attributes:
+        layers: per decoder layer, its times (seconds) and saved classes (bytes, recompute seconds).
+        bandwidth: device ↔ pinned host copy bandwidth (bytes per second).
+        base_bytes: the step's memory without any saved class (see the module docstring).
+        other_s: the step's time outside the decoder layers (seconds).
+    """
+
+    layers: tuple[LayerProfile, ...]
+    bandwidth: Bandwidth
+    base_bytes: int
+    other_s: float
+
+
+def available_host_bytes() -> int:
+    """The host memory available to new allocations: ``MemAvailable`` of /proc/meminfo (Linux), else the free pages."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class StepProfiler:
+    """Measures a model's decoder layers on a training batch for the memory planner (see the module docstring).
+
+    Args:
+        copy_bytes: the size of the timed copy for `bandwidth`.
+    """
+
+    def __init__(self, copy_bytes: int = COPY_BYTES):
+        self.copy_bytes = copy_bytes
+
+    # -- the device: replaced by tests --------------------------------------------------------------
+
+    def free_bytes(self, device: torch.device) -> int | None:
+        """The device memory this process could use: free plus what its allocator holds (bytes); None off CUDA (no plan)."""
+        if device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+
+    def free_host_bytes(self) -> int:
+        """The host memory available for pinned buffers (`available_host_bytes`)."""
+        return available_host_bytes()
+
+    def timed(self, fn: Callable[[], Any], device: torch.device, layer: int, what: str) -> Callable[[], float]:
+        """Run ``fn`` now; returns a function that gives its seconds once the device is synchronised (`synchronize`).
+
+        ``layer`` and ``what`` (``forward``, ``backward``, ``recompute:<class>``, ``rest``) name the measurement."""
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            return lambda: start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        return lambda: seconds
+
+    def synchronize(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+    def peak_allocated(self, device: torch.device, reset: bool = False) -> int:
+        """The peak allocated since the last reset (bytes; 0 off CUDA); ``reset``: start a new one after reading."""
+        if device.type != "cuda":
+            return 0
+        peak = torch.cuda.max_memory_allocated(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
+
+    def bandwidth(self, device: torch.device) -> Bandwidth:
+        """Device → pinned host and back, bytes per second: one timed copy of ``copy_bytes`` each way (after one untimed).
+
+        Raises:
+            ValueError: off CUDA (nothing to copy between).
+        """
+        if device.type != "cuda":
+            raise ValueError(f"copy bandwidth: {device} has no pinned host copies to time")
+        on_device = torch.empty(self.copy_bytes, dtype=torch.uint8, device=device)
+        host = torch.empty(self.copy_bytes, dtype=torch.uint8, pin_memory=True)
+        host.copy_(on_device, non_blocking=True)  # untimed: first-touch costs
+        on_device.copy_(host, non_blocking=True)
+        out = self.timed(lambda: host.copy_(on_device, non_blocking=True), device, -1, "device_to_host")
+        back = self.timed(lambda: on_device.copy_(host, non_blocking=True), device, -1, "host_to_device")
+        self.synchronize(device)
+        return Bandwidth(self.copy_bytes / max(out(), 1e-9), self.copy_bytes / max(back(), 1e-9))
+
+    # -- the measurement ----------------------------------------------------------------------------
+
+    def measure(self, module: Any, batch: Any, layers: list[torch.nn.Module], kinds: tuple[str, ...], context: Any = None) -> Measurement:
+        """Measure ``layers`` (the model's decoder layers, in order) on ``batch`` (see the module docstring).
+
+        Args:
+            module: the `lightning_ft.module.FinetuneModule` (its ``loss_terms`` runs the forward).
+            batch: the first training batch, on the device.
+            layers: the decoder layers (`lightning_ft.strategies.cuda_graphs.graphed_layers`).
+            kinds: the saved classes that may be kept (`lightning_ft.strategies.kept.KINDS` the options allow).
+            context: a context manager factory for the forward (the precision plugin's autocast), or None.
+        """
+        device = batch.input_ids.device
+        allocated = self.memory_allocated(device)
+        self.peak_allocated(device, reset=True)
+        results: dict[int, dict[str, Any]] = {}
+        forward_peak = [0]
+        marks: dict[str, Callable[[], float]] = {}
+        measuring: dict[int, Callable[[], float]] = {}  # each layer's measuring inside the pass
+
+        def hook(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            index = layers.index(layer)
+            forward_peak[0] = max(forward_peak[0], self.peak_allocated(device))
+            kwargs = dict(kwargs)
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            def run() -> None:
+                if index == 0:  # the kernels' first calls (autotuning, workspaces) are not the layers' times
+                    self._layer(layer, hidden, kwargs, kinds, device, index)
+                results[index] = self._layer(layer, hidden, kwargs, kinds, device, index)
+
+            measuring[index] = self.timed(run, device, index, "measuring")
+            self.peak_allocated(device, reset=True)
+
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+        try:
+            with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
+                marks["rest"] = self.timed(lambda: module.loss_terms(module.pad_for_graphs(batch), aux=False), device, -1, "rest")
+        finally:
+            for handle in handles:
+                handle.remove()
+        forward_peak[0] = max(forward_peak[0], self.peak_allocated(device, reset=True))
+        bandwidth = self.bandwidth(device)
+        self.synchronize(device)
+        self.peak_allocated(device, reset=True)  # the measuring's own memory is not the training step's peak
+        if len(results) != len(layers):
+            raise RuntimeError(f"memory plan: the forward ran {len(results)} of the {len(layers)} decoder layers")
+        profiles, working = [], 0
+        for index in range(len(layers)):
+            r = results[index]
+            forward, backward = r["forward"](), r["backward"]()
+            saved = [SavedClass("input", r["input_bytes"], actions=("keep", "offload"))]
+            for kind in kinds:
+                if r["bytes"].get(kind):  # a kind this layer has no kept call for is left out
+                    recompute = max(0.0, r["recompute"][kind]() - backward)
+                    saved.append(SavedClass(kind, r["bytes"][kind], recompute_s=recompute, actions=("keep", "recompute")))
+            profiles.append(LayerProfile(forward, backward, tuple(saved)))
+            working = max(working, r["working_bytes"])
+        # the forward outside the layers (the pass's time less theirs and their measuring) ×3 for its backward
+        inside = sum(m() for m in measuring.values()) + sum(p.forward_s for p in profiles)
+        rest_s = max(0.0, marks["rest"]() - inside) * 3
+        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        optimizers = getattr(getattr(module, "_trainer", None), "optimizers", None) or []
+        moments = 0 if any(o.state for o in optimizers) else 2 * trainable  # allocated after the first step
+        base = allocated + trainable + moments + max(working, forward_peak[0] - allocated)
+        return Measurement(tuple(profiles), bandwidth, base, rest_s)
+
+    def _layer(
+        self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], kinds: tuple[str, ...], device: torch.device,
+        index: int,
+    ) -> dict[str, Any]:
+        """One decoder layer's times (functions, read after `synchronize`), bytes and backward working set."""
+        forward = functools.partial(type(layer).forward, layer)  # the layer's own: the graphs' patched one would count a call
+        params = [p for p in layer.parameters() if p.requires_grad]
+        x = hidden.detach()
+
+        def backward(keeps: list[KeptActivations]) -> None:
+            with torch.enable_grad(), keeping(*keeps, recompute=True):
+                inputs = x.detach().requires_grad_()  # as in training past the first layer: the input's gradient too
+                out = forward(inputs, **kwargs)
+            torch.autograd.grad(out, [inputs, *params], x, allow_unused=True)  # the input as the output's gradient: no RNG drawn
+
+        result: dict[str, Any] = {"input_bytes": x.numel() * x.element_size()}
+        with torch.no_grad():
+            result["forward"] = self.timed(lambda: forward(x, **kwargs), device, index, "forward")
+        before = self.memory_allocated(device)
+        self.peak_allocated(device, reset=True)
+        self.timed(lambda: backward([]), device, index, "recompute:all")
+        result["working_bytes"] = max(0, self.peak_allocated(device) - before)
+        keeps = {kind: KeptActivations(kind, allow=lambda nbytes: True) for kind in kinds}
+        with torch.no_grad(), keeping(*keeps.values(), recompute=False):
+            forward(x, **kwargs)
+        result["bytes"] = {kind: keep.nbytes for kind, keep in keeps.items()}
+        result["backward"] = self.timed(lambda: backward(list(keeps.values())), device, index, "backward")
+        result["recompute"] = {
+            kind: self.timed(lambda: backward([k for name, k in keeps.items() if name != kind]), device, index, f"recompute:{kind}")
+            for kind in kinds if result["bytes"][kind]
+        }
+        return result

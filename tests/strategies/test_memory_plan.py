@@ -1,0 +1,263 @@
+"""The memory plan's caller (`ExecutionMixin.plan_memory`, `lightning_ft.strategies.profiler`): measured at the
+first training batch, planned within the budgets, applied, logged and reported in summary.json.
+
+On the CPU there is no plan (no budget); these tests give the strategy a profiler that says the CPU has memory
+to plan and feeds fixed timings and bandwidths, while the bytes come from the real layers (the kept stores,
+the inputs). The GPU case measures for real.
+
+    python -m pytest -q tests/strategies/test_memory_plan.py            (CPU)
+    python -m pytest -q -m gpu tests/strategies/test_memory_plan.py     (GPU)
+"""
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from test_cuda_graphs import (
+    DEVICES,
+    TINY,
+    _batch,
+    _loss_and_grads,
+    _module,
+)
+from test_cuda_graphs import test_every_memory_plan_gives_the_gradients_of_plain_checkpointing as _plan_gives_plain_gradients
+
+from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
+from lightning_ft.strategies.offload import ActivationOffload
+from lightning_ft.strategies.planner import GIB, MIB, Bandwidth
+from lightning_ft.strategies.profiler import StepProfiler
+from lightning_ft.strategies.strategy import Execution, SingleDeviceStrategy
+
+#: seconds each measurement takes, by what it measures (`StepProfiler.timed`'s ``what``)
+TIMES = {"forward": 2e-3, "backward": 4e-3, "recompute:attention": 5e-3, "recompute:projections": 7e-3, "rest": 0.1}
+
+
+LAYERS = 6  # the tiny Llama deepened: offloading saves memory from 4 layers on (two staging buffers)
+
+
+class FakeProfiler(StepProfiler):
+    """A CUDA-like profiler on the CPU: the budget's free memory, fixed times and bandwidths; the bytes are measured,
+    then scaled by ``scale`` (the tiny model's KiB to a GPU's MiB, the plan's unit)."""
+
+    def __init__(self, free=8 * GIB, host=64 * GIB, scale=1):
+        super().__init__()
+        self.free, self.host, self.scale, self.calls = free, host, scale, []
+
+    def measure(self, *args, **kwargs):
+        measured = super().measure(*args, **kwargs)
+        layers = tuple(replace(p, saved=tuple(replace(c, nbytes=c.nbytes * self.scale) for c in p.saved)) for p in measured.layers)
+        return replace(measured, layers=layers)
+
+    def free_bytes(self, device):
+        return self.free
+
+    def free_host_bytes(self):
+        return self.host
+
+    def timed(self, fn, device, layer, what):
+        fn()
+        self.calls.append((layer, what))
+        return lambda: TIMES.get(what, 0.0)
+
+    def bandwidth(self, device):
+        return Bandwidth(50e9, 50e9)
+
+
+@pytest.fixture
+def deep(monkeypatch):
+    monkeypatch.setitem(TINY["llama"], "num_hidden_layers", LAYERS)
+
+
+def _strategy(profiler, **options):
+    strategy = SingleDeviceStrategy(execution=Execution(cuda_graphs=True, **options))
+    strategy.profiler = profiler
+    return strategy
+
+
+def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_budget(caplog, deep):
+    module = _module("llama", "cpu", lora_kernel=True)
+    apply_cuda_graphs(module.model)
+    batch = _batch("a", "cpu")
+    layers = LAYERS
+    profiler = FakeProfiler()
+    measured = profiler.measure(module, batch, graphed_layers(module.model), ("attention", "projections"))
+    assert len(measured.layers) == layers
+    tokens, hidden = batch.num_tokens, TINY["llama"]["hidden_size"]
+    for profile in measured.layers:
+        assert (profile.forward_s, profile.backward_s) == (TIMES["forward"], TIMES["backward"])
+        saved = {c.name: c for c in profile.saved}
+        assert saved["input"].nbytes == tokens * hidden * 4 and saved["input"].actions == ("keep", "offload")
+        # attention: the output [T, Hq·D] and the log-sum-exp; projections: q/k/v/o and the MLP's, with x·Aᵀ
+        assert saved["attention"].nbytes >= tokens * hidden * 4 and saved["projections"].nbytes > saved["attention"].nbytes
+        assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(3e-3)
+    # the forward outside the layers (the pass less the layers' forwards and their measuring, 0 here), ×3 for its backward
+    assert measured.other_s == pytest.approx(3 * (TIMES["rest"] - layers * TIMES["forward"]))
+    trainable = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.requires_grad)
+    assert measured.base_bytes == 3 * trainable  # the CPU's memory figures are 0: gradients and AdamW's two moments
+    # each layer measured once (the first twice: a warm-up), none recorded into graphs, the model's kwargs untouched
+    assert sum(what == "forward" for _, what in profiler.calls) == layers + 1
+    state_graphs = getattr(graphed_layers(module.model)[0], "_lightning_ft_cuda_graphs").graphs
+    assert not state_graphs
+
+    # (scaled: 16 MiB of input per layer) ample memory: everything kept; 64 MiB: inputs offloaded (keeping all six
+    # takes 96), the rest recomputed; no pinned host memory: nothing offloaded, the reason logged, and no plan fits
+    scaled = dict(scale=2**10)
+    strategy = _strategy(FakeProfiler(**scaled), memory_budget_gib=8.0)
+    with caplog.at_level(logging.INFO):
+        made = strategy.plan_memory(module, batch)
+    assert strategy.memory_plan is made and made.fits and "memory plan" in caplog.text and "predicted step" in caplog.text
+    assert all(made.action(i, kind) == "keep" for i in range(layers) for kind in ("input", "attention", "projections"))
+    lean = _strategy(FakeProfiler(**scaled), memory_budget_gib=64 / 1024).plan_memory(module, batch)
+    assert lean.fits and len(lean.layers_where("input", "offload")) >= 4 and lean.peak_bytes <= 64 * MIB
+    assert lean.layers_where("projections", "recompute") == set(range(layers)) and lean.host_bytes > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.warns(Warning, match="memory plan: even keeping nothing .* the leanest plan"):
+        hostless = _strategy(FakeProfiler(**scaled), memory_budget_gib=64 / 1024, host_budget_gib=0).plan_memory(module, batch)
+    assert not hostless.layers_where("input", "offload") and hostless.host_bytes == 0 and not hostless.fits
+    assert ("strategy.host_budget_gib=0.00: the fastest plan offloads 0.08 GiB to pinned host memory, more than that; 0 of 6 "
+            "layers offload (0.00 GiB), the others keep or recompute instead") in caplog.text
+    # the options constrain it: activation_offload offloads every input but the last, keep_* false leaves a class out
+    forced = _strategy(FakeProfiler(**scaled), memory_budget_gib=8.0, activation_offload=True, keep_projections=False)
+    forced = forced.plan_memory(module, batch)
+    assert forced.layers_where("input", "offload") == set(range(layers - 1)) and forced.action(layers - 1, "input") == "keep"
+    assert forced.names == ("input", "attention") and forced.layers_where("attention", "keep") == set(range(layers))
+    hostless = _strategy(FakeProfiler(**scaled), memory_budget_gib=8.0, activation_offload=True, host_budget_gib=0)
+    hostless = hostless.plan_memory(module, batch)  # the host budget wins: the inputs stay, said so
+    assert not hostless.layers_where("input", "offload") and hostless.fits and hostless.fallbacks
+    assert _strategy(FakeProfiler(), host_budget_gib=None).host_budget() is None
+    assert _strategy(FakeProfiler(host=4 * GIB)).host_budget() == 3 * GIB  # auto: 75% of what is available
+
+
+def test_no_plan_without_a_budget_or_graphed_layers(caplog):
+    module = _module("llama", "cpu", lora_kernel=True)
+    batch = _batch("a", "cpu")
+    assert SingleDeviceStrategy(execution=Execution(cuda_graphs=True)).plan_memory(module, batch) is None  # the CPU: no budget
+    assert _strategy(FakeProfiler(), memory_budget_gib=None).plan_memory(module, batch) is None
+    with caplog.at_level(logging.INFO):
+        assert _strategy(FakeProfiler()).plan_memory(module, batch) is None  # not graphed
+    assert "memory plan: none" in caplog.text
+
+
+def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside_the_peak(tmp_path, deep):
+    """A real Lightning fit: the strategy plans once, before the second batch (where graphs record), training runs
+    under the plan with the gradients of the module without one, and summary.json reports the plan."""
+    import lightning as L
+
+    from lightning_ft.callbacks.summary import RunSummary
+
+    module = _module("llama", "cpu", lora_kernel=True)
+    reference = _module("llama", "cpu", lora_kernel=True)
+    reference.model.load_state_dict(module.model.state_dict())
+    apply_cuda_graphs(module.model)
+    batches = [_batch(row, "cpu", seed=i) for i, row in enumerate("abab")]
+    strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=64 / 1024, host_budget_gib=None)
+    planned = []
+    original = strategy.plan_memory
+    strategy.plan_memory = lambda m, b: planned.append(b) or original(m, b)
+    grads = []
+
+    class Grads(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=len(batches), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Grads(), RunSummary(tmp_path)])
+    loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=lambda items: items[0])
+    trainer.fit(module, train_dataloaders=loader)
+    assert len(planned) == 1 and torch.equal(planned[0].input_ids, batches[0].input_ids)
+    made = strategy.memory_plan
+    assert made.layers_where("input", "offload") and made.layers_where("projections", "recompute")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["predicted_peak_memory_bytes"] == made.peak_bytes and summary["peak_memory_bytes"] > 0
+    assert summary["memory_plan"]["layers"]["input"]["offload"] == len(made.layers_where("input", "offload"))
+    assert summary["cuda_graphs"]["replayed_layer_calls"] > 0 and summary["cuda_graphs"]["offloaded_inputs"] > 0
+    # the same steps without a plan (plain checkpointing, transformers'): the same gradients at every step
+    reference_trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), logger=False, enable_checkpointing=False,
+                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
+    mine = grads[:]
+    grads.clear()
+    reference_trainer.fit(reference, train_dataloaders=loader)
+    assert len(mine) == len(grads) == len(batches)
+    for step, (got, want) in enumerate(zip(mine, grads)):
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
+
+
+def _slow_copies(monkeypatch, device: str) -> None:
+    """Make every copy of the offloaded inputs as late as the offload allows.
+
+    CUDA: the copy stream sleeps (``torch.cuda._sleep``, about 10 ms) before each use, so each copy to the host and
+    back starts long after the compute stream queued it. CPU (copies are synchronous there): each copy to the host
+    lands only when the offload lets its input go (`ActivationOffload._let_go`, the latest point its design allows),
+    reading the input as it is then; until then the host copy holds NaN."""
+    if device == "cuda":
+        stream = ActivationOffload._stream
+
+        def sleepy(self, on):
+            s = stream(self, on)
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(20_000_000)
+            return s
+
+        monkeypatch.setattr(ActivationOffload, "_stream", sleepy)
+        return
+    save, let_go, pending = ActivationOffload.save, ActivationOffload._let_go, {}
+
+    def late_save(self, x, layer_index):
+        saved = save(self, x, layer_index)
+        if saved.host is not None and saved.source is not None:
+            pending[id(saved)] = saved
+            saved.host = torch.full_like(saved.host, float("nan"))
+        return saved
+
+    def late_let_go(self):
+        if self.holding is not None and pending.pop(id(self.holding), None) is not None:
+            self.holding.host.copy_(self.holding.source)
+        let_go(self)
+
+    monkeypatch.setattr(ActivationOffload, "save", late_save)
+    monkeypatch.setattr(ActivationOffload, "_let_go", late_let_go)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, kind, device):
+    """`test_every_memory_plan_gives_the_gradients_of_plain_checkpointing` with every layer input but the last
+    offloaded and the copies as late as possible (`_slow_copies`): the same loss and gradients as transformers'
+    checkpointing, bit for bit on the CPU (within bf16's tolerance on the GPU), step after step."""
+    _slow_copies(monkeypatch, device)
+    _plan_gives_plain_gradients(kind, "offload, recompute", device)
+
+
+@pytest.mark.gpu
+def test_the_gpu_measures_the_layers_and_the_plan_fits_the_measured_peak():
+    """On CUDA: real times (> 0), the copy bandwidth, and a plan made within a budget that the step then keeps to."""
+    module = _module("llama", "cuda")
+    apply_cuda_graphs(module.model)
+    batch = _batch("a", "cuda")
+    profiler = StepProfiler(copy_bytes=64 * MIB)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        measured = profiler.measure(module, batch, graphed_layers(module.model), ("attention", "projections"))
+    assert all(p.forward_s > 0 and p.backward_s > 0 for p in measured.layers)
+    assert measured.bandwidth.device_to_host > 1e9 and measured.bandwidth.host_to_device > 1e9
+    assert measured.base_bytes >= torch.cuda.memory_allocated()
+    strategy = SingleDeviceStrategy(execution=Execution(cuda_graphs=True))
+    assert strategy.memory_budget(torch.device("cuda")) > 0
+    made = strategy.plan_memory(module, batch)
+    assert made is not None and made.fits
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(3):
+        _loss_and_grads(module, _batch("a", "cuda", seed=step), train=True)
+    peak = torch.cuda.max_memory_allocated()
+    assert peak <= made.budget_bytes, f"measured peak {peak / MIB:.1f} MiB, predicted {made.peak_bytes / MIB:.1f} MiB"
+
+
+def test_host_budget_option_errors_name_the_key():
+    from lightning_ft.strategies.strategy import host_budget_bytes
+
+    for bad in (-1, "lots", True):
+        with pytest.raises(ValueError, match=r"strategy.host_budget_gib=.*: expected a number of GiB >= 0, auto, or null for no limit"):
+            Execution(host_budget_gib=bad).check()
+    assert host_budget_bytes(2, available=0) == 2 * GIB and host_budget_bytes("auto", available=8 * GIB, processes=2) == 3 * GIB
