@@ -142,3 +142,19 @@ def test_fit_trains_the_default_model_on_an_nf4_base_through_the_cli(tmp_path):
     s = summary(tmp_path / "run")
     assert s["steps"] == 3 and s["final_loss"] < s["initial_loss"]
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_qwen3_14b_qlora_experiment_has_the_published_shape_and_an_nf4_base(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_ft.config import config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir(), version_base="1.3"):
+        cfg = compose("fit", overrides=["+experiment=qwen3_14b_qlora", f"run_dir={tmp_path}"])
+    c = cfg.model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.vocab_size) == (40, 5120, 17408, 40, 8, 128, 151936)  # fmt: skip
+    assert cfg.model.quantization == "nf4" and cfg.model.dtype == "bfloat16" and cfg.trainer.precision == "bf16-mixed"
+    assert list(cfg.lora.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert cfg.kernels.lora
