@@ -42,7 +42,7 @@ from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
 from lightning_ft.model.patching import apply_kernels
-from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, quantize_linears
+from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
     aux_loss_coef,
     check_router_training,
@@ -333,6 +333,7 @@ class ModelBuilder:
 
         Raises:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
+                `lightning_ft.model.quantization.check_quantized_training` (a 4-bit base without LoRA, under FSDP2 or CUDA graphs),
                 `Execution.check`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
                 `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
                 against what ``lora.modules_to_save`` or ``lora.init_from`` says), ``lora.modules_to_save``
@@ -344,6 +345,8 @@ class ModelBuilder:
         moe_backend = self.moe_cfg.get("backend", "hf")
         execution = execution if execution is not None else self.execution
         execution.check()
+        lora_enabled = bool(self.lora_cfg.get("enabled", True))
+        check_quantized_training(cfg.get("quantization", "none"), lora_enabled, sharded, execution.cuda_graphs)
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
@@ -373,7 +376,7 @@ class ModelBuilder:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         train_router = bool(self.moe_cfg.get("train_router", False))
         routers = router_module_names(model) if train_router else []
-        if self.lora_cfg.get("enabled", True):
+        if lora_enabled:
             lora_cfg = self.lora_cfg
             if routers:  # PEFT trains a copy of each router and saves it with the adapter
                 saved = list(lora_cfg.get("modules_to_save") or [])

@@ -30,7 +30,9 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ft.kernels.nf4 import Quant4bitWeight
 
-__all__ = ["QUANTIZATIONS", "bnb_nf4_config", "check_quantization", "quant4bit_weight", "quantize_linears"]
+__all__ = [
+    "QUANTIZATIONS", "bnb_nf4_config", "check_quantization", "check_quantized_training", "quant4bit_weight", "quantize_linears",
+]
 
 QUANTIZATIONS = ("none", "nf4")
 _BLOCKSIZE = 64
@@ -76,6 +78,25 @@ def check_quantization(quantization: str, checkpoint_method: str | None, checkpo
                 "checkpoint or a bitsandbytes 4-bit one: set model.quantization=none"
             )
         _bitsandbytes()
+
+
+def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_graphs: bool) -> None:
+    """Refuse, before any weight loads, what a 4-bit base cannot run with (yet).
+
+    Raises:
+        ValueError: ``nf4`` without LoRA (the 4-bit weights cannot train), under FSDP2 (``sharded``: it would shard
+            bitsandbytes' packed bytes without their quantisation state), or with ``strategy.cuda_graphs`` (not
+            checked over the 4-bit layers); each naming the setting to change.
+    """
+    if quantization != "nf4":
+        return
+    if not lora:
+        raise ValueError("model.quantization=nf4 freezes the base in 4 bits, so only LoRA can train: set lora.enabled=true "
+                         "(or model.quantization=none for full fine-tuning)")
+    if sharded:
+        raise ValueError("model.quantization=nf4 does not run under strategy=fsdp2: use one GPU or strategy=ddp")
+    if cuda_graphs:
+        raise ValueError("strategy.cuda_graphs=true is not supported with model.quantization=nf4 yet: set strategy.cuda_graphs=false")
 
 
 def bnb_nf4_config(dtype: torch.dtype) -> Any:

@@ -7,7 +7,8 @@ import torch
 
 from lightning_ft.model.build import ModelBuilder, load_causal_lm
 from lightning_ft.model.patching import apply_kernels
-from lightning_ft.model.quantization import check_quantization
+from lightning_ft.model.quantization import check_quantization, check_quantized_training
+from lightning_ft.strategies.strategy import Execution
 
 bnb = pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
 
@@ -26,13 +27,18 @@ def _build(dtype="float32", quantization="nf4", kernels=False, lora=LORA, precis
     return ModelBuilder(model, lora, kernels={"lora": kernels}, seed=0)(torch.device("cpu"), precision=precision).model
 
 
+def _base(quantization="nf4"):
+    """The random base `_build` trains, without LoRA."""
+    torch.manual_seed(0)
+    return load_causal_lm(None, init="random", config=CONFIG, quantization=quantization)
+
+
 def _linear4bit(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
 def test_random_init_quantises_each_linear_but_the_lm_head_as_bitsandbytes_does():
-    dense = _build(quantization="none", lora={"enabled": False})
-    quantised = _build(lora={"enabled": False})
+    dense, quantised = _base("none"), _base()
     layers = _linear4bit(quantised)
     assert len(layers) == LINEARS and type(quantised.lm_head) is torch.nn.Linear
     for name, layer in layers.items():
@@ -77,6 +83,13 @@ def test_bad_quantization_settings_are_refused(monkeypatch):
         check_quantization("int4", None, False)
     with pytest.raises(ValueError, match=r"already quantised \(mxfp4\).*set model.quantization=none"):
         check_quantization("nf4", "mxfp4", False)
+    with pytest.raises(ValueError, match="only LoRA can train: set lora.enabled=true"):
+        check_quantized_training("nf4", lora=False, sharded=False, cuda_graphs=False)
+    with pytest.raises(ValueError, match="does not run under strategy=fsdp2"):
+        check_quantized_training("nf4", lora=True, sharded=True, cuda_graphs=False)
+    with pytest.raises(ValueError, match="set strategy.cuda_graphs=false"):
+        builder = ModelBuilder({"init": "random", "config": CONFIG, "quantization": "nf4"}, LORA, execution=Execution(cuda_graphs=True))
+        builder(torch.device("cpu"))
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     with pytest.raises(ImportError, match=r'needs bitsandbytes: pip install -e "\.\[qlora\]"'):
         check_quantization("nf4", None, False)
@@ -115,7 +128,7 @@ def test_adapter_saves_in_peft_format_and_loads_on_the_stock_bitsandbytes_model(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    _build(lora={"enabled": False}).save_pretrained(tmp_path / "base")  # the random base, in 4 bits
+    _base().save_pretrained(tmp_path / "base")  # the random base, in 4 bits
     ours = _build(kernels=True)
     for name, p in ours.named_parameters():
         if "lora_B" in name:
