@@ -115,8 +115,9 @@ def quantize_linears(model: torch.nn.Module) -> int:
     """Replace each ``nn.Linear`` of a transformers model but those transformers keeps in full precision (the
     output embeddings, tied weights, the last module) by a bitsandbytes NF4 ``Linear4bit`` (double quantisation,
     blocksize 64) computing in its weight's dtype, one layer at a time (each dense weight freed as its 4-bit
-    copy is made, on the weight's device). The model's config records the quantisation as
-    ``from_pretrained`` with `bnb_nf4_config` does, so ``save_pretrained`` writes a 4-bit checkpoint.
+    copy is made, on the weight's device). The model and its config record the quantisation as
+    ``from_pretrained`` with `bnb_nf4_config` does (``save_pretrained`` writes a 4-bit checkpoint; casting the
+    model to another dtype is refused, as transformers refuses it for a bitsandbytes model).
 
     Returns:
         The number of layers quantised.
@@ -148,9 +149,10 @@ def quantize_linears(model: torch.nn.Module) -> int:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
         del linear, weight
-    if targets:
+    if targets:  # the attributes transformers' bitsandbytes quantizer sets (so e.g. `model.to(dtype)` is refused)
         model.config.quantization_config = bnb_nf4_config(dtype)
-        model.is_loaded_in_4bit = True
+        model.is_quantized, model.is_loaded_in_4bit = True, True
+        model.quantization_method = model.config.quantization_config.quant_method
         rank_zero_info(f"quantization: {len(targets)} linear layers quantised to NF4 after the random init")
     return len(targets)
 

@@ -91,3 +91,18 @@ def test_dequantize_matches_bitsandbytes_cuda_kernel_on_model_shapes():
         packed, state = _quantize(shape, "nf4", True, torch.bfloat16, "cuda")
         got = dequantize_4bit(Quant4bitWeight.from_quant_state(packed, state), torch.bfloat16)
         assert torch.equal(got, BF.dequantize_4bit(packed, state)), shape
+
+
+@pytest.mark.gpu
+def test_qlora_linear_makes_no_host_sync_on_cuda():
+    weight = Quant4bitWeight.from_quant_state(*_quantize((1024, 512), "nf4", True, torch.bfloat16, "cuda"))
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    lora_A = torch.randn(16, 512, device="cuda", requires_grad=True)
+    lora_B = torch.randn(1024, 16, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        qlora_linear(x, weight, None, lora_A, lora_B, 2.0).sum().backward()  # warm-up: Triton compiles, the buffer grows
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            qlora_linear(x, weight, None, lora_A, lora_B, 2.0).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

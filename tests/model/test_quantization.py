@@ -22,9 +22,10 @@ LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 LINEARS = 14  # 7 per layer
 
 
-def _build(dtype="float32", quantization="nf4", kernels=False, lora=LORA, precision=None):
-    model = {"init": "random", "config": CONFIG, "dtype": dtype, "quantization": quantization}
-    return ModelBuilder(model, lora, kernels={"lora": kernels}, seed=0)(torch.device("cpu"), precision=precision).model
+def _build(dtype="float32", quantization="nf4", kernels=False, lora=LORA, precision=None, device="cpu"):
+    model = {"init": "random", "config": CONFIG, "dtype": dtype, "quantization": quantization, "attention": "sdpa"}
+    with torch.device(device):
+        return ModelBuilder(model, lora, kernels={"lora": kernels}, seed=0)(torch.device(device), precision=precision).model
 
 
 def _base(quantization="nf4"):
@@ -41,6 +42,8 @@ def test_random_init_quantises_each_linear_but_the_lm_head_as_bitsandbytes_does(
     dense, quantised = _base("none"), _base()
     layers = _linear4bit(quantised)
     assert len(layers) == LINEARS and type(quantised.lm_head) is torch.nn.Linear
+    with pytest.raises(ValueError, match="cannot cast a bitsandbytes model"):  # as for a loaded one (uint8 bytes kept)
+        quantised.to(torch.bfloat16)
     for name, layer in layers.items():
         state = layer.weight.quant_state
         assert (state.quant_type, state.nested, state.blocksize, state.state2.blocksize) == ("nf4", True, 64, 256)
@@ -95,23 +98,25 @@ def test_bad_quantization_settings_are_refused(monkeypatch):
         check_quantization("nf4", None, False)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
-def test_qlora_step_gives_peft_and_bitsandbytes_lora_gradients(precision):
+@pytest.mark.parametrize(("precision", "device"), [
+    ("fp32", "cpu"), ("bf16_autocast", "cpu"), pytest.param("bf16_autocast", "cuda", marks=pytest.mark.gpu),
+])  # fmt: skip
+def test_qlora_step_gives_peft_and_bitsandbytes_lora_gradients(precision, device):
     """Our dequantisation + GEMMs (kernels.lora) against PEFT's bnb layers over bitsandbytes' matmul_4bit: the
     same model, LoRA B drawn non-zero, one loss and backward. fp32: equal to rounding; bf16: through two layers
     and back (measured 3e-2 at most, relative to each gradient's largest entry, as the bf16 LoRA kernel gives)."""
     bf16 = precision != "fp32"
     grads, losses = [], []
     for kernels in (False, True):
-        model = _build("bfloat16" if bf16 else "float32", kernels=kernels, precision="bf16-mixed" if bf16 else None)
+        model = _build("bfloat16" if bf16 else "float32", kernels=kernels, precision="bf16-mixed" if bf16 else None, device=device)
         gen = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.data.normal_(0, 0.1, generator=gen)
         if kernels:  # every LoRA layer runs our fused forward
             assert apply_kernels(model, {"lora": True}) == [f"lora: {LINEARS} x peft lora.Linear"]
-        ids = torch.randint(0, 64, (2, 16), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        ids = torch.randint(0, 64, (2, 16), generator=gen).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
