@@ -14,7 +14,9 @@ indices into an 8-bit dynamic code (``state2.code``) with one fp32 scale per 256
 exactly as bitsandbytes' own kernels round (CUDA ``kDequantizeBlockwise`` after ``dequantize_blockwise``
 and ``absmax += offset``; the CPU reference ops): the Triton kernel is compiled without floating-point
 contraction (``enable_fp_fusion=False``) so the absmax's multiply and add are not fused into one FMA,
-and the result is bitwise bitsandbytes' ``dequantize_4bit`` (tested on the CPU and on CUDA).
+and the result is bitwise bitsandbytes' ``dequantize_4bit`` (compared on the CPU under Triton's
+interpreter, and on CUDA by the ``gpu`` tests). The fp32 -> bf16 rounding is done in integer arithmetic
+(round to nearest even, as torch and CUDA round): Triton's interpreter would otherwise truncate.
 
 `dequantize_4bit` writes into a buffer reused across calls (one per device and dtype, grown to the
 largest weight): the QLoRA linear (`lightning_ft.kernels.qlora`) dequantises a layer's weight right
