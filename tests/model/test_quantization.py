@@ -176,3 +176,21 @@ def test_qwen3_14b_qlora_experiment_has_the_published_shape_and_an_nf4_base(tmp_
     assert cfg.model.quantization == "nf4" and cfg.model.dtype == "bfloat16" and cfg.trainer.precision == "bf16-mixed"
     assert list(cfg.lora.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert cfg.kernels.lora
+
+
+@pytest.mark.gpu
+def test_a_bf16_checkpoint_is_quantised_weight_by_weight_on_the_gpu(tmp_path):
+    """Loading with nf4 never holds the bf16 model on the GPU: the peak stays near the 4-bit size (~0.3 of bf16's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {**CONFIG, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "head_dim": 128}  # fmt: skip
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
+    bf16_bytes = sum(p.numel() * 2 for p in dense.parameters())
+    dense.save_pretrained(tmp_path)
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with torch.device("cuda"):
+        model = load_causal_lm(str(tmp_path), dtype="bfloat16", quantization="nf4")
+    assert len(_linear4bit(model)) == 7 * 8
+    assert torch.cuda.max_memory_allocated() - start < 0.5 * bf16_bytes
