@@ -8,6 +8,8 @@ and `lightning_ft.model.moe`.
     swiglu.swiglu(gate, up, activation)                           act(gate) * up: SwiGLU (silu), GeGLU (gelu_tanh)
     linear_cross_entropy.fused_linear_cross_entropy(h, w, labels) chunked LM head + CE: (loss sum, count)
     lora.lora_linear(x, weight, bias, lora_A, lora_B, scaling)    x Wᵀ + b + scaling · (x Aᵀ) Bᵀ, three GEMMs
+    nf4.dequantize_4bit(weight, dtype)                             bitsandbytes' NF4/FP4 layout -> a dense weight (reused buffer)
+    qlora.qlora_linear(x, weight4, bias, lora_A, lora_B, scaling) lora_linear on a 4-bit base: dequantise, then the GEMMs
     moe.moe_experts(x, topk_weight, routing, ...)                 MoE experts with split LoRA on sync-free
                                                                   routing (`moe.routing`); backends in `moe`
 

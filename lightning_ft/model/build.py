@@ -7,7 +7,8 @@
    (`lightning_ft.model.attention`; ``auto`` resolved and logged);
 2. the transformers causal LM (`load_causal_lm`: ``from_pretrained``, or random weights from a
    config, drawn right after ``torch.manual_seed(seed)`` so that the base is a function of the
-   config and the seed alone), ``use_cache`` off, optional gradient checkpointing;
+   config and the seed alone; with ``model.quantization=nf4`` its linear layers in 4 bits,
+   `lightning_ft.model.quantization`), ``use_cache`` off, optional gradient checkpointing;
 3. LoRA through PEFT (`lightning_ft.model.lora.add_lora`), the MoE routers in its
    ``modules_to_save`` with ``moe.train_router``; or every weight trainable with
    ``lora.enabled=false`` (the routers only with ``moe.train_router``; `lightning_ft.model.router`);
@@ -41,6 +42,7 @@ from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
 from lightning_ft.model.patching import apply_kernels
+from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
     aux_loss_coef,
     check_router_training,
@@ -66,6 +68,7 @@ def load_causal_lm(
     vocab_size: int | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    quantization: str = "none",
 ) -> torch.nn.Module:
     """Build a transformers causal LM from a checkpoint or, with random weights, from a config.
 
@@ -86,12 +89,17 @@ def load_causal_lm(
         vocab_size: the tokenizer's size; a random-init config without ``vocab_size`` gets it
             rounded up to a multiple of 64.
         attn_implementation: passed to transformers (packed attention: a name from `register_packed_attention`).
+        quantization: ``none``, or ``nf4``: the linear layers (not the LM head) as bitsandbytes NF4 with double
+            quantisation, quantised while a 16/32-bit checkpoint loads, after a random init, or as a
+            bitsandbytes 4-bit checkpoint stores them (`lightning_ft.model.quantization`).
 
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
             not a causal LM, a ``config`` value of the wrong type for transformers (naming
             ``model.config.<key>`` and the type expected), a ``config`` key that is a near miss of a
-            field (``num_hidden_layer``), or an embedding table smaller than the tokenizer.
+            field (``num_hidden_layer``), an embedding table smaller than the tokenizer, or a
+            ``quantization`` the checkpoint contradicts (`lightning_ft.model.quantization.check_quantization`).
+        ImportError: ``quantization=nf4`` without bitsandbytes (naming the ``qlora`` extra).
         FileNotFoundError: ``name_or_path`` is neither a local checkpoint (a folder with a
             ``config.json``) nor a reachable hub name.
     """
@@ -136,10 +144,17 @@ def load_causal_lm(
             raise ValueError(
                 f"the model's vocab_size {hf_config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
             )
+    method = _quant_method(hf_config)
+    check_quantization(quantization, method, _quant_field(hf_config, "load_in_4bit") is True)
     kwargs = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
     if init == "random":
-        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
-    if _quant_method(hf_config) == "mxfp4":
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
+        if quantization == "nf4":
+            quantize_linears(model)
+        return model
+    if quantization == "nf4" and method is None:
+        kwargs["quantization_config"] = bnb_nf4_config(_DTYPES[dtype])
+    if method == "mxfp4":
         from transformers import Mxfp4Config
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
@@ -153,10 +168,15 @@ def load_causal_lm(
 
 def _quant_method(hf_config: Any) -> str | None:
     """The checkpoint's ``quantization_config.quant_method`` (a dict or a transformers config object), or None."""
+    return _quant_field(hf_config, "quant_method")
+
+
+def _quant_field(hf_config: Any, key: str) -> Any:
+    """The checkpoint's ``quantization_config.<key>`` (a dict or a transformers config object), or None."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
         return None
-    return quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    return quantization.get(key) if isinstance(quantization, dict) else getattr(quantization, key, None)
 
 
 def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
@@ -313,6 +333,7 @@ class ModelBuilder:
 
         Raises:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
+                `lightning_ft.model.quantization.check_quantized_training` (a 4-bit base without LoRA, under FSDP2 or CUDA graphs),
                 `Execution.check`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
                 `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
                 against what ``lora.modules_to_save`` or ``lora.init_from`` says), ``lora.modules_to_save``
@@ -324,6 +345,8 @@ class ModelBuilder:
         moe_backend = self.moe_cfg.get("backend", "hf")
         execution = execution if execution is not None else self.execution
         execution.check()
+        lora_enabled = bool(self.lora_cfg.get("enabled", True))
+        check_quantized_training(cfg.get("quantization", "none"), lora_enabled, sharded, execution.cuda_graphs)
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
@@ -336,6 +359,7 @@ class ModelBuilder:
             vocab_size=self.vocab_size,
             attn_implementation=register_packed_attention(attention),
             trust_remote_code=cfg.get("trust_remote_code", False),
+            quantization=cfg.get("quantization", "none"),
         )
         model.config.use_cache = False
         if attention == "auto":  # which documents run cuDNN: measured before any step (CUDA graphs key rows by it)
@@ -352,7 +376,7 @@ class ModelBuilder:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         train_router = bool(self.moe_cfg.get("train_router", False))
         routers = router_module_names(model) if train_router else []
-        if self.lora_cfg.get("enabled", True):
+        if lora_enabled:
             lora_cfg = self.lora_cfg
             if routers:  # PEFT trains a copy of each router and saves it with the adapter
                 saved = list(lora_cfg.get("modules_to_save") or [])

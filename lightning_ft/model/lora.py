@@ -6,7 +6,9 @@ drop them silently. `lora_linear_adapters` says for which adapters of a PEFT ``l
 fused op `lightning_ft.kernels.lora.lora_linear` computes PEFT's forward; `_fused_lora_forward` is the
 forward the patch tables (`lightning_ft.model.patching`, kernel switch ``lora``) install on those
 layers: the fused op whenever that adapter alone is active, enabled and not merged, PEFT's own
-forward otherwise, call by call. The LoRA parameters and the adapter file stay PEFT's.
+forward otherwise, call by call. On a 4-bit base (PEFT's ``lora.bnb.Linear4bit`` around bitsandbytes'
+``Linear4bit``, `lightning_ft.model.quantization`) the fused op is `lightning_ft.kernels.qlora.qlora_linear`
+(our dequantisation, then the same products). The LoRA parameters and the adapter file stay PEFT's.
 
 Sources: PEFT 0.21 ``peft.tuners.lora.layer.Linear``, ``LoraConfig``, ``check_target_module_exists``.
 """
@@ -22,9 +24,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from lightning_ft.kernels.lora import lora_linear
+from lightning_ft.kernels.qlora import qlora_linear
+from lightning_ft.model.quantization import quant4bit_weight
 from lightning_ft.strategies import kept
 
-__all__ = ["active_module", "add_lora", "lora_linear_adapters"]
+__all__ = ["active_module", "add_lora", "fused_lora_classes", "lora_linear_adapters"]
 
 
 def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
@@ -172,19 +176,36 @@ def _skip_adapter_input_casts(model: torch.nn.Module) -> None:
             module.cast_input_dtype_enabled = False
 
 
-def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
-    """The adapters of a PEFT ``lora.Linear`` for which `lora_linear` is PEFT's forward, whenever that adapter
-    is the only active one, adapters are enabled and not merged, and the call has no extra arguments.
+def fused_lora_classes() -> tuple[type, ...]:
+    """The PEFT LoRA layer classes whose forward `_fused_lora_forward` may replace: ``lora.Linear``, and
+    ``lora.bnb.Linear4bit`` (a 4-bit base) where bitsandbytes is installed (PEFT defines it only then)."""
+    from peft.tuners.lora import bnb as peft_bnb
+    from peft.tuners.lora.layer import Linear
 
-    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
-    ``fan_in_fan_out``, no forward hooks or replaced ``forward``: `lora_linear` reads its weight
-    directly) whose weight and bias are frozen. These do not change while a model trains; which
-    adapter is active, merging and disabling do, and are checked at every call.
+    return (Linear, peft_bnb.Linear4bit) if hasattr(peft_bnb, "Linear4bit") else (Linear,)
+
+
+def _is_linear4bit(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is exactly bitsandbytes' ``nn.Linear4bit`` (checked by name: bitsandbytes is optional)."""
+    cls = type(layer)
+    return cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes.")
+
+
+def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
+    """The adapters of a PEFT ``lora.Linear`` (or ``lora.bnb.Linear4bit``) for which `lora_linear` (`qlora_linear`)
+    is PEFT's forward, whenever that adapter is the only active one, adapters are enabled and not merged, and
+    the call has no extra arguments.
+
+    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer or bitsandbytes'
+    ``Linear4bit`` (not ``fan_in_fan_out``, no forward hooks or replaced ``forward``: the fused op reads its
+    weight directly) whose weight and bias are frozen. These do not change while a model trains; which
+    adapter is active, merging and disabling do, and are checked at every call (and, for a 4-bit base, its
+    compute dtype and layout: `_fused_lora_forward`).
     """
     base = module.base_layer
     if (
         module.fan_in_fan_out
-        or type(base) is not torch.nn.Linear
+        or (type(base) is not torch.nn.Linear and not _is_linear4bit(base))
         or base._forward_hooks
         or base._forward_pre_hooks
         or "forward" in base.__dict__
@@ -215,6 +236,14 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
+    if type(base) is not torch.nn.Linear:  # bitsandbytes' Linear4bit
+        weight = quant4bit_weight(base)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        # bitsandbytes computes in the layer's compute dtype: fused only where that is ours
+        if weight is None or base.compute_dtype not in (None, dtype):
+            return type(self).forward(self, x, *args, **kwargs)
+        return qlora_linear(x, weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling)
     keep = kept.active("projections") if self._lightning_ft_keep else None
     if keep is not None and not _output_keepable(self):
         keep = None

@@ -21,7 +21,8 @@ What gets patched, per kernel switch:
               attention calls it by that global name), replaced by `apply_rope` (in place on q, k);
               with ``rope_half_tables`` (gpt-oss: cos/sin of D/2 columns, each frequency once) the
               tables are repeated to D columns first.
-    lora      every PEFT `lora.Linear` (any architecture) with an adapter `lora_linear` computes
+    lora      every PEFT `lora.Linear` (and `lora.bnb.Linear4bit`: a 4-bit base, `qlora_linear`) (any
+              architecture) with an adapter `lora_linear` computes
               exactly (`lora_linear_adapters`: no dropout, no DoRA, ...): `forward` becomes
               `lora_linear` whenever that adapter alone is active, enabled and not merged, and the
               call passes nothing but the input; PEFT's own forward otherwise, call by call
@@ -61,7 +62,7 @@ from transformers import PreTrainedModel
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu, swiglu_concat
-from lightning_ft.model.lora import _fused_lora_forward, lora_linear_adapters
+from lightning_ft.model.lora import _fused_lora_forward, fused_lora_classes, lora_linear_adapters
 
 KERNEL_KEYS = ("rms_norm", "rope", "swiglu", "lora", "fused_linear_cross_entropy")
 # transformers' ACT2FN name -> the `swiglu` kernel's activation computing it (tests/model/test_patching.py checks each)
@@ -237,11 +238,10 @@ def _fused_forwards(name: str, table: PatchTable, config: object) -> dict[str, C
 
 
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
+    classes = fused_lora_classes()
     count = 0
     for path, module in model.named_modules():
-        if type(module) is LoraLinear and (adapters := lora_linear_adapters(module)):
+        if type(module) in classes and (adapters := lora_linear_adapters(module)):
             module._lightning_ft_lora = {name: module.lora_A[name] for name in adapters}  # a plain dict: not submodules
             module._lightning_ft_keep = path.rsplit(".", 1)[-1] in kept_linears  # its output may be kept
             undo.append(functools.partial(delattr, module, "_lightning_ft_lora"))

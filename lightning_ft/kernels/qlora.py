@@ -1,0 +1,101 @@
+"""QLoRA linear layer: ``y = x Wᵀ + b + s · (x Aᵀ) Bᵀ`` with W stored in 4 bits (bitsandbytes' layout).
+
+The frozen base weight is dequantised (`lightning_ft.kernels.nf4.dequantize_4bit`) into a buffer reused
+by every layer right before its GEMM, in the forward and again in the backward for x's gradient, so one
+dense weight exists at a time and none is saved for the backward (a custom autograd.Function: autograd
+would save the buffer, which the next layer overwrites). The products are those of
+`lightning_ft.kernels.lora.lora_linear`:
+
+    forward   W = dequant(W4)    y = x Wᵀ + b    h = x Aᵀ    y += s · h Bᵀ   (in the last GEMM's epilogue)
+    backward  dh = s · dy B      dA = dhᵀ x      dB = s · dyᵀ h
+              W = dequant(W4)    dx = dh A;  dx += dy W                        (in the base GEMM's epilogue)
+
+all in the compute dtype (the autocast dtype under autocast, else x's), A and B cast to it as autocast
+casts them (their gradients flow back to PEFT's fp32 parameters through the cast). The reference,
+PEFT's ``lora.bnb.Linear4bit`` over bitsandbytes' ``matmul_4bit``, computes the same products with the
+weight from bitsandbytes' ``dequantize_4bit`` (bitwise ours) and rounds the sums once more, so bf16
+results agree to bf16 rounding. Frozen base weight and bias; no LoRA dropout (the caller,
+`lightning_ft.model.lora`, checks).
+
+Source of the method: QLoRA, Dettmers et al. 2023 (arXiv:2305.14314); the dequantise-then-GEMM
+scheme with a reused buffer is Unsloth's ``fast_dequantize`` + ``matmul_lora``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_ft.kernels.lora import lora_linear_reference
+from lightning_ft.kernels.nf4 import Quant4bitWeight, dequantize_4bit, dequantize_4bit_reference
+
+__all__ = ["qlora_linear", "qlora_linear_reference"]
+
+
+def qlora_linear_reference(
+    x: torch.Tensor, weight: Quant4bitWeight, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Plain-torch reference: `lora_linear_reference` on the reference dequantisation of ``weight`` in x's dtype."""
+    return lora_linear_reference(x, dequantize_4bit_reference(weight, x.dtype), bias, lora_A, lora_B, scaling)
+
+
+def qlora_linear(
+    x: torch.Tensor,
+    weight: Quant4bitWeight,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """A LoRA linear layer on a 4-bit frozen base weight, ``x Wᵀ + b + scaling · (x Aᵀ) Bᵀ``.
+
+    Args:
+        x: [..., K] input.
+        weight: the [N, K] base weight in 4 bits (`Quant4bitWeight`); bias: [N] frozen base bias or None.
+        lora_A: [r, K] and lora_B: [N, r] adapter weights (fp32 in PEFT; cast to the compute dtype).
+        scaling: PEFT's ``lora_alpha / r``.
+
+    Returns:
+        [..., N] in the compute dtype: the autocast dtype under autocast, else x's.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or its K is not x's last dimension.
+    """
+    if len(weight.shape) != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"qlora_linear: a [N, K] weight with K = {x.shape[-1]} expected, got shape {weight.shape}")
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(device, enabled=False):
+        y = _QLoRALinear.apply(x2, weight, bias, lora_A.to(dtype), lora_B.to(dtype), scaling)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _QLoRALinear(torch.autograd.Function):
+    """`qlora_linear` on [T, K] operands in one dtype (see the module docstring); saves x, h, A and B, not W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling):
+        y = F.linear(x, dequantize_4bit(weight, x.dtype), bias)
+        h = F.linear(x, lora_A)
+        y.addmm_(h, lora_B.t(), alpha=scaling)
+        ctx.weight, ctx.scaling = weight, scaling
+        ctx.save_for_backward(x, h, lora_A, lora_B)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, lora_A, lora_B = ctx.saved_tensors
+        needs_x, _, _, needs_a, needs_b = ctx.needs_input_grad[:5]
+        dx = da = db = None
+        if needs_x or needs_a:
+            dh = (dy @ lora_B) * ctx.scaling
+            if needs_a:
+                da = dh.t() @ x
+            if needs_x:
+                dx = dh @ lora_A
+                dx.addmm_(dy, dequantize_4bit(ctx.weight, dy.dtype))
+        if needs_b:
+            db = (dy.t() @ h) * ctx.scaling
+        return dx, None, None, da, db, None
