@@ -55,6 +55,7 @@ class StrategyConfig:
     keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (attention and projections together, GiB, in layer order); null: the memory plan's, else while 90% of the GPU's memory holds
     activation_offload: bool = False  # with cuda_graphs: each layer's checkpointed input waits in pinned host memory for the backward (copies overlapped with compute)
     memory_budget_gib: Any = "auto"  # GPU memory a step may use (GiB) for the memory plan of what is kept; auto: free memory less a margin; null: no plan (off CUDA: never a plan)
+    fp8: bool = False  # frozen base weights of the LoRA linear layers in e4m3 (per-output-channel scales, half their memory), their GEMMs in fp8 (Hopper, sm90+; not with strategy=fsdp2)
 
 
 @dataclass

@@ -7,7 +7,8 @@ hooks and argument checks) and two elementwise kernels per layer and pass. Here:
     h = x Aᵀ                              [T, r]
     y = addmm_(x Wᵀ + b, h, Bᵀ, alpha=s)   the scaling and the sum in the last GEMM's epilogue, in place
 
-three ops whose backward autograd runs in C++ (a custom autograd.Function would put Python back
+three ops whose backward autograd runs in C++ (with an e4m3 base weight, ``x Wᵀ + b`` is
+`lightning_ft.kernels.fp8.fp8_linear`: row-wise fp8 scales, no weight gradient) (a custom autograd.Function would put Python back
 into every backward). Under autocast every product runs in the autocast dtype, as PEFT's do; the
 scaling is applied in fp32 inside the GEMM rather than to a bf16-rounded product, so bf16 results
 agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and other variants, a LoRA
@@ -43,6 +44,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from lightning_ft.kernels.fp8 import fp8_linear
+
 
 def lora_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
@@ -59,6 +62,7 @@ def lora_linear(
     lora_B: torch.Tensor,
     scaling: float,
     keep=None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A LoRA linear layer, ``x Wᵀ + b + scaling · (x Aᵀ) Bᵀ``, in three matrix products.
 
@@ -75,13 +79,19 @@ def lora_linear(
             the same inputs takes them back and computes no product (nothing may change y in place
             afterwards: it is the kept buffer, or a view of it; no gradient for ``weight`` or
             ``bias``).
+        weight_scale: [N] fp32 per-output-channel scales of an e4m3 ``weight`` (fp8 base weights,
+            `lightning_ft.strategies.fp8`): the base product is `lightning_ft.kernels.fp8.fp8_linear`;
+            takes no ``keep``.
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
 
     Raises:
         RuntimeError: without autocast, operands of different dtypes (torch's matmul error).
+        ValueError: ``weight_scale`` with ``keep``.
     """
+    if weight_scale is not None and keep is not None:
+        raise ValueError("lora_linear: an fp8 base weight (weight_scale) keeps no output (keep must be None)")
     if keep is not None and keep.recompute and (kept := keep.take()) is not None:
         y, h = kept
         shared = _shared_input(x, y.dtype)
@@ -102,7 +112,8 @@ def lora_linear(
         # on [T, K] rows, viewed back after the in-place add: F.linear of a 3-D x returns a view of its
         # 2-D product, and an in-place op through a view of that view, with a tensor hook on the output,
         # crashes torch 2.13's autograd (a segfault; with a bias, e.g. a user's hook on gpt-oss's q_proj)
-        y2, h2 = F.linear(x2, weight, bias), F.linear(x2, lora_A)
+        base = F.linear(x2, weight, bias) if weight_scale is None else fp8_linear(x2, weight, weight_scale, bias)
+        y2, h2 = base, F.linear(x2, lora_A)
     # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
     # copies y into a new [T, N] tensor.
     # In-place ops are not autocast: B is cast as autocast would have cast it.

@@ -178,17 +178,19 @@ def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
 
     That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer (not
     ``fan_in_fan_out``, no forward hooks or replaced ``forward``: `lora_linear` reads its weight
-    directly) whose weight and bias are frozen. These do not change while a model trains; which
+    directly) whose weight and bias are frozen, or on its fp8 form (`lightning_ft.strategies.fp8.Fp8Linear`). These do not change while a model trains; which
     adapter is active, merging and disabling do, and are checked at every call.
     """
+    from lightning_ft.strategies.fp8 import Fp8Linear
+
     base = module.base_layer
     if (
         module.fan_in_fan_out
-        or type(base) is not torch.nn.Linear
+        or type(base) not in (torch.nn.Linear, Fp8Linear)
         or base._forward_hooks
         or base._forward_pre_hooks
         or "forward" in base.__dict__
-        or base.weight.requires_grad
+        or (type(base) is torch.nn.Linear and base.weight.requires_grad)
         or (base.bias is not None and base.bias.requires_grad)
     ):
         return frozenset()
@@ -215,6 +217,8 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
+    if (weight_scale := getattr(base, "weight_scale", None)) is not None:  # fp8 (Fp8Linear): nothing kept
+        return lora_linear(x, base.weight_fp8, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, weight_scale=weight_scale)
     keep = kept.active("projections") if self._lightning_ft_keep else None
     if keep is not None and not _output_keepable(self):
         keep = None

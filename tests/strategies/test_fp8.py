@@ -1,0 +1,137 @@
+"""fp8 frozen base weights (strategy.fp8): conversion, a training step against bf16, plain PEFT adapters, errors.
+
+On the CPU the products run through `fp8_linear`'s reference (the same quantised operands in fp32);
+the GPU test runs them through torch._scaled_mm:
+    python -m pytest -q tests/strategies/test_fp8.py            (CPU)
+    python -m pytest -q -m gpu tests/strategies/test_fp8.py     (GPU, sm90+)
+
+Bounds, fp8 base against the bf16 base from the same weights (one step of the tiny model): loss within
+2% relative, each LoRA gradient within 15% relative (Frobenius; each GEMM is ~4% off, and LoRA
+gradients pass through several).
+"""
+
+import pytest
+import torch
+from peft import PeftModel
+from tiny_model import LORA, TINY_MODEL
+
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.model.patching import apply_kernels
+from lightning_ft.strategies.fp8 import Fp8Linear, check_fp8_device, convert_to_fp8
+from lightning_ft.strategies.strategy import Execution
+
+LORA_ALL = {**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def _build(device="cpu", dtype="bfloat16"):
+    model = ModelBuilder(model={**TINY_MODEL, "dtype": dtype}, lora=LORA_ALL, seed=0)(torch.device(device)).model
+    for name, p in model.named_parameters():  # non-zero lora_B: every LoRA weight gets gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model.to(device)
+
+
+def _step(model, kernels: bool, device="cpu", autocast=True):
+    apply_kernels(model, {"lora": kernels})
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (2, 24), device=device)
+    model.zero_grad()
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):  # as under precision=bf16-mixed
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_converts_the_frozen_lora_base_weights_only_and_halves_their_memory():
+    model = _build()
+    before = {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters() if "base_layer" not in n}
+    linears = [m.base_layer for m in model.modules() if hasattr(m, "base_layer") and isinstance(m.base_layer, torch.nn.Linear)]
+    bf16_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert convert_to_fp8(model) == len(linears) == 8  # q/k/v/o of 2 layers
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert sum(m.weight_bytes.numel() * m.weight_bytes.element_size() for m in fp8) == bf16_bytes // 2
+    # LoRA A/B, norms, router, embeddings, lm_head: unchanged
+    assert {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters()} == before
+    assert convert_to_fp8(model) == 0  # nothing left to convert
+    # a model.to(dtype) (a precision plugin's) leaves the e4m3 bytes alone
+    saved = fp8[0].weight_bytes.clone()
+    model.to(torch.float32)
+    assert fp8[0].weight_bytes.dtype == torch.uint8 and torch.equal(fp8[0].weight_bytes, saved)
+
+
+@pytest.mark.parametrize("kernels", [False, True])  # PEFT's forward over Fp8Linear; the fused LoRA forward
+def test_training_step_matches_the_bf16_base(kernels):
+    model = _build()
+    loss_ref, grads_ref = _step(model, kernels)
+    convert_to_fp8(model)
+    loss, grads = _step(model, kernels)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 16  # A and B of every LoRA layer, no base weight
+    assert abs(loss - loss_ref) / loss_ref < 0.02
+    for name, g in grads.items():
+        assert torch.isfinite(g).all() and _rel(g, grads_ref[name]) < 0.15, name
+
+
+def test_fused_and_peft_forward_agree_over_the_fp8_base():
+    model = _build(dtype="float32")  # fp32: the same fp8 base product, LoRA summed in another order
+    convert_to_fp8(model)
+    loss_peft, grads_peft = _step(model, kernels=False, autocast=False)
+    loss_fused, grads_fused = _step(model, kernels=True, autocast=False)
+    assert abs(loss_fused - loss_peft) / loss_peft < 1e-5
+    for name, g in grads_fused.items():
+        assert _rel(g, grads_peft[name]) < 1e-4, name
+
+
+def test_adapter_saved_from_the_fp8_model_loads_in_plain_peft_on_the_bf16_base(tmp_path):
+    model = _build()
+    convert_to_fp8(model)
+    model.save_pretrained(tmp_path / "adapter")
+    base = ModelBuilder(model={**TINY_MODEL, "dtype": "bfloat16"}, lora={**LORA, "enabled": False}, seed=0)(torch.device("cpu")).model
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    trained = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert got.keys() == trained.keys() and all(torch.equal(got[n], trained[n]) for n in got)
+    ids = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        rel = _rel(loaded(input_ids=ids).logits.float(), model(input_ids=ids).logits.float())
+    assert rel < 0.1  # the same adapter over the bf16 weights the fp8 ones were quantised from
+
+
+def test_refused_off_hopper_with_the_device_found():
+    with pytest.raises(ValueError, match=r"compute capability 9\.0 or newer .*found cpu: set strategy.fp8=false"):
+        check_fp8_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"strategy.fp8=true needs .*found none \(trainer.accelerator=cpu\)"):
+        Execution(fp8=True).check(no_cuda="trainer.accelerator=cpu")
+    with pytest.raises(ValueError, match="found cpu"):  # the builder refuses before any weight loads
+        ModelBuilder(model=TINY_MODEL, lora=LORA, execution=Execution(fp8=True))(torch.device("cpu"))
+    with pytest.raises(ValueError, match="not available with strategy=fsdp2"):
+        ModelBuilder(model=TINY_MODEL, lora=LORA, execution=Execution(fp8=True))(torch.device("cpu"), sharded=True)
+
+
+@pytest.mark.gpu
+def test_fp8_training_step_on_hopper_without_host_sync():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs sm90+ (row-wise torch._scaled_mm)")
+    model = ModelBuilder(
+        model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA_ALL, seed=0, execution=Execution(fp8=True), kernels={"lora": True}
+    )(torch.device("cuda")).model
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 8
+    ids = torch.randint(0, 64, (2, 32), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()  # warm-up (lazy inits may sync)
+    layer = model.get_base_model().model.layers[0].self_attn
+    x = torch.randn(2, 32, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the fused LoRA layers' forward and backward over the fp8 base: no device-to-host sync
+        y = sum(layer.get_submodule(p)(x).float().sum() for p in ("q_proj", "k_proj", "v_proj"))
+        y.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    loss_fp8, _ = _step(model, kernels=True, device="cuda")
+    ref = _build("cuda")
+    loss_bf16, _ = _step(ref, kernels=True, device="cuda")
+    assert abs(loss_fp8 - loss_bf16) / loss_bf16 < 0.02
