@@ -32,13 +32,18 @@ Engine and torchao's float8 training; the ``_scaled_mm`` layout rules are PyTorc
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to zero either way)
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
-__all__ = ["E4M3", "E4M3_MAX", "fp8_linear", "fp8_linear_reference", "quantize_rows", "quantize_weight", "scaled_mm_supported"]
+__all__ = [
+    "E4M3", "E4M3_MAX", "fp8_linear", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_weight",
+    "scaled_mm_supported",
+]  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +62,44 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     scale = x32.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR) / E4M3_MAX
     q = (x32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
+
+
+def fp8_rows_like(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (q [M, N], scale [M] fp32) for the fp8 rows of a [M, N] ``y``, for a kernel to fill with
+    `e4m3_values` and `e4m3_scale`; `fp8_rows_done` makes them (q e4m3, scale).
+
+    q is e4m3 on CUDA (the kernel's store rounds to nearest even, saturating). Under Triton's CPU
+    interpreter q is fp32 and `fp8_rows_done` casts it with torch: the interpreter's fp32 → e4m3
+    conversion rounds some values wrongly (127.47 became 64 instead of 128, Triton 3.9).
+    """
+    q_dtype = torch.float32 if y.device.type == "cpu" else E4M3
+    return torch.empty(y.shape, dtype=q_dtype, device=y.device), torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
+
+
+def fp8_rows_done(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3, scale) from the buffers of `fp8_rows_like` once a kernel has filled them."""
+    q, scale = rows
+    return (q if q.dtype == E4M3 else q.to(E4M3)), scale
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """Triton: `quantize_rows`' scale of a row whose largest magnitude is fp32 ``amax``."""
+    return tl.maximum(amax, 1e-12) / 448.0  # _AMAX_FLOOR, E4M3_MAX
+
+
+@triton.jit
+def e4m3_values(y, scale):
+    """Triton: fp32 ``y / scale`` clamped to ±448 (what `quantize_rows` casts to e4m3; the caller casts on store)."""
+    return tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+
+
+@triton.jit
+def quantize_rows_tile(y):
+    """Triton: (values, scale) of `quantize_rows` for a [BLOCK_M, BLOCK_N] fp32 tile holding whole rows (masked
+    columns zero): values fp32, clamped, for the caller to cast to e4m3; scale [BLOCK_M] fp32."""
+    scale = e4m3_scale(tl.max(tl.abs(y), axis=1))
+    return e4m3_values(y, scale[:, None]), scale
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
