@@ -41,7 +41,7 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "fp8_linear", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_weight",
+    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_linear", "fp8_rows_of", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_weight",
     "scaled_mm_supported",
 ]  # fmt: skip
 
@@ -130,8 +130,8 @@ class _Fp8Linear(torch.autograd.Function):
     """x [M, K] → x Wᵀ + b in ``out_dtype`` with W = Wq · sw[:, None] (module docstring); gradient for x only."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_scale, bias, out_dtype, use_scaled_mm):
-        xq, x_scale = quantize_rows(x)
+    def forward(ctx, x, weight, weight_scale, bias, out_dtype, use_scaled_mm, x_rows):
+        xq, x_scale = x_rows if x_rows is not None else quantize_rows(x)
         y = _mm_rowwise(xq, x_scale, weight, weight_scale, use_scaled_mm).to(out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -148,10 +148,10 @@ class _Fp8Linear(torch.autograd.Function):
             # _mm_rowwise's second operand is [K, N]: Wqᵀ, in row-major memory for _scaled_mm (its column-major [N, K])
             w_t = weight.t().contiguous() if ctx.use_scaled_mm else weight.t()
             dx = _mm_rowwise(gq, g_scale, w_t, None, ctx.use_scaled_mm).to(ctx.x_dtype)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, use_scaled_mm: bool) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, use_scaled_mm: bool, x_rows) -> torch.Tensor:
     if weight.dtype != E4M3 or weight_scale.shape != weight.shape[:1]:
         raise ValueError(
             f"fp8_linear: expected an e4m3 weight [N, K] and an fp32 scale [N], got {weight.dtype} {tuple(weight.shape)} "
@@ -159,33 +159,61 @@ def _run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias
         )
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     x2 = x.reshape(-1, x.shape[-1])
-    y2 = _Fp8Linear.apply(x2, weight, weight_scale, bias, out_dtype, use_scaled_mm)
-    return y2.view(*x.shape[:-1], weight.shape[0])
+    if x_rows is not None and x_rows[0].shape != x2.shape:
+        raise ValueError(f"fp8_linear: x_rows of {tuple(x_rows[0].shape)} for an x of {tuple(x2.shape)} rows")
+    y2 = _Fp8Linear.apply(x2, weight, weight_scale, bias, out_dtype, use_scaled_mm, x_rows)
+    return y2 if x.dim() == 2 else y2.view(*x.shape[:-1], weight.shape[0])
+
+
+_ROWS_ATTR = "_lightning_ft_fp8_rows"  # on a kernel's output: (its version then, (q, scale))
+
+
+def attach_fp8_rows(y: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Leave ``rows`` (y's fp8 rows from the kernel that wrote y: `lightning_ft.kernels.rms_norm.rms_norm`,
+    `lightning_ft.kernels.swiglu.swiglu` with ``fp8_rows``) on ``y`` for `fp8_rows_of`; returns y."""
+    setattr(y, _ROWS_ATTR, (y._version, rows))
+    return y
+
+
+def fp8_rows_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fp8 rows `attach_fp8_rows` left on this very tensor, while it is unchanged since (else None)."""
+    attached = getattr(x, _ROWS_ATTR, None)
+    return attached[1] if attached is not None and attached[0] == x._version else None
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x Wᵀ + b`` with a frozen e4m3 weight (module docstring): ``_scaled_mm`` where it runs, else the reference.
 
     Args:
         x: [..., K] activations (any float dtype; quantised per row).
         weight: [N, K] e4m3 (`quantize_weight`); weight_scale: [N] fp32; bias: [N] or None (added in the output dtype).
+        x_rows: x's rows already quantised, (q [M, K] e4m3, scale [M] fp32) as `quantize_rows` of x's [M, K]
+            rows (a kernel's fused output, `fp8_rows_of`): no quantisation pass here; None: x is quantised.
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else x's dtype. Differentiable in x only.
 
     Raises:
-        ValueError: a weight that is not e4m3 or a scale that is not [N].
+        ValueError: a weight that is not e4m3, a scale that is not [N], or ``x_rows`` of another shape than x's rows.
     """
     n, k = weight.shape
     fast = scaled_mm_supported(x.device) and n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
-    return _run(x, weight, weight_scale, bias, fast)
+    return _run(x, weight, weight_scale, bias, fast, x_rows)
 
 
 def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plain-torch `fp8_linear`: the same quantised operands (x per row; dy · sw per row in the backward),
     dequantised and multiplied in fp32, then cast to the output dtype."""
-    return _run(x, weight, weight_scale, bias, False)
+    return _run(x, weight, weight_scale, bias, False, x_rows)

@@ -44,7 +44,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from lightning_ft.kernels.fp8 import fp8_linear
+from lightning_ft.kernels.fp8 import fp8_linear, fp8_rows_of
 
 
 def lora_linear_reference(
@@ -80,7 +80,8 @@ def lora_linear(
             afterwards: it is the kept buffer, or a view of it; no gradient for ``weight`` or
             ``bias``).
         weight_scale: [N] fp32 per-output-channel scales of an e4m3 ``weight`` (fp8 base weights,
-            `lightning_ft.strategies.fp8`): the base product is `lightning_ft.kernels.fp8.fp8_linear`;
+            `lightning_ft.strategies.fp8`): the base product is `lightning_ft.kernels.fp8.fp8_linear`
+            (over x's fp8 rows where the kernel that wrote x left them: `lightning_ft.kernels.fp8.fp8_rows_of`);
             takes no ``keep``.
 
     Returns:
@@ -112,7 +113,7 @@ def lora_linear(
         # on [T, K] rows, viewed back after the in-place add: F.linear of a 3-D x returns a view of its
         # 2-D product, and an in-place op through a view of that view, with a tensor hook on the output,
         # crashes torch 2.13's autograd (a segfault; with a bias, e.g. a user's hook on gpt-oss's q_proj)
-        base = F.linear(x2, weight, bias) if weight_scale is None else fp8_linear(x2, weight, weight_scale, bias)
+        base = F.linear(x2, weight, bias) if weight_scale is None else fp8_linear(x2, weight, weight_scale, bias, fp8_rows_of(x))
         y2, h2 = base, F.linear(x2, lora_A)
     # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
     # copies y into a new [T, N] tensor.

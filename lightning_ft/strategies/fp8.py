@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ft.kernels.fp8 import E4M3, fp8_linear, quantize_weight
+from lightning_ft.kernels.fp8 import E4M3, fp8_linear, fp8_rows_of, quantize_weight
 
 __all__ = ["Fp8Linear", "check_fp8_device", "convert_to_fp8"]
 
@@ -60,8 +60,9 @@ class Fp8Linear(torch.nn.Module):
         return self.weight_fp8.float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x Wᵀ + b`` through `lightning_ft.kernels.fp8.fp8_linear` ([..., K] → [..., N])."""
-        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+        """``x Wᵀ + b`` through `lightning_ft.kernels.fp8.fp8_linear` ([..., K] → [..., N]), over x's fp8 rows where
+        the kernel that wrote x left them (`lightning_ft.kernels.fp8.fp8_rows_of`)."""
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, fp8_rows_of(x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"

@@ -2,8 +2,8 @@
 
 On the CPU the products run through `fp8_linear`'s reference (the same quantised operands in fp32);
 the GPU test runs them through torch._scaled_mm:
-    python -m pytest -q tests/strategies/test_fp8.py            (CPU)
-    python -m pytest -q -m gpu tests/strategies/test_fp8.py     (GPU, sm90+)
+    python -m pytest -q tests/strategies/test_fp8_weights.py            (CPU)
+    python -m pytest -q -m gpu tests/strategies/test_fp8_weights.py     (GPU, sm90+)
 
 Bounds, fp8 base against the bf16 base from the same weights (one step of the tiny model): loss within
 2% relative, each LoRA gradient within 15% relative (Frobenius; each GEMM is ~4% off, and LoRA
@@ -31,8 +31,8 @@ def _build(device="cpu", dtype="bfloat16"):
     return model.to(device)
 
 
-def _step(model, kernels: bool, device="cpu", autocast=True):
-    apply_kernels(model, {"lora": kernels})
+def _step(model, kernels, device="cpu", autocast=True):
+    apply_kernels(model, kernels if isinstance(kernels, dict) else {"lora": kernels})
     torch.manual_seed(1)
     ids = torch.randint(0, 64, (2, 24), device=device)
     model.zero_grad()
@@ -135,3 +135,31 @@ def test_fp8_training_step_on_hopper_without_host_sync():
     ref = _build("cuda")
     loss_bf16, _ = _step(ref, kernels=True, device="cuda")
     assert abs(loss_fp8 - loss_bf16) / loss_bf16 < 0.02
+
+
+TINY_LLAMA = {"init": "random", "config": dict(
+    model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, vocab_size=64,
+)}  # fmt: skip
+
+
+def test_norms_and_swiglu_hand_their_fp8_rows_to_the_next_gemm(monkeypatch):
+    import lightning_ft.kernels.fp8 as fp8
+    import lightning_ft.model.patching as patching
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = ModelBuilder(model=TINY_LLAMA, lora={**LORA, "target_modules": targets}, seed=0)(torch.device("cpu")).model
+    assert convert_to_fp8(model) == 14
+    kernels = {"lora": True, "rms_norm": True, "swiglu": True}
+    # per layer: input_layernorm (q/k/v), post_attention_layernorm (gate/up), the MLP's swiglu (down)
+    assert apply_kernels(model, kernels)[-1] == "fp8: 6 x rms_norm / swiglu also write their output's fp8 rows for the next GEMM"
+    given, run = [], fp8._Fp8Linear.forward
+    monkeypatch.setattr(fp8._Fp8Linear, "forward", staticmethod(lambda ctx, *a: given.append(a[-1] is not None) or run(ctx, *a)))
+    loss, grads = _step(model, kernels, autocast=False)
+    layer = [True] * 3 + [False] + [True] * 3  # q/k/v; o_proj quantises its input; gate/up, down
+    assert given == layer * 2
+    # the rows are quantize_rows' of the same outputs (bit for bit on the CPU): the same step as without them
+    monkeypatch.setattr(patching, "_mark_fp8_row_producers", lambda *a: 0)
+    given.clear()
+    loss_plain, grads_plain = _step(model, kernels, autocast=False)
+    assert not any(given) and loss == loss_plain and all(torch.equal(g, grads_plain[n]) for n, g in grads.items())
