@@ -24,6 +24,10 @@ P programs (4 per SM) each walks its own contiguous range of rows and writes one
 then a [P, N] -> [N] sum gives dW, cast to weight.dtype. dW is skipped when weight does not require
 grad (LoRA). Saved for backward: x (input dtype) and rstd (fp32 [M]), nothing else.
 
+With ``fp8_rows`` the forward also writes y's rows in e4m3 and their fp32 scales (amax(|y|) / 448 of
+the rounded y, `lightning_ft.kernels.fp8.quantize_rows`' math) for an fp8 GEMM that reads y: the
+row is whole in the program's registers, so this costs one more write of M·N bytes.
+
 Shapes: x [..., N] with any leading dims (flattened to M rows), weight [N]; N need not be a power of
 two (2880, 5120, 128 for the q/k norms all work). Tiles are [BLOCK_M, BLOCK_N] with BLOCK_N the
 next power of two of N and BLOCK_M > 1 rows per program when N is small.

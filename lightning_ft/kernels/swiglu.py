@@ -20,6 +20,11 @@ bf16: after the activation and after the product, so bf16 results differ by abou
 gate and up are saved for backward; the activation is recomputed there. dg and du are fresh
 tensors: gate and up are left intact for anything else that holds them.
 
+With ``fp8_rows`` (`swiglu`) the forward runs by rows and also writes y's rows in e4m3 and their fp32
+scales (amax(|y|) / 448 of the rounded y, `lightning_ft.kernels.fp8.quantize_rows`' math) for the
+down projection's fp8 GEMM: a second pass over the row reads back the y it wrote, in place of a
+separate quantisation kernel over all of y.
+
 Shapes: gate and up of any identical shape (flattened; made contiguous if they are not), e.g.
 [B, T, intermediate] with intermediate = 14336 or 3072 or any odd size.
 

@@ -85,13 +85,12 @@ def test_scaled_mm_matches_reference_and_bf16(shape):
     outs = []
     for fn in (fp8_linear, fp8_linear_reference):
         x.grad = None
-        with torch.cuda._DeviceGuard(0):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                y = fn(x, wq, ws)
-                y.backward(dy)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.set_sync_debug_mode("error")  # no device-to-host sync in forward or backward
+        try:
+            y = fn(x, wq, ws)
+            y.backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         outs.append((y, x.grad.clone()))
     (y, dx), (y_ref, dx_ref) = outs
     assert _rel(y, y_ref) < 0.01 and _rel(dx, dx_ref) < 0.01

@@ -12,6 +12,7 @@ gradients pass through several).
 
 import pytest
 import torch
+from cli_helpers import FAST, run_cli
 from peft import PeftModel
 from tiny_model import LORA, TINY_MODEL
 
@@ -112,28 +113,34 @@ def test_refused_off_hopper_with_the_device_found():
         ModelBuilder(model=TINY_MODEL, lora=LORA, execution=Execution(fp8=True))(torch.device("cpu"), sharded=True)
 
 
+def test_fit_refuses_fp8_off_hopper_before_training(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=1", "strategy.fp8=true", ok=False)
+    assert "strategy.fp8=true needs an NVIDIA GPU of compute capability 9.0 or newer (Hopper, sm90+); found none" in proc.stderr
+    assert "set strategy.fp8=false" in proc.stderr
+
+
 @pytest.mark.gpu
 def test_fp8_training_step_on_hopper_without_host_sync():
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs sm90+ (row-wise torch._scaled_mm)")
+    kernels = {"lora": True, "rms_norm": True}  # input_layernorm hands q/k/v its fp8 rows
     model = ModelBuilder(
-        model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA_ALL, seed=0, execution=Execution(fp8=True), kernels={"lora": True}
+        model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA_ALL, seed=0, execution=Execution(fp8=True), kernels=kernels
     )(torch.device("cuda")).model
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 8
-    ids = torch.randint(0, 64, (2, 32), device="cuda")
-    model(input_ids=ids, labels=ids).loss.backward()  # warm-up (lazy inits may sync)
-    layer = model.get_base_model().model.layers[0].self_attn
+    loss_fp8, _ = _step(model, kernels, device="cuda")  # also the warm-up (lazy inits may sync)
+    layer = model.get_base_model().model.layers[0]
     x = torch.randn(2, 32, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:  # the fused LoRA layers' forward and backward over the fp8 base: no device-to-host sync
-        y = sum(layer.get_submodule(p)(x).float().sum() for p in ("q_proj", "k_proj", "v_proj"))
+    try:  # the norm (writing fp8 rows) and the fused LoRA layers over the fp8 base, forward and backward: no sync
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = layer.input_layernorm(x)
+            y = sum(layer.self_attn.get_submodule(p)(h).float().sum() for p in ("q_proj", "k_proj", "v_proj"))
         y.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    loss_fp8, _ = _step(model, kernels=True, device="cuda")
-    ref = _build("cuda")
-    loss_bf16, _ = _step(ref, kernels=True, device="cuda")
+    loss_bf16, _ = _step(_build("cuda"), kernels, device="cuda")
     assert abs(loss_fp8 - loss_bf16) / loss_bf16 < 0.02
 
 
