@@ -9,9 +9,13 @@ switch ``lora``) computes the base product with `lightning_ft.kernels.fp8.fp8_li
 file is PEFT's and holds LoRA weights only, so an adapter trained over the fp8 base loads with
 ``peft.PeftModel.from_pretrained`` on the bf16 base.
 
-The e4m3 bytes are kept in a ``uint8`` buffer (viewed as e4m3 for each product, no copy): a
-precision plugin's or a user's ``model.to(dtype)`` converts floating-point tensors only, and would
-otherwise turn the scaled e4m3 values into wrong bf16 weights without a word.
+The e4m3 bytes and the fp32 scales are kept as ``uint8`` and ``int32`` tensors (viewed as e4m3 and
+fp32 for each product, no copy): a precision plugin's or a user's ``model.to(dtype)`` converts
+floating-point tensors only, and would otherwise turn the scaled e4m3 values into wrong bf16 weights
+(and the scales into bf16, which ``torch._scaled_mm`` refuses) without a word. They are parameters
+that need no gradient, not buffers: DDP broadcasts every buffer from rank 0 before each forward
+(``broadcast_buffers``), which would send the whole base each step; frozen parameters it syncs
+once, when it wraps the model.
 
 The products run through ``torch._scaled_mm`` on CUDA of compute capability 9.0+ (Hopper);
 `check_fp8_device` refuses anything else for a run, while the plain-torch reference of the same
@@ -35,8 +39,8 @@ class Fp8Linear(torch.nn.Module):
             is kept as it is, frozen).
 
     Attributes:
-        weight_bytes: [N, K] uint8 buffer, the e4m3 bits (`weight_fp8` views them as e4m3).
-        weight_scale: [N] fp32 buffer.
+        weight_bytes: [N, K] uint8, the e4m3 bits (`weight_fp8` views them as e4m3); a frozen parameter.
+        scale_bits: [N] int32, the fp32 bits of the scales (`weight_scale` views them); a frozen parameter.
         bias: the original bias Parameter (frozen) or None.
     """
 
@@ -44,8 +48,8 @@ class Fp8Linear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scale = quantize_weight(linear.weight)
-        self.register_buffer("weight_bytes", weight.view(torch.uint8))
-        self.register_buffer("weight_scale", scale)
+        self.weight_bytes = torch.nn.Parameter(weight.view(torch.uint8), requires_grad=False)
+        self.scale_bits = torch.nn.Parameter(scale.view(torch.int32), requires_grad=False)
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -55,9 +59,10 @@ class Fp8Linear(torch.nn.Module):
         """[N, K] e4m3 view of `weight_bytes`."""
         return self.weight_bytes.view(E4M3)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """[N, K] fp32: the weight this layer multiplies by (e4m3 value × its row's scale)."""
-        return self.weight_fp8.float() * self.weight_scale[:, None]
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """[N] fp32 view of `scale_bits`: the per-output-channel scales."""
+        return self.scale_bits.view(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` through `lightning_ft.kernels.fp8.fp8_linear` ([..., K] → [..., N]), over x's fp8 rows where

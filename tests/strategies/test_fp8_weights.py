@@ -57,12 +57,14 @@ def test_converts_the_frozen_lora_base_weights_only_and_halves_their_memory():
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert sum(m.weight_bytes.numel() * m.weight_bytes.element_size() for m in fp8) == bf16_bytes // 2
     # LoRA A/B, norms, router, embeddings, lm_head: unchanged
-    assert {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters()} == before
+    assert {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters() if "base_layer" not in n} == before
+    assert not any(p.requires_grad for m in fp8 for p in m.parameters())  # no gradient, no optimizer state
     assert convert_to_fp8(model) == 0  # nothing left to convert
-    # a model.to(dtype) (a precision plugin's) leaves the e4m3 bytes alone
-    saved = fp8[0].weight_bytes.clone()
-    model.to(torch.float32)
-    assert fp8[0].weight_bytes.dtype == torch.uint8 and torch.equal(fp8[0].weight_bytes, saved)
+    # a model.to(dtype) (a precision plugin's) leaves the e4m3 bytes and the fp32 scales alone
+    saved = fp8[0].weight_fp8.float(), fp8[0].weight_scale.clone()
+    model.to(torch.bfloat16)
+    assert torch.equal(fp8[0].weight_fp8.float(), saved[0]) and fp8[0].weight_scale.dtype == torch.float32
+    assert torch.equal(fp8[0].weight_scale, saved[1])
 
 
 @pytest.mark.parametrize("kernels", [False, True])  # PEFT's forward over Fp8Linear; the fused LoRA forward
