@@ -46,7 +46,7 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_linear", "fp8_rows_of", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_weight",
+    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_weight",
     "scaled_mm_supported",
 ]  # fmt: skip
 
@@ -149,11 +149,35 @@ class _Fp8Linear(torch.autograd.Function):
         weight, weight_scale = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            gq, g_scale = quantize_rows(dy, col_scale=weight_scale)
-            # _mm_rowwise's second operand is [K, N]: Wqᵀ, in row-major memory for _scaled_mm (its column-major [N, K])
-            w_t = weight.t().contiguous() if ctx.use_scaled_mm else weight.t()
-            dx = _mm_rowwise(gq, g_scale, w_t, None, ctx.use_scaled_mm).to(ctx.x_dtype)
+            dx = fp8_input_grad(dy, weight, weight_scale, ctx.use_scaled_mm).to(ctx.x_dtype)
         return dx, None, None, None, None, None, None
+
+
+def _scaled_mm_runs(device: torch.device, weight: torch.Tensor) -> bool:
+    """Whether `fp8_linear` with this [N, K] weight runs ``_scaled_mm`` on ``device`` (else the reference)."""
+    n, k = weight.shape
+    return scaled_mm_supported(device) and n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
+
+
+def fp8_input_grad(
+    dy: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, use_scaled_mm: bool | None = None
+) -> torch.Tensor:
+    """The input gradient of `fp8_linear`, ``dy W`` with W = Wq · sw (module docstring): dy · sw quantised per row,
+    times the e4m3 weight.
+
+    Args:
+        dy: [M, N] output gradient; weight: [N, K] e4m3; weight_scale: [N] fp32.
+        use_scaled_mm: ``_scaled_mm`` (True) or the fp32 reference (False); None: as `fp8_linear` decides.
+
+    Returns:
+        [M, K], bf16 from ``_scaled_mm``, fp32 from the reference (the caller casts).
+    """
+    if use_scaled_mm is None:
+        use_scaled_mm = _scaled_mm_runs(dy.device, weight)
+    gq, g_scale = quantize_rows(dy, col_scale=weight_scale)
+    # _mm_rowwise's second operand is [K, N]: Wqᵀ, in row-major memory for _scaled_mm (its column-major [N, K])
+    w_t = weight.t().contiguous() if use_scaled_mm else weight.t()
+    return _mm_rowwise(gq, g_scale, w_t, None, use_scaled_mm)
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, use_scaled_mm: bool, x_rows) -> torch.Tensor:
@@ -207,9 +231,7 @@ def fp8_linear(
     Raises:
         ValueError: a weight that is not e4m3, a scale that is not [N], or ``x_rows`` of another shape than x's rows.
     """
-    n, k = weight.shape
-    fast = scaled_mm_supported(x.device) and n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
-    return _run(x, weight, weight_scale, bias, fast, x_rows)
+    return _run(x, weight, weight_scale, bias, _scaled_mm_runs(x.device, weight), x_rows)
 
 
 def fp8_linear_reference(x, weight, weight_scale, bias=None, x_rows=None) -> torch.Tensor:

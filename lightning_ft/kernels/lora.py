@@ -44,7 +44,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from lightning_ft.kernels.fp8 import fp8_linear, fp8_rows_of
+from lightning_ft.kernels.fp8 import fp8_input_grad, fp8_linear, fp8_rows_of
 
 
 def lora_linear_reference(
@@ -81,25 +81,22 @@ def lora_linear(
             ``bias``).
         weight_scale: [N] fp32 per-output-channel scales of an e4m3 ``weight`` (fp8 base weights,
             `lightning_ft.strategies.fp8`): the base product is `lightning_ft.kernels.fp8.fp8_linear`
-            (over x's fp8 rows where the kernel that wrote x left them: `lightning_ft.kernels.fp8.fp8_rows_of`);
-            takes no ``keep``.
+            (over x's fp8 rows where the kernel that wrote x left them: `lightning_ft.kernels.fp8.fp8_rows_of`),
+            and a kept output's input gradient `lightning_ft.kernels.fp8.fp8_input_grad`.
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
 
     Raises:
         RuntimeError: without autocast, operands of different dtypes (torch's matmul error).
-        ValueError: ``weight_scale`` with ``keep``.
     """
-    if weight_scale is not None and keep is not None:
-        raise ValueError("lora_linear: an fp8 base weight (weight_scale) keeps no output (keep must be None)")
     if keep is not None and keep.recompute and (kept := keep.take()) is not None:
         y, h = kept
         shared = _shared_input(x, y.dtype)
         if shared is None:
-            return _KeptLoRALinear.apply(y, h, None, None, x, weight, lora_A, lora_B, scaling)
+            return _KeptLoRALinear.apply(y, h, None, None, x, weight, lora_A, lora_B, scaling, weight_scale)
         token, input_grad = shared
-        return _KeptLoRALinear.apply(y, h, token, input_grad, x.detach(), weight, lora_A, lora_B, scaling)
+        return _KeptLoRALinear.apply(y, h, token, input_grad, x.detach(), weight, lora_A, lora_B, scaling, weight_scale)
     buffers = keep.buffers() if keep is not None and not keep.recompute else None
     into_buffers = buffers is not None and _computable_into(buffers, x, weight, bias, lora_A)
     x2 = x.reshape(-1, x.shape[-1])
@@ -181,8 +178,11 @@ class _InputGradient:
         self.shape = shape
         self.terms: list[tuple[torch.Tensor, ...]] = []
 
-    def add(self, dy: torch.Tensor, dh: torch.Tensor, lora_A: torch.Tensor, weight: torch.Tensor) -> None:
-        self.terms.append((dy, dh, lora_A, weight))
+    def add(
+        self, dy: torch.Tensor, dh: torch.Tensor, lora_A: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None
+    ) -> None:
+        """One reader's terms; an e4m3 ``weight`` with its ``weight_scale`` (fp8 base) as it is, else in dy's dtype."""
+        self.terms.append((dy, dh, lora_A, weight, weight_scale))
 
     def total(self) -> torch.Tensor | None:
         """``Σ dhᵢ Aᵢ + Σ dyᵢ Wᵢ`` as [*x.shape] in the products' dtype, or None without terms; forgets
@@ -193,8 +193,11 @@ class _InputGradient:
         dh = torch.cat([t[1] for t in terms], dim=1) if len(terms) > 1 else terms[0][1]
         lora_A = torch.cat([t[2] for t in terms], dim=0) if len(terms) > 1 else terms[0][2]
         dx = dh @ lora_A  # the thin products first: the base GEMMs' epilogues add into their sum
-        for dy, _, _, weight in terms:
-            dx.addmm_(dy, weight)
+        for dy, _, _, weight, weight_scale in terms:
+            if weight_scale is None:
+                dx.addmm_(dy, weight)
+            else:  # fp8 base: its own product, then added
+                dx.add_(fp8_input_grad(dy, weight, weight_scale))
         return dx.view(self.shape)
 
 
@@ -222,22 +225,23 @@ class _KeptLoRALinear(torch.autograd.Function):
 
     each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
     PEFT keeps A and B in fp32). Saves x (cast to y's dtype), h and the weights. No gradient for the
-    base weight (frozen: `lightning_ft.model.patching`). With a ``token`` (`_shared_input`), x's
+    base weight (frozen: `lightning_ft.model.patching`); an e4m3 base (``weight_scale``) gives dy W as
+    `lightning_ft.kernels.fp8.fp8_input_grad`, as `fp8_linear`'s backward does. With a ``token`` (`_shared_input`), x's
     terms go to ``input_grad`` (summed there with the other readers' of x) and the token gets an empty
     gradient; without one, dx's two paths are cast to x's dtype and summed there (as autograd sums them).
     """
 
     @staticmethod
-    def forward(ctx, y, h, token, input_grad, x, weight, lora_A, lora_B, scaling):
+    def forward(ctx, y, h, token, input_grad, x, weight, lora_A, lora_B, scaling, weight_scale):
         ctx.scaling = scaling
         ctx.x_dtype = x.dtype
         ctx.input_grad = input_grad
-        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B, token)
+        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B, token, weight_scale)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy):
-        h, x, weight, lora_A, lora_B, token = ctx.saved_tensors
+        h, x, weight, lora_A, lora_B, token, weight_scale = ctx.saved_tensors
         needs_token, _, needs_x, _, needs_a, needs_b = ctx.needs_input_grad[2:8]
         dtype = dy.dtype
         dy2, h2, x2 = dy.reshape(-1, dy.shape[-1]), h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -250,13 +254,14 @@ class _KeptLoRALinear(torch.autograd.Function):
             if needs_a:
                 da = (dh.t() @ x2).to(lora_A.dtype)
             if to_sum:
-                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), weight.to(dtype))
+                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), weight if weight_scale is not None else weight.to(dtype), weight_scale)
                 dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
-                dx = (dy2 @ weight.to(dtype)).to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
+                base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)
+                dx = base.to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
                 dx = dx.view(*dy.shape[:-1], -1)
         if needs_b:
             db = ((dy2.t() @ h2) * ctx.scaling).to(lora_B.dtype)  # as addmm's backward for a transposed mat2
-        return None, None, dtoken, None, dx, None, da, db, None
+        return None, None, dtoken, None, dx, None, da, db, None, None
 
 
