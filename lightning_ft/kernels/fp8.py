@@ -24,6 +24,8 @@ Fused quantisation: the kernel that writes a GEMM's input can write its e4m3 row
 (`e4m3_scale`, `e4m3_values`, `quantize_rows_tile` in Triton; `lightning_ft.kernels.rms_norm`,
 `lightning_ft.kernels.swiglu` with ``fp8_rows``), left on its output (`attach_fp8_rows`) for
 `fp8_linear` to take (``x_rows``, `fp8_rows_of`) instead of quantising x in a pass of its own.
+Where no kernel left them (o_proj's input, every dy), `quantize_rows` is one Triton kernel on CUDA:
+the row read twice (its largest magnitude, then its values), e4m3 written once.
 
 Errors against the bf16 ``F.linear``: e4m3 keeps 3 mantissa bits (relative rounding ≤ 2⁻⁴ per
 value), so each product carries about 5% relative error per term on random data; summed over K
@@ -40,19 +42,24 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_ft.kernels._utils import num_warps_for
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to zero either way)
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_weight",
+    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton", "quantize_weight",
     "scaled_mm_supported",
 ]  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` (optionally times ``col_scale``) in e4m3 with its own fp32 scale.
+
+    On CUDA one Triton kernel (`quantize_rows_triton`: a row read twice, e4m3 written once); elsewhere
+    `quantize_rows_reference`, the same math in torch ops.
 
     Args:
         x: [M, K] in any float dtype.
@@ -63,6 +70,11 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
         and ``q.float() * scale[:, None]`` ≈ the row (relative rounding ≤ 2⁻⁴; values below
         scale · 2⁻⁹ flush to zero).
     """
+    return quantize_rows_triton(x, col_scale) if x.is_cuda else quantize_rows_reference(x, col_scale)
+
+
+def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch `quantize_rows`: ``s = max(amax(|x·c|), 1e-12) / 448``, ``q = clamp(x·c / s, ±448)`` cast to e4m3."""
     x32 = x.float() if col_scale is None else x.float() * col_scale
     scale = x32.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR) / E4M3_MAX
     q = (x32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
@@ -105,6 +117,49 @@ def quantize_rows_tile(y):
     columns zero): values fp32, clamped, for the caller to cast to e4m3; scale [BLOCK_M] fp32."""
     scale = e4m3_scale(tl.max(tl.abs(y), axis=1))
     return e4m3_values(y, scale[:, None]), scale
+
+
+@triton.jit
+def _quantize_rows_kernel(X, C, Q, S, n_cols, stride_x, HAS_COL_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: its largest magnitude over the column blocks, then the row in e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_COL_SCALE:
+            x = x * tl.load(C + cols, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = e4m3_scale(tl.max(amax, axis=0))
+    tl.store(S + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_COL_SCALE:
+            x = x * tl.load(C + cols, mask=mask, other=0.0)
+        tl.store(Q + row * n_cols + cols, e4m3_values(x, scale).to(Q.dtype.element_ty), mask=mask)
+
+
+_QUANT_BLOCK = 2048
+
+
+def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1; there the rows are
+    written as fp32 and cast by torch: `fp8_rows_like`). Same arguments and results, bit for bit on the CPU."""
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    q, scale = fp8_rows_like(x2)
+    n_rows, n_cols = x2.shape
+    if n_rows and n_cols:
+        block = min(_QUANT_BLOCK, triton.next_power_of_2(n_cols))
+        _quantize_rows_kernel[(n_rows,)](
+            x2, x2 if col_scale is None else col_scale.contiguous(), q, scale, n_cols, x2.stride(0),
+            HAS_COL_SCALE=col_scale is not None, BLOCK=block, num_warps=num_warps_for(block),
+        )  # fmt: skip
+    elif n_rows:
+        scale.fill_(_AMAX_FLOOR / E4M3_MAX)
+    return fp8_rows_done((q, scale))
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_ft.kernels.fp8 import E4M3, E4M3_MAX, fp8_linear, fp8_linear_reference, quantize_rows, quantize_weight
+from lightning_ft.kernels.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_rows,
+    quantize_rows_reference,
+    quantize_rows_triton,
+    quantize_weight,
+)
 
 BOUND = 0.08
 
@@ -98,3 +107,21 @@ def test_scaled_mm_matches_reference_and_bf16(shape):
     y_full = F.linear(x_full, w.float())
     y_full.backward(dy.float())
     assert _rel(y, y_full) < BOUND and _rel(dx, x_full.grad) < BOUND
+
+
+@pytest.mark.parametrize("col_scale", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 37), (3, 2100), (1, 16)])  # 2100: a row over two column blocks
+def test_quantize_rows_kernel_matches_the_torch_quantiser(device, dtype, shape, col_scale):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 5).to(device, dtype)
+    x[0] = 0.0  # an all-zero row
+    col = torch.rand(shape[1], device=device) + 0.5 if col_scale else None
+    q, scale = quantize_rows_triton(x, col)
+    q_ref, scale_ref = quantize_rows_reference(x, col)
+    assert q.dtype == E4M3 and scale.dtype == torch.float32
+    assert torch.equal(scale, scale_ref) if device.type == "cpu" else torch.allclose(scale, scale_ref, rtol=1e-6, atol=0)
+    if device.type == "cpu":  # bit for bit under the interpreter; one e4m3 step on CUDA (Triton's division)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    else:
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-3, atol=2**-9)
