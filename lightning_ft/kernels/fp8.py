@@ -50,8 +50,9 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference", "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton", "quantize_weight",
-    "scaled_mm_supported",
+    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference",
+    "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
+    "quantize_weight", "scaled_mm_supported",
 ]  # fmt: skip
 
 

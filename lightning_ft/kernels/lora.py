@@ -254,7 +254,8 @@ class _KeptLoRALinear(torch.autograd.Function):
             if needs_a:
                 da = (dh.t() @ x2).to(lora_A.dtype)
             if to_sum:
-                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), weight if weight_scale is not None else weight.to(dtype), weight_scale)
+                base_weight = weight if weight_scale is not None else weight.to(dtype)  # e4m3 as it is
+                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), base_weight, weight_scale)
                 dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
                 base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)

@@ -433,7 +433,9 @@ def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any]) -> Non
             would shard the e4m3 bytes apart from their scales), or no LoRA (nothing is frozen).
     """
     if sharded:
-        raise ValueError("strategy.fp8=true is not available with strategy=fsdp2: use strategy=ddp or one device, or strategy.fp8=false")
+        raise ValueError(
+            "strategy.fp8=true is not available with strategy=fsdp2: use strategy=ddp or one device, or strategy.fp8=false"
+        )
     if not lora.get("enabled", True):
         raise ValueError("strategy.fp8=true needs lora.enabled=true (fp8 holds the frozen base weights under the LoRA layers)")
     check_fp8_device(device)

@@ -222,7 +222,8 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
         keep = None
     weight_scale = getattr(base, "weight_scale", None)  # an fp8 base (`lightning_ft.strategies.fp8.Fp8Linear`)
     weight = base.weight if weight_scale is None else base.weight_fp8
-    return lora_linear(x, weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep, weight_scale=weight_scale)
+    lora_B = self.lora_B[name].weight
+    return lora_linear(x, weight, base.bias, lora_A.weight, lora_B, scaling, keep=keep, weight_scale=weight_scale)
 
 
 def _output_keepable(module: torch.nn.Module) -> bool:

@@ -93,7 +93,8 @@ def test_adapter_saved_from_the_fp8_model_loads_in_plain_peft_on_the_bf16_base(t
     model = _build()
     convert_to_fp8(model)
     model.save_pretrained(tmp_path / "adapter")
-    base = ModelBuilder(model={**TINY_MODEL, "dtype": "bfloat16"}, lora={**LORA, "enabled": False}, seed=0)(torch.device("cpu")).model
+    bf16 = {**TINY_MODEL, "dtype": "bfloat16"}
+    base = ModelBuilder(model=bf16, lora={**LORA, "enabled": False}, seed=0)(torch.device("cpu")).model
     loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     trained = {n: p for n, p in model.named_parameters() if "lora_" in n}
     got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
