@@ -121,26 +121,28 @@ def quantize_rows_tile(y):
 
 
 @triton.jit
+def _scaled_block(X, C, cols, mask, HAS_COL_SCALE: tl.constexpr):
+    """A block of a row (X points at the row) in fp32, times the column scales C when given."""
+    x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_COL_SCALE:
+        x = x * tl.load(C + cols, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _quantize_rows_kernel(X, C, Q, S, n_cols, stride_x, HAS_COL_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: its largest magnitude over the column blocks, then the row in e4m3."""
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_COL_SCALE:
-            x = x * tl.load(C + cols, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(amax, tl.abs(_scaled_block(X + row * stride_x, C, cols, cols < n_cols, HAS_COL_SCALE)))
     scale = e4m3_scale(tl.max(amax, axis=0))
     tl.store(S + row, scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_COL_SCALE:
-            x = x * tl.load(C + cols, mask=mask, other=0.0)
-        tl.store(Q + row * n_cols + cols, e4m3_values(x, scale).to(Q.dtype.element_ty), mask=mask)
+        x = _scaled_block(X + row * stride_x, C, cols, cols < n_cols, HAS_COL_SCALE)
+        tl.store(Q + row * n_cols + cols, e4m3_values(x, scale).to(Q.dtype.element_ty), mask=cols < n_cols)
 
 
 _QUANT_BLOCK = 2048
