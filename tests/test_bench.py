@@ -420,3 +420,11 @@ def test_fault_drill_rows_become_a_report_section_and_refuse_other_columns(tmp_p
     assert ("| 20 (7 / 7 / 6) | 14 | 20/20 | 20/20 | 20/20 | 0 | 0, 0 | 20 | 251 | AMD EPYC, 2 cores | 2026-12-05 (abc1234) |"
             in text)
     assert "- `python benchmarks/fault_drill.py --kills 20 --seed 0` (2026-12-05, abc1234)" in text
+
+
+def test_settings_name_fp8_base_weights():
+    from lightning_ft.bench.table import settings_text
+
+    config = {"dtype": "bfloat16", "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj"]}, "kernels": {"lora": True}}
+    assert settings_text({**config, "strategy": {"fp8": True}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora fp8"
+    assert settings_text({**config, "strategy": {"fp8": False}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora"

@@ -311,7 +311,7 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     ``bf16 ckpt lora=r16a32:q,k,v,o+experts kernels=rms_norm,rope,swiglu,lora,flce moe=auto graphs=keep:attn,proj``.
 
     Every system: dtype, gradient checkpointing, LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
-    MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload. A key the config
+    MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload, fp8. A key the config
     lacks is left out."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
@@ -352,6 +352,8 @@ def settings_text(config: dict[str, Any], system: str) -> str:
             parts.append(f"graphs=keep:{','.join(keep) or 'none'}" + (f"<={limit}GiB" if limit else ""))
     if strategy.get("activation_offload"):
         parts.append("offload")
+    if strategy.get("fp8"):
+        parts.append("fp8")
     return " ".join(parts)
 
 

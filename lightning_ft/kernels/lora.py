@@ -7,7 +7,8 @@ hooks and argument checks) and two elementwise kernels per layer and pass. Here:
     h = x Aᵀ                              [T, r]
     y = addmm_(x Wᵀ + b, h, Bᵀ, alpha=s)   the scaling and the sum in the last GEMM's epilogue, in place
 
-three ops whose backward autograd runs in C++ (a custom autograd.Function would put Python back
+three ops whose backward autograd runs in C++ (with an e4m3 base weight, ``x Wᵀ + b`` is
+`lightning_ft.kernels.fp8.fp8_linear`: row-wise fp8 scales, no weight gradient) (a custom autograd.Function would put Python back
 into every backward). Under autocast every product runs in the autocast dtype, as PEFT's do; the
 scaling is applied in fp32 inside the GEMM rather than to a bf16-rounded product, so bf16 results
 agree with PEFT's to bf16 rounding, not bit for bit. LoRA dropout, DoRA and other variants, a LoRA
@@ -43,6 +44,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from lightning_ft.kernels.fp8 import fp8_input_grad, fp8_linear, fp8_rows_of
+
 
 def lora_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
@@ -59,6 +62,7 @@ def lora_linear(
     lora_B: torch.Tensor,
     scaling: float,
     keep=None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A LoRA linear layer, ``x Wᵀ + b + scaling · (x Aᵀ) Bᵀ``, in three matrix products.
 
@@ -75,6 +79,10 @@ def lora_linear(
             the same inputs takes them back and computes no product (nothing may change y in place
             afterwards: it is the kept buffer, or a view of it; no gradient for ``weight`` or
             ``bias``).
+        weight_scale: [N] fp32 per-output-channel scales of an e4m3 ``weight`` (fp8 base weights,
+            `lightning_ft.strategies.fp8`): the base product is `lightning_ft.kernels.fp8.fp8_linear`
+            (over x's fp8 rows where the kernel that wrote x left them: `lightning_ft.kernels.fp8.fp8_rows_of`),
+            and a kept output's input gradient `lightning_ft.kernels.fp8.fp8_input_grad`.
 
     Returns:
         [..., N] in the autocast dtype when autocast is on, else in the operands' common dtype.
@@ -86,9 +94,9 @@ def lora_linear(
         y, h = kept
         shared = _shared_input(x, y.dtype)
         if shared is None:
-            return _KeptLoRALinear.apply(y, h, None, None, x, weight, lora_A, lora_B, scaling)
+            return _KeptLoRALinear.apply(y, h, None, None, x, weight, lora_A, lora_B, scaling, weight_scale)
         token, input_grad = shared
-        return _KeptLoRALinear.apply(y, h, token, input_grad, x.detach(), weight, lora_A, lora_B, scaling)
+        return _KeptLoRALinear.apply(y, h, token, input_grad, x.detach(), weight, lora_A, lora_B, scaling, weight_scale)
     buffers = keep.buffers() if keep is not None and not keep.recompute else None
     into_buffers = buffers is not None and _computable_into(buffers, x, weight, bias, lora_A)
     x2 = x.reshape(-1, x.shape[-1])
@@ -102,7 +110,8 @@ def lora_linear(
         # on [T, K] rows, viewed back after the in-place add: F.linear of a 3-D x returns a view of its
         # 2-D product, and an in-place op through a view of that view, with a tensor hook on the output,
         # crashes torch 2.13's autograd (a segfault; with a bias, e.g. a user's hook on gpt-oss's q_proj)
-        y2, h2 = F.linear(x2, weight, bias), F.linear(x2, lora_A)
+        base = F.linear(x2, weight, bias) if weight_scale is None else fp8_linear(x2, weight, weight_scale, bias, fp8_rows_of(x))
+        y2, h2 = base, F.linear(x2, lora_A)
     # in place into y (its backward needs neither y nor its old value): an out-of-place addmm first
     # copies y into a new [T, N] tensor.
     # In-place ops are not autocast: B is cast as autocast would have cast it.
@@ -169,8 +178,11 @@ class _InputGradient:
         self.shape = shape
         self.terms: list[tuple[torch.Tensor, ...]] = []
 
-    def add(self, dy: torch.Tensor, dh: torch.Tensor, lora_A: torch.Tensor, weight: torch.Tensor) -> None:
-        self.terms.append((dy, dh, lora_A, weight))
+    def add(
+        self, dy: torch.Tensor, dh: torch.Tensor, lora_A: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None
+    ) -> None:
+        """One reader's terms; an e4m3 ``weight`` with its ``weight_scale`` (fp8 base) as it is, else in dy's dtype."""
+        self.terms.append((dy, dh, lora_A, weight, weight_scale))
 
     def total(self) -> torch.Tensor | None:
         """``Σ dhᵢ Aᵢ + Σ dyᵢ Wᵢ`` as [*x.shape] in the products' dtype, or None without terms; forgets
@@ -181,8 +193,11 @@ class _InputGradient:
         dh = torch.cat([t[1] for t in terms], dim=1) if len(terms) > 1 else terms[0][1]
         lora_A = torch.cat([t[2] for t in terms], dim=0) if len(terms) > 1 else terms[0][2]
         dx = dh @ lora_A  # the thin products first: the base GEMMs' epilogues add into their sum
-        for dy, _, _, weight in terms:
-            dx.addmm_(dy, weight)
+        for dy, _, _, weight, weight_scale in terms:
+            if weight_scale is None:
+                dx.addmm_(dy, weight)
+            else:  # fp8 base: its own product, then added
+                dx.add_(fp8_input_grad(dy, weight, weight_scale))
         return dx.view(self.shape)
 
 
@@ -210,22 +225,23 @@ class _KeptLoRALinear(torch.autograd.Function):
 
     each product rounded to y's dtype, then cast to the operand's dtype (as autocast's casts do:
     PEFT keeps A and B in fp32). Saves x (cast to y's dtype), h and the weights. No gradient for the
-    base weight (frozen: `lightning_ft.model.patching`). With a ``token`` (`_shared_input`), x's
+    base weight (frozen: `lightning_ft.model.patching`); an e4m3 base (``weight_scale``) gives dy W as
+    `lightning_ft.kernels.fp8.fp8_input_grad`, as `fp8_linear`'s backward does. With a ``token`` (`_shared_input`), x's
     terms go to ``input_grad`` (summed there with the other readers' of x) and the token gets an empty
     gradient; without one, dx's two paths are cast to x's dtype and summed there (as autograd sums them).
     """
 
     @staticmethod
-    def forward(ctx, y, h, token, input_grad, x, weight, lora_A, lora_B, scaling):
+    def forward(ctx, y, h, token, input_grad, x, weight, lora_A, lora_B, scaling, weight_scale):
         ctx.scaling = scaling
         ctx.x_dtype = x.dtype
         ctx.input_grad = input_grad
-        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B, token)
+        ctx.save_for_backward(h, x.to(y.dtype), weight, lora_A, lora_B, token, weight_scale)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy):
-        h, x, weight, lora_A, lora_B, token = ctx.saved_tensors
+        h, x, weight, lora_A, lora_B, token, weight_scale = ctx.saved_tensors
         needs_token, _, needs_x, _, needs_a, needs_b = ctx.needs_input_grad[2:8]
         dtype = dy.dtype
         dy2, h2, x2 = dy.reshape(-1, dy.shape[-1]), h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -238,13 +254,15 @@ class _KeptLoRALinear(torch.autograd.Function):
             if needs_a:
                 da = (dh.t() @ x2).to(lora_A.dtype)
             if to_sum:
-                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), weight.to(dtype))
+                base_weight = weight if weight_scale is not None else weight.to(dtype)  # e4m3 as it is
+                ctx.input_grad.add(dy2, dh, lora_A.to(dtype), base_weight, weight_scale)
                 dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
-                dx = (dy2 @ weight.to(dtype)).to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
+                base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)
+                dx = base.to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
                 dx = dx.view(*dy.shape[:-1], -1)
         if needs_b:
             db = ((dy2.t() @ h2) * ctx.scaling).to(lora_B.dtype)  # as addmm's backward for a transposed mat2
-        return None, None, dtoken, None, dx, None, da, db, None
+        return None, None, dtoken, None, dx, None, da, db, None, None
 
 

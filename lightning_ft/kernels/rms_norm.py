@@ -24,6 +24,10 @@ P programs (4 per SM) each walks its own contiguous range of rows and writes one
 then a [P, N] -> [N] sum gives dW, cast to weight.dtype. dW is skipped when weight does not require
 grad (LoRA). Saved for backward: x (input dtype) and rstd (fp32 [M]), nothing else.
 
+With ``fp8_rows`` the forward also writes y's rows in e4m3 and their fp32 scales (amax(|y|) / 448 of
+the rounded y, `lightning_ft.kernels.fp8.quantize_rows`' math) for an fp8 GEMM that reads y: the
+row is whole in the program's registers, so this costs one more write of M·N bytes.
+
 Shapes: x [..., N] with any leading dims (flattened to M rows), weight [N]; N need not be a power of
 two (2880, 5120, 128 for the q/k norms all work). Tiles are [BLOCK_M, BLOCK_N] with BLOCK_N the
 next power of two of N and BLOCK_M > 1 rows per program when N is small.
@@ -40,16 +44,17 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from lightning_ft.kernels._utils import num_warps_for, persistent_programs, triton_can_run, warn_fallback
+from lightning_ft.kernels.fp8 import fp8_rows_done, fp8_rows_like, quantize_rows, quantize_rows_tile
 
 _TILE_ELEMS = 4096  # values per tensor per program: BLOCK_M * BLOCK_N
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD,
+    X, W, Y, RSTD, Q, QSCALE,
     stride_x, stride_y,
     M, N, eps, offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_SCALE: tl.constexpr, FP8_ROWS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -64,9 +69,13 @@ def _rms_norm_fwd_kernel(
     if not FP32_SCALE:
         n = n.to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    y = w[None, :] * n
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = (w[None, :] * n).to(Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
+    if FP8_ROWS:  # y's rows in e4m3 for the next GEMM (`lightning_ft.kernels.fp8.quantize_rows`, from the rounded y)
+        q, q_scale = quantize_rows_tile(y.to(tl.float32))
+        tl.store(Q + rows64[:, None] * N + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(QSCALE + rows, q_scale, mask=row_mask)
 
 
 @triton.jit
@@ -114,9 +123,10 @@ def _tile(n_cols: int) -> tuple[int, int]:
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. Returns (y, x as [M, N] rows, rstd fp32 [M])."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool, fp8_rows: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Launch the forward kernel. Returns (y, x as [M, N] rows, rstd fp32 [M], y's fp8 rows or None):
+    with ``fp8_rows``, (q [M, N] e4m3, scale [M] fp32) as `lightning_ft.kernels.fp8.quantize_rows` of y."""
     n_cols = x.shape[-1]
     x2d = x.reshape(-1, n_cols)
     if x2d.stride(-1) != 1:
@@ -125,15 +135,17 @@ def rms_norm_forward(
     y_dtype = x.dtype if fp32_scale else torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty((n_rows, n_cols), dtype=y_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rows = fp8_rows_like(y) if fp8_rows else None
     if n_rows > 0:
         block_m, block_n = _tile(n_cols)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-            x2d, weight, y, rstd,
+            x2d, weight, y, rstd, *(rows if rows is not None else (y, rstd)),
             x2d.stride(0), y.stride(0),
             n_rows, n_cols, eps, float(offset),
-            BLOCK_M=block_m, BLOCK_N=block_n, FP32_SCALE=fp32_scale, num_warps=num_warps_for(block_m * block_n),
+            BLOCK_M=block_m, BLOCK_N=block_n, FP32_SCALE=fp32_scale, FP8_ROWS=fp8_rows,
+            num_warps=num_warps_for(block_m * block_n),
         )
-    return y.view(*x.shape[:-1], n_cols), x2d, rstd
+    return y.view(*x.shape[:-1], n_cols), x2d, rstd, rows if rows is None else fp8_rows_done(rows)
 
 
 def rms_norm_backward(
@@ -171,26 +183,30 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool
-    ) -> torch.Tensor:
-        y, x2d, rstd = rms_norm_forward(x, weight, eps, offset, fp32_scale)
+        ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, fp32_scale: bool, fp8_rows: bool
+    ):
+        y, x2d, rstd, rows = rms_norm_forward(x, weight, eps, offset, fp32_scale, fp8_rows)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.x_shape, ctx.offset, ctx.fp32_scale = x.shape, offset, fp32_scale
-        return y
+        if rows is None:
+            return y
+        ctx.mark_non_differentiable(*rows)
+        return y, *rows
 
     @staticmethod
     @once_differentiable  # a double backward raises instead of differentiating the kernel as a constant
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor, *_rows_grads):
         x2d, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(
             dy, x2d, weight, rstd, ctx.offset, ctx.fp32_scale, compute_dw=ctx.needs_input_grad[1]
         )
-        return dx.view(ctx.x_shape), dw, None, None, None
+        return dx.view(ctx.x_shape), dw, None, None, None, None
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, fp32_scale: bool = False
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, fp32_scale: bool = False,
+    fp8_rows: bool = False,
+):
     """Fused RMSNorm over the last dim of `x`, scaled by ``weight + offset`` (math in the module docstring).
 
     Args:
@@ -202,14 +218,19 @@ def rms_norm(
         fp32_scale: False: normalise, round to x's dtype, then scale; y in promote(x.dtype,
             weight.dtype) (HF's LlamaRMSNorm). True: scale in fp32 and round once to x's dtype
             (HF's Gemma3RMSNorm).
+        fp8_rows: also return y's rows in e4m3 for an fp8 GEMM that reads y (`lightning_ft.kernels.fp8`),
+            computed in the same kernel from the rounded y: no separate quantisation pass.
 
     Returns:
-        y of x's shape, in the dtype ``fp32_scale`` names.
+        y of x's shape, in the dtype ``fp32_scale`` names; with ``fp8_rows``, (y, q, scale): q [M, N] e4m3
+        and scale [M] fp32 with M = y.numel() // N, as `lightning_ft.kernels.fp8.quantize_rows` of y's
+        rows (no gradient flows through q and scale).
     """
     if not triton_can_run(x):
         warn_fallback("rms_norm", x.device)
-        return rms_norm_reference(x, weight, eps, offset=offset, fp32_scale=fp32_scale)
-    return RMSNormFunction.apply(x, weight, eps, offset, fp32_scale)
+        y = rms_norm_reference(x, weight, eps, offset=offset, fp32_scale=fp32_scale)
+        return (y, *quantize_rows(y.detach().reshape(-1, y.shape[-1]))) if fp8_rows else y
+    return RMSNormFunction.apply(x, weight, eps, offset, fp32_scale, fp8_rows)
 
 
 def rms_norm_reference(

@@ -20,6 +20,11 @@ bf16: after the activation and after the product, so bf16 results differ by abou
 gate and up are saved for backward; the activation is recomputed there. dg and du are fresh
 tensors: gate and up are left intact for anything else that holds them.
 
+With ``fp8_rows`` (`swiglu`) the forward runs by rows and also writes y's rows in e4m3 and their fp32
+scales (amax(|y|) / 448 of the rounded y, `lightning_ft.kernels.fp8.quantize_rows`' math) for the
+down projection's fp8 GEMM: a second pass over the row reads back the y it wrote, in place of a
+separate quantisation kernel over all of y.
+
 Shapes: gate and up of any identical shape (flattened; made contiguous if they are not), e.g.
 [B, T, intermediate] with intermediate = 14336 or 3072 or any odd size.
 
@@ -34,6 +39,7 @@ import triton
 import triton.language as tl
 
 from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run, warn_fallback
+from lightning_ft.kernels.fp8 import e4m3_scale, e4m3_values, fp8_rows_done, fp8_rows_like, quantize_rows
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU
 _BLOCK = 2048
@@ -63,6 +69,33 @@ def _swiglu_fwd_kernel(G, U, Y, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
+def _swiglu_fwd_fp8_rows_kernel(
+    G, U, Y, Q, QSCALE, n_cols, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`_swiglu_fwd_kernel` by rows (one program each), also writing y's row in e4m3 and its scale
+    (`lightning_ft.kernels.fp8.quantize_rows` of the rounded y): a pass over the row's column blocks
+    for y and its largest magnitude, then one reading y back to quantise it."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(G + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _activation(g, ACTIVATION)
+        y = (a * u).to(Y.dtype.element_ty)
+        tl.store(Y + row * n_cols + cols, y, mask=mask)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    scale = e4m3_scale(tl.max(amax, axis=0))
+    tl.store(QSCALE + row, scale)
+    for start in range(0, n_cols, BLOCK):  # each thread reads back the values it stored (same layout)
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.load(Y + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Q + row * n_cols + cols, e4m3_values(y, scale).to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
@@ -83,15 +116,27 @@ def _check_activation(op: str, activation: str) -> None:
         raise ValueError(f"{op}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
 
 
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """Launch the forward kernel on contiguous gate/up of one shape and dtype."""
+def swiglu_forward(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, fp8_rows: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Launch the forward kernel on contiguous gate/up of one shape and dtype. Returns (y, y's fp8 rows or
+    None): with ``fp8_rows``, (q [M, I] e4m3, scale [M] fp32) of y's rows of the last dim's length I."""
     y = torch.empty_like(gate)
     n = gate.numel()
+    if not fp8_rows:
+        if n > 0:
+            _swiglu_fwd_kernel[_grid(n)](
+                gate, up, y, n, ACTIVATION=activation, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK)
+            )
+        return y, None
+    n_cols = gate.shape[-1] if gate.dim() else 1
+    q, scale = fp8_rows_like(y.view(-1, n_cols))
     if n > 0:
-        _swiglu_fwd_kernel[_grid(n)](
-            gate, up, y, n, ACTIVATION=activation, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK)
+        block = min(_BLOCK, triton.next_power_of_2(n_cols))
+        _swiglu_fwd_fp8_rows_kernel[(n // n_cols,)](
+            gate, up, y, q, scale, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=num_warps_for(block)
         )
-    return y
+    return y, fp8_rows_done((q, scale))
 
 
 def swiglu_backward(
@@ -113,27 +158,35 @@ class SwiGLUFunction(torch.autograd.Function):
     """act(gate) * up; saves gate and up only."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-        y = swiglu_forward(gate, up, activation)
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, activation: str, fp8_rows: bool):
+        y, rows = swiglu_forward(gate, up, activation, fp8_rows)
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
-        return y
+        if rows is None:
+            return y
+        ctx.mark_non_differentiable(*rows)
+        return y, *rows
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor, *_rows_grads):
         gate, up = ctx.saved_tensors
-        return *swiglu_backward(dy, gate, up, ctx.activation), None
+        return *swiglu_backward(dy, gate, up, ctx.activation), None, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", *, fp8_rows: bool = False):
     """Fused act(gate) * up (see the module docstring): SwiGLU with ``silu``, GeGLU with ``gelu_tanh``.
 
     Args:
         gate, up: tensors of one shape (promoted to a common dtype).
         activation: one of `ACTIVATIONS`.
+        fp8_rows: also return y's rows in e4m3 for an fp8 GEMM that reads y (the down projection:
+            `lightning_ft.kernels.fp8`), computed in the same kernel from the rounded y (a row-wise
+            launch: one program per row): no separate quantisation pass.
 
     Returns:
-        act(gate) * up, of gate's shape in the promoted dtype.
+        act(gate) * up, of gate's shape in the promoted dtype; with ``fp8_rows``, (y, q, scale): q [M, I]
+        e4m3 and scale [M] fp32 (I the last dim, M = y.numel() // I), as
+        `lightning_ft.kernels.fp8.quantize_rows` of y's rows (no gradient flows through q and scale).
 
     Raises:
         ValueError: gate and up differ in shape, or an unknown activation.
@@ -143,9 +196,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> to
     _check_activation("swiglu", activation)
     if not triton_can_run(gate):
         warn_fallback("swiglu", gate.device)
-        return swiglu_reference(gate, up, activation)
+        y = swiglu_reference(gate, up, activation)
+        return (y, *quantize_rows(y.detach().reshape(-1, y.shape[-1]))) if fp8_rows else y
     dtype = torch.promote_types(gate.dtype, up.dtype)
-    return SwiGLUFunction.apply(gate.to(dtype).contiguous(), up.to(dtype).contiguous(), activation)
+    return SwiGLUFunction.apply(gate.to(dtype).contiguous(), up.to(dtype).contiguous(), activation, fp8_rows)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -16,6 +16,7 @@
    ``grouped_mm``, the LoRA slots in the expert weights; then the router training checked
    (`lightning_ft.model.router.check_router_training`, a warning where the LM loss cannot train
    the router) and the load-balancing loss announced (``model.config.output_router_logits``);
+   with the strategy's ``fp8``, the frozen base weights of the LoRA layers in e4m3 (`lightning_ft.strategies.fp8`);
 5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
 6. with the strategy's ``cuda_graphs`` (`lightning_ft.strategies.strategy.Execution`), each decoder layer
    replayed from CUDA graphs (`lightning_ft.strategies.cuda_graphs`), checked against the config first,
@@ -52,6 +53,7 @@ from lightning_ft.model.router import (
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
+from lightning_ft.strategies.fp8 import check_fp8_device, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
@@ -347,6 +349,8 @@ class ModelBuilder:
         execution.check()
         lora_enabled = bool(self.lora_cfg.get("enabled", True))
         check_quantized_training(cfg.get("quantization", "none"), lora_enabled, sharded, execution.cuda_graphs)
+        if execution.fp8:
+            _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"))
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
@@ -399,6 +403,8 @@ class ModelBuilder:
                 rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
                 _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
+        if execution.fp8:
+            rank_zero_info(f"fp8: {convert_to_fp8(model)} frozen LoRA base weights in e4m3, per-output-channel scales")
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         if note := check_router_training(model, train_router, hf.config):
             rank_zero_warn(note)
@@ -441,3 +447,22 @@ class ModelBuilder:
         rank_zero_info(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable")
         fused_ce = bool(self.kernels_cfg.get("fused_linear_cross_entropy")) and support.plain_head is None
         return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None)
+
+
+def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str) -> None:
+    """Refuse ``strategy.fp8=true`` where it cannot run, before any weight loads (`lightning_ft.strategies.fp8`).
+
+    Raises:
+        ValueError: a device without row-wise fp8 GEMMs (`check_fp8_device`), a sharded model (FSDP2
+            would shard the e4m3 bytes apart from their scales), no LoRA (nothing is frozen), or a 4-bit
+            base (``model.quantization=nf4``: its weights are not fp8's to convert).
+    """
+    if quantization != "none":
+        raise ValueError(f"strategy.fp8=true with model.quantization={quantization} is not supported: set one of them off")
+    if sharded:
+        raise ValueError(
+            "strategy.fp8=true is not available with strategy=fsdp2: use strategy=ddp or one device, or strategy.fp8=false"
+        )
+    if not lora.get("enabled", True):
+        raise ValueError("strategy.fp8=true needs lora.enabled=true (fp8 holds the frozen base weights under the LoRA layers)")
+    check_fp8_device(device)

@@ -196,21 +196,22 @@ def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
     is PEFT's forward, whenever that adapter is the only active one, adapters are enabled and not merged, and
     the call has no extra arguments.
 
-    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer or bitsandbytes'
-    ``Linear4bit`` (not ``fan_in_fan_out``, no forward hooks or replaced ``forward``: the fused op reads its
-    weight directly) whose weight and bias are frozen. These do not change while a model trains; which
-    adapter is active, merging and disabling do, and are checked at every call (and, for a 4-bit base, its
-    compute dtype and layout: `_fused_lora_forward`).
+    That is: no variant (DoRA), no dropout, no LoRA bias, on a plain ``nn.Linear`` base layer, its fp8 form
+    (`lightning_ft.strategies.fp8.Fp8Linear`) or bitsandbytes' ``Linear4bit`` (not ``fan_in_fan_out``, no
+    forward hooks or replaced ``forward``: the fused op reads its weight directly) whose weight and bias are
+    frozen. These do not change while a model trains; which adapter is active, merging and disabling do, and
+    are checked at every call (and, for a 4-bit base, its compute dtype and layout: `_fused_lora_forward`).
     """
+    from lightning_ft.strategies.fp8 import Fp8Linear
+
     base = module.base_layer
     if (
         module.fan_in_fan_out
-        or (type(base) is not torch.nn.Linear and not _is_linear4bit(base))
+        or (type(base) not in (torch.nn.Linear, Fp8Linear) and not _is_linear4bit(base))
         or base._forward_hooks
         or base._forward_pre_hooks
         or "forward" in base.__dict__
-        or base.weight.requires_grad
-        or (base.bias is not None and base.bias.requires_grad)
+        or any(p.requires_grad for p in base.parameters())
     ):
         return frozenset()
     return frozenset(
@@ -247,13 +248,15 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     keep = kept.active("projections") if self._lightning_ft_keep else None
     if keep is not None and not _output_keepable(self):
         keep = None
-    return lora_linear(x, base.weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, keep=keep)
+    weight_scale = getattr(base, "weight_scale", None)  # an fp8 base (`lightning_ft.strategies.fp8.Fp8Linear`)
+    weight = base.weight if weight_scale is None else base.weight_fp8
+    lora_B = self.lora_B[name].weight
+    return lora_linear(x, weight, base.bias, lora_A.weight, lora_B, scaling, keep=keep, weight_scale=weight_scale)
 
 
 def _output_keepable(module: torch.nn.Module) -> bool:
     """Whether a kept output of this LoRA layer (`lightning_ft.strategies.kept`) stays right, checked per call (the
     forward and its recompute decide alike): its base weight and bias frozen (the kept path computes no gradient
     for them) and no forward hook that could change the output in place (it is a view of the kept buffer)."""
-    base = module.base_layer
-    frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+    frozen = not any(p.requires_grad for p in module.base_layer.parameters())
     return frozen and not module._forward_hooks and not torch.nn.modules.module._global_forward_hooks

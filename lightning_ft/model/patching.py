@@ -30,6 +30,10 @@ What gets patched, per kernel switch:
               the table's ``kept_linears`` names may keep their output for the CUDA graphs'
               recompute (`lightning_ft.strategies.kept`, kind ``projections``).
 
+    fp8       (no switch: with fp8 base weights, `lightning_ft.strategies.fp8`) the patched norms and
+              SwiGLU MLPs whose output an fp8 GEMM reads also write that output's fp8 rows in the same
+              kernel, so the GEMM quantises nothing (`_mark_fp8_row_producers`).
+
     moe       (the ``moe`` config group, `lightning_ft.model.moe.apply_moe`) every instance of the
               table's `MoEClasses` sparse block: routed once, experts through the chosen backend.
 
@@ -59,6 +63,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from lightning_ft.kernels.fp8 import attach_fp8_rows
 from lightning_ft.kernels.rms_norm import rms_norm
 from lightning_ft.kernels.rope import apply_rope
 from lightning_ft.kernels.swiglu import swiglu, swiglu_concat
@@ -71,6 +76,7 @@ GLU_ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
 }  # fmt: skip
 _RECORD_ATTR = "_lightning_ft_kernel_undo"
+_FP8_ROWS_ATTR = "_lightning_ft_fp8_rows"  # on a patched module: its kernel also writes its output's fp8 rows
 
 
 @dataclass(frozen=True)
@@ -199,19 +205,28 @@ def moe_classes(role: str) -> tuple[type, ...]:
     )
 
 
+def _with_fp8_rows(module: torch.nn.Module, op: Callable, *args, **kwargs) -> torch.Tensor:
+    """``op(*args, **kwargs)``; for a module `_mark_fp8_row_producers` marked, with the output's fp8 rows
+    from the same kernel left on it for the fp8 GEMM that reads it (`lightning_ft.kernels.fp8.attach_fp8_rows`)."""
+    if not getattr(module, _FP8_ROWS_ATTR, False):
+        return op(*args, **kwargs)
+    y, q, scale = op(*args, fp8_rows=True, **kwargs)
+    return attach_fp8_rows(y, (q, scale))
+
+
 def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return _with_fp8_rows(self, rms_norm, hidden_states, self.weight, self.variance_epsilon)
 
 
 def _fused_offset_rms_norm_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, *, offset: float
 ) -> torch.Tensor:
     eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps  # gpt-oss's name, Gemma's
-    return rms_norm(hidden_states, self.weight, eps, offset=offset, fp32_scale=True)
+    return _with_fp8_rows(self, rms_norm, hidden_states, self.weight, eps, offset=offset, fp32_scale=True)
 
 
 def _fused_swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor, *, activation: str) -> torch.Tensor:
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), activation))
+    return self.down_proj(_with_fp8_rows(self, swiglu, self.gate_proj(x), self.up_proj(x), activation))
 
 
 def _fused_gate_up_mlp_forward(self: torch.nn.Module, x: torch.Tensor, *, activation: str) -> torch.Tensor:
@@ -235,6 +250,40 @@ def _fused_forwards(name: str, table: PatchTable, config: object) -> dict[str, C
         }  # fmt: skip
     mlp = _fused_gate_up_mlp_forward if table.fused_gate_up else _fused_swiglu_mlp_forward
     return dict.fromkeys(table.mlp, functools.partial(mlp, activation=GLU_ACTIVATIONS[_mlp_activation(config)]))
+
+
+# decoder norm (attribute name) -> the sibling module whose fp8 GEMMs read its output; a layer with a
+# pre_feedforward_layernorm (Gemma 3's) normalises the MLP's input there, its post_attention_layernorm
+# the attention's output
+_NORM_CONSUMERS = {"input_layernorm": "self_attn", "post_attention_layernorm": "mlp", "pre_feedforward_layernorm": "mlp"}
+
+
+def _mark_fp8_row_producers(model: torch.nn.Module, undo: list[Callable[[], None]]) -> int:
+    """Mark the patched kernels whose output an fp8 GEMM reads (`lightning_ft.strategies.fp8.Fp8Linear` bases) to
+    emit its fp8 rows too (`_with_fp8_rows`): a decoder norm before attention or the MLP holding such a layer
+    (Llama's input_layernorm / post_attention_layernorm, Gemma 3's pre_feedforward_layernorm), and a SwiGLU MLP
+    whose down projection is one. Returns the number marked."""
+    from lightning_ft.strategies.fp8 import Fp8Linear
+
+    def holds_fp8(module: torch.nn.Module | None) -> bool:
+        return module is not None and any(isinstance(m, Fp8Linear) for m in module.modules())
+
+    marked = []
+    for layer in model.modules():
+        for norm_name, consumer in _NORM_CONSUMERS.items():
+            norm = getattr(layer, norm_name, None)
+            if norm_name == "post_attention_layernorm" and hasattr(layer, "pre_feedforward_layernorm"):
+                continue
+            if norm is not None and norm.__dict__.get("forward") is not None and holds_fp8(getattr(layer, consumer, None)):
+                marked.append(norm)
+        down, forward = getattr(layer, "down_proj", None), layer.__dict__.get("forward")
+        fused = getattr(getattr(forward, "__func__", None), "func", None)  # the method's functools.partial's function
+        if fused is _fused_swiglu_mlp_forward and holds_fp8(down):
+            marked.append(layer)
+    for module in marked:
+        setattr(module, _FP8_ROWS_ATTR, True)
+        undo.append(functools.partial(delattr, module, _FP8_ROWS_ATTR))
+    return len(marked)
 
 
 def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_linears: tuple[str, ...]) -> int:
@@ -367,6 +416,8 @@ def apply_kernels(model: torch.nn.Module, kernels: Mapping[str, bool]) -> list[s
             fused = _fused_forwards(name, table, config)
             count = sum(_patch_forwards(hf_model, (getattr(modeling, c),), f, undo) for c, f in fused.items())
             applied.append(f"{name}: {count} x {', '.join(fused)}")
+    if marked := _mark_fp8_row_producers(hf_model, undo):
+        applied.append(f"fp8: {marked} x rms_norm / swiglu also write their output's fp8 rows for the next GEMM")
     return applied
 
 

@@ -168,7 +168,8 @@ def fast_path_lines(model_type: str, support: ArchitectureSupport, kernels: dict
     Args:
         support: `architecture_support` of the model.
         kernels: the ``kernels`` config group.
-        applied: `lightning_ft.model.patching.apply_kernels`' lines ("<switch>: ...").
+        applied: `lightning_ft.model.patching.apply_kernels`' lines ("<switch>: ..."; those of no switch, such as
+            "fp8: ...", are logged last).
     """
     from lightning_ft.model.patching import KERNEL_KEYS
 
@@ -184,4 +185,4 @@ def fast_path_lines(model_type: str, support: ArchitectureSupport, kernels: dict
             lines.append(f"{model_type} kernel {name}: chunked over the vocabulary (no [T, vocab] logits)")
         else:
             lines.append(f"{model_type} kernel {name}: stock ({support.plain_head})")
-    return lines
+    return lines + [f"{model_type} {line}" for switch, line in by_switch.items() if switch not in KERNEL_KEYS]

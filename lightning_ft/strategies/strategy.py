@@ -3,7 +3,7 @@
 `ExecutionMixin` mixes into each of them (`SingleDeviceStrategy` here, registered as ``lightning_ft``;
 `lightning_ft.strategies.ddp.DDPStrategy`, ``lightning_ft_ddp``; `lightning_ft.strategies.fsdp2.FSDP2Strategy`,
 ``fsdp2``) and holds the ``strategy`` config group's options (`Execution`): CUDA graphs, which saved
-activations the graphed layers keep, activation offloading, the memory budget. The model is built
+activations the graphed layers keep, activation offloading, the memory budget, fp8 base weights. The model is built
 by `lightning_ft.model.build.ModelBuilder`, which reads them from ``trainer.strategy.execution``.
 
 The memory plan: at the first training batch on CUDA, with graphed decoder layers and a memory budget
@@ -51,6 +51,8 @@ class Execution:
             (off CUDA there is never a plan).
         host_budget_gib: the pinned host memory the plan may offload to, in GiB; ``auto``: the host's
             available memory less `HOST_MARGIN` of it, shared by the processes of the node; None: no limit.
+        fp8: the frozen base weight of every LoRA linear layer in e4m3 with per-output-channel scales, its
+            products in fp8 on Hopper (`lightning_ft.strategies.fp8`).
     """
 
     cuda_graphs: bool = False
@@ -60,6 +62,7 @@ class Execution:
     activation_offload: bool = False
     memory_budget_gib: Any = "auto"
     host_budget_gib: Any = "auto"
+    fp8: bool = False
 
     @classmethod
     def from_config(cls, options: dict[str, Any] | None) -> Execution:
@@ -81,8 +84,8 @@ class Execution:
             ValueError: ``strategy.activation_offload`` without ``strategy.cuda_graphs``, ``strategy.cuda_graphs``
                 where ``no_cuda`` says why it cannot run (naming every key to change), a ``strategy.keep_max_gib``
                 that is not a number of GiB >= 0, a ``strategy.memory_budget_gib`` that is neither ``auto``,
-                null nor a positive number, or a ``strategy.host_budget_gib`` that is neither ``auto``, null nor a
-                number >= 0.
+                null nor a positive number, a ``strategy.host_budget_gib`` that is neither ``auto``, null nor a
+                number >= 0, or ``strategy.fp8`` where ``no_cuda`` says why it cannot run.
         """
         from lightning_ft.strategies.cuda_graphs import keep_max_bytes
 
@@ -94,6 +97,11 @@ class Execution:
         if self.cuda_graphs and no_cuda:
             keys = "strategy.cuda_graphs=false" + (" strategy.activation_offload=false" if self.activation_offload else "")
             raise ValueError(f"strategy.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
+        if self.fp8 and no_cuda:
+            raise ValueError(
+                f"strategy.fp8=true needs an NVIDIA GPU of compute capability 9.0 or newer (Hopper, sm90+); found none "
+                f"({no_cuda}): set strategy.fp8=false{hint}"
+            )
 
     def non_default(self) -> list[str]:
         """``strategy.<key>=<value>`` for each option away from its default."""

@@ -311,3 +311,42 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["fp32", "bf16-autocast"])
+def test_fp8_base_kept_and_shared_input_gradient_match_the_plain_fp8_path(device, case):
+    """An e4m3 base (``weight_scale``): the kept recompute returns the forward's y and differentiates as the
+    plain fp8 path does (the same `fp8_input_grad` for dy W): y and the adapters' gradients bit for bit, dx
+    summed per reader or once for readers of one x (`_InputGradient`) within 1e-5 (fp32) / 1e-2 (bf16)."""
+    from lightning_ft.kernels.fp8 import quantize_weight
+
+    x, w, _, a, bb = _inputs(device, (3, 19), 48, 80, 8, False)
+    wq, ws = quantize_weight(w)
+    if case != "fp32":
+        x = x.detach().to(torch.bfloat16).requires_grad_()
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=case != "fp32", cache_enabled=False)
+
+    def layer(*args, keep=None):
+        return lora_linear(*args, keep=keep, weight_scale=ws)
+
+    for readers in (1, 3):  # one reader: dx per layer; three: summed once
+        def run(keep=None):
+            ys = [layer(x, wq, None, a, bb, 0.5, keep=keep) for _ in range(readers)]
+            grads = torch.autograd.grad(sum(y.float().square().sum() for y in ys), (x, a, bb))
+            return ys[0], *grads
+
+        keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+        with autocast:
+            want = run()
+            with torch.no_grad(), kept.keeping(keep, recompute=False):
+                [layer(x, wq, None, a, bb, 0.5, keep=keep) for _ in range(readers)]
+            with kept.keeping(keep, recompute=True):
+                got = run(keep)
+        assert got[0].data_ptr() == keep.kept[0][0].data_ptr()  # the kept output, no product run
+        for name, g, e in zip(("y", "dx", "dA", "dB"), got, want, strict=True):
+            assert g.dtype == e.dtype, name
+            if name == "dx":
+                assert _rel(g, e) <= (1e-5 if case == "fp32" else 1e-2), name
+            else:
+                torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

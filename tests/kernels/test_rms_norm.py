@@ -12,6 +12,7 @@ rounds to nearest even.
 
 import pytest
 import torch
+from fp8_checks import assert_fp8_rows
 
 import lightning_ft.kernels.rms_norm as rms_norm_module
 from lightning_ft.kernels.rms_norm import rms_norm, rms_norm_reference
@@ -155,3 +156,21 @@ def test_double_backward_raises(device):
     (dx,) = torch.autograd.grad(rms_norm(x, weight, EPS).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
         dx.sum().backward()
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 3, 37), (5, 19), (2, 2, 48)])
+def test_fp8_rows_are_the_quantised_output(device, dtype, shape, style):
+    offset, fp32_scale = STYLES[style]
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    x.data[0, 0] = 0.0  # an all-zero row: zero values, no NaN
+    weight = torch.randn(shape[-1], dtype=dtype, device=device)
+    y, q, scale = rms_norm(x, weight, EPS, offset=offset, fp32_scale=fp32_scale, fp8_rows=True)
+    assert_fp8_rows(y, q, scale)
+    assert torch.equal(y, rms_norm(x, weight, EPS, offset=offset, fp32_scale=fp32_scale))  # y as without the rows
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    (dx_plain,) = torch.autograd.grad(rms_norm(x, weight, EPS, offset=offset, fp32_scale=fp32_scale), x, dy)
+    assert torch.equal(dx, dx_plain)

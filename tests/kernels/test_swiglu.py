@@ -9,6 +9,7 @@ rounds to nearest even.
 
 import pytest
 import torch
+from fp8_checks import assert_fp8_rows
 
 from lightning_ft.kernels.swiglu import (
     ACTIVATIONS,
@@ -171,3 +172,18 @@ def test_no_host_sync():
         swiglu(gate, up).backward(torch.ones_like(gate))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 37), (5, 19), (1, 2, 2100)])  # 2100: a row over two column blocks
+def test_fp8_rows_are_the_quantised_output(device, dtype, shape, activation):
+    torch.manual_seed(0)
+    gate = (3 * torch.randn(shape, dtype=dtype, device=device)).requires_grad_()
+    up = torch.randn(shape, dtype=dtype, device=device)
+    up.view(-1, shape[-1])[1] = 0.0  # an all-zero row: zero values, no NaN
+    y, q, scale = swiglu(gate, up, activation, fp8_rows=True)
+    assert_fp8_rows(y, q, scale)
+    assert torch.equal(y, swiglu(gate, up, activation))  # y as without the rows
+    dy = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, gate, dy)[0], torch.autograd.grad(swiglu(gate, up, activation), gate, dy)[0])

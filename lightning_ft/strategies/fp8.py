@@ -1,0 +1,109 @@
+"""fp8 frozen base weights (``strategy.fp8``): the base ``nn.Linear`` of every PEFT LoRA layer held in e4m3.
+
+`convert_to_fp8` replaces each such base layer by an `Fp8Linear` holding its weight in e4m3 with one
+fp32 scale per output channel (`lightning_ft.kernels.fp8.quantize_weight`); the bf16 weight is
+freed, so those weights take half the memory. LoRA A/B, norms, routers, embeddings, the lm_head and
+every other module stay as they are. PEFT's ``lora.Linear`` calls its base layer as before (the
+stock forward works), and the fused LoRA forward (`lightning_ft.kernels.lora.lora_linear`, kernel
+switch ``lora``) computes the base product with `lightning_ft.kernels.fp8.fp8_linear`. The adapter
+file is PEFT's and holds LoRA weights only, so an adapter trained over the fp8 base loads with
+``peft.PeftModel.from_pretrained`` on the bf16 base.
+
+The e4m3 bytes and the fp32 scales are kept as ``uint8`` and ``int32`` tensors (viewed as e4m3 and
+fp32 for each product, no copy): a precision plugin's or a user's ``model.to(dtype)`` converts
+floating-point tensors only, and would otherwise turn the scaled e4m3 values into wrong bf16 weights
+(and the scales into bf16, which ``torch._scaled_mm`` refuses) without a word. They are parameters
+that need no gradient, not buffers: DDP broadcasts every buffer from rank 0 before each forward
+(``broadcast_buffers``), which would send the whole base each step; frozen parameters it syncs
+once, when it wraps the model.
+
+The products run through ``torch._scaled_mm`` on CUDA of compute capability 9.0+ (Hopper);
+`check_fp8_device` refuses anything else for a run, while the plain-torch reference of the same
+math runs anywhere (the tests use it on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_ft.kernels.fp8 import E4M3, fp8_linear, fp8_rows_of, quantize_weight
+
+__all__ = ["Fp8Linear", "check_fp8_device", "convert_to_fp8"]
+
+
+class Fp8Linear(torch.nn.Module):
+    """A frozen ``nn.Linear`` with its weight in e4m3 and per-output-channel fp32 scales.
+
+    Args:
+        linear: the layer to convert (its weight is quantised with `quantize_weight`; its bias, if any,
+            is kept as it is, frozen).
+
+    Attributes:
+        weight_bytes: [N, K] uint8, the e4m3 bits (`weight_fp8` views them as e4m3); a frozen parameter.
+        scale_bits: [N] int32, the fp32 bits of the scales (`weight_scale` views them); a frozen parameter.
+        bias: the original bias Parameter (frozen) or None.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = quantize_weight(linear.weight)
+        self.weight_bytes = torch.nn.Parameter(weight.view(torch.uint8), requires_grad=False)
+        self.scale_bits = torch.nn.Parameter(scale.view(torch.int32), requires_grad=False)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    @property
+    def weight_fp8(self) -> torch.Tensor:
+        """[N, K] e4m3 view of `weight_bytes`."""
+        return self.weight_bytes.view(E4M3)
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """[N] fp32 view of `scale_bits`: the per-output-channel scales."""
+        return self.scale_bits.view(torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ + b`` through `lightning_ft.kernels.fp8.fp8_linear` ([..., K] → [..., N]), over x's fp8 rows where
+        the kernel that wrote x left them (`lightning_ft.kernels.fp8.fp8_rows_of`)."""
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, fp8_rows_of(x))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
+
+
+def convert_to_fp8(model: torch.nn.Module) -> int:
+    """Convert the frozen base ``nn.Linear`` of every PEFT ``lora.Linear`` in ``model`` to `Fp8Linear`, in place.
+
+    A base layer whose weight or bias trains is left as it is. Returns the number converted.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoraLinear) and type(base := module.base_layer) is torch.nn.Linear:
+            if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+                continue
+            module.base_layer = Fp8Linear(base)
+            count += 1
+    return count
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse ``strategy.fp8=true`` on a device without row-wise fp8 GEMMs.
+
+    Raises:
+        ValueError: ``device`` is not CUDA of compute capability 9.0 or newer, naming the device found.
+    """
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (9, 0):
+            return
+        found = f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    else:
+        found = str(device)
+    raise ValueError(
+        f"strategy.fp8=true needs an NVIDIA GPU of compute capability 9.0 or newer (Hopper, sm90+: row-wise fp8 "
+        f"GEMMs through torch._scaled_mm); found {found}: set strategy.fp8=false"
+    )
