@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 PACKED_CUDNN_TORCH: tuple[str, ...] = ()
 
 CALIBRATION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+MIN_CUDNN_TOKENS = 2  # cuDNN's frontend refuses a sequence of one token (s_q = s_kv = 1): those stay in varlen runs
 NEVER = 1 << 62  # min_cudnn_tokens when cuDNN never wins (or cannot run)
 _CROSSOVERS: dict[tuple, int] = {}
 VARLEN_ONLY = "attention_varlen_only"  # a `PackedBatch` cache key: set, its plan is flash-attention 2 alone
@@ -79,7 +80,8 @@ def plan_segments(cu_seqlens: torch.Tensor, min_cudnn_tokens: int) -> tuple[tupl
 
     Args:
         cu_seqlens: [N + 1] int32 cumulative document lengths, on the host (empty documents allowed).
-        min_cudnn_tokens: a document of at least this many tokens is a ``cudnn`` segment.
+        min_cudnn_tokens: a document of at least this many tokens (and at least `MIN_CUDNN_TOKENS`) is a
+            ``cudnn`` segment.
 
     Returns:
         (segments in row order covering [0, T), run_offsets): ``run_offsets`` int32 on the host holds
@@ -98,8 +100,9 @@ def plan_segments(cu_seqlens: torch.Tensor, min_cudnn_tokens: int) -> tuple[tupl
             segments.append(Segment("varlen", run[0], run[-1], first, len(offsets), longest))
         run.clear()
 
+    min_cudnn_tokens = max(min_cudnn_tokens, MIN_CUDNN_TOKENS)
     for start, end in zip(bounds[:-1], bounds[1:]):
-        if end - start >= min_cudnn_tokens and end > start:
+        if end - start >= min_cudnn_tokens:
             close_run()
             segments.append(Segment("cudnn", start, end))
         else:
