@@ -133,7 +133,7 @@ def test_torch_packed_cudnn_entry_is_used_only_where_its_gradients_are_right():
         want = kernel.backward(dout, q, k, v, out2, aux)
         errors = [_max_error(out, ref.float())] + [_max_error(a, b.float()) for a, b in zip((dq, dk, dv), want)]
         right = errors[0] < 2e-2 and max(errors[1:]) < 5e-2
-    except RuntimeError as err:
+    except (RuntimeError, IndexError) as err:  # torch 2.11: IndexError inside the backward op
         errors, right = repr(err)[:200], False
     version = ".".join(torch.__version__.split(".")[:2])
     print(f"torch {torch.__version__}: packed cuDNN attention errors (out, dq, dk, dv) {errors}; right={right}")

@@ -111,8 +111,8 @@ def test_qlora_step_gives_peft_and_bitsandbytes_lora_gradients(precision, device
         model = _build("bfloat16" if bf16 else "float32", kernels=kernels, precision="bf16-mixed" if bf16 else None, device=device)
         gen = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data.normal_(0, 0.1, generator=gen)
+            if "lora_B" in name:  # drawn on the CPU: the same values on every device
+                p.data.copy_(torch.empty(p.shape).normal_(0, 0.1, generator=gen))
         if kernels:  # every LoRA layer runs our fused forward
             assert apply_kernels(model, {"lora": True}) == [f"lora: {LINEARS} x peft lora.Linear"]
         ids = torch.randint(0, 64, (2, 16), generator=gen).to(device)

@@ -127,9 +127,10 @@ def test_fp8_training_step_on_hopper_without_host_sync():
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs sm90+ (row-wise torch._scaled_mm)")
     kernels = {"lora": True, "rms_norm": True}  # input_layernorm hands q/k/v its fp8 rows
-    model = ModelBuilder(
-        model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA_ALL, seed=0, execution=Execution(fp8=True), kernels=kernels
-    )(torch.device("cuda")).model
+    with torch.device("cuda"):  # built where it runs, as Lightning's configure_model does
+        model = ModelBuilder(
+            model={**TINY_MODEL, "dtype": "bfloat16"}, lora=LORA_ALL, seed=0, execution=Execution(fp8=True), kernels=kernels
+        )(torch.device("cuda")).model
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 8
     loss_fp8, _ = _step(model, kernels, device="cuda")  # also the warm-up (lazy inits may sync)
     layer = model.get_base_model().model.layers[0]
