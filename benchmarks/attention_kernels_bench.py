@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lightning_ft.data.packing import collate_packed
     from lightning_ft.model import attention
+    from lightning_ft.model.attention_plan import cuda_ms
 
     device = torch.device("cpu" if args.smoke else "cuda")
     providers = ["sdpa"] if args.smoke else ["cudnn_alone", "auto", "cudnn", "varlen", "flex"]
@@ -88,12 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         times = []
         for _ in range(args.steps):
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+                times.append(cuda_ms(step))
             else:
                 t0 = time.perf_counter()
                 step()

@@ -40,7 +40,7 @@ from lightning_ft.model.attention_kernels import (
 )  # fmt: skip
 
 __all__ = [
-    "PACKED_CUDNN_TORCH", "VARLEN_ONLY", "Segment", "batch_plan", "calibrate", "crossover", "min_crossover", "plan_segments", "segmented_kernel",
+    "PACKED_CUDNN_TORCH", "VARLEN_ONLY", "Segment", "batch_plan", "calibrate", "crossover", "cuda_ms", "min_crossover", "plan_segments", "segmented_kernel",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -202,21 +202,23 @@ def batch_plan(batch: PackedBatch, min_cudnn_tokens: int, device: torch.device) 
     return batch.cached(("attention_plan", min_cudnn_tokens, device), build)
 
 
+def cuda_ms(step: Callable[[], object]) -> float:
+    """Milliseconds of the device work ``step`` queues on the current stream, timed with CUDA events (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _time_ms(kernel: AttentionKernel, q, k, v, grad, repeats: int = 3) -> float:
     def step():
         out, aux = kernel.forward(q, k, v)
         kernel.backward(grad, q, k, v, out, aux)
 
     step()  # warm-up (and cuDNN's plan for this shape)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(cuda_ms(step) for _ in range(repeats))
 
 
 def crossover(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
