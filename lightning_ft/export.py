@@ -348,7 +348,7 @@ def _for_inference(model: Any, tokenizer: Any) -> None:
     attention (not the packed attention's registered name, which only this package knows), and the
     tokenizer's special tokens where the config names none (a random-init model's config has none)."""
     model.config.use_cache = True
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")  # gpt-oss (sinks): eager only
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
         value = getattr(tokenizer, key, None)
         if value is not None:

@@ -103,3 +103,23 @@ def test_export_picks_the_checkpoint_asked_for(run, tmp_path, capsys):
     (no_checkpoints / "config.json").write_text((run / "config.json").read_text())
     assert export_main([str(no_checkpoints)]) == 1
     assert "the run stopped before its first checkpoint" in capsys.readouterr().err
+
+
+def test_inference_settings_fall_back_to_eager_attention_where_sdpa_is_not_supported():
+    """gpt-oss (attention sinks) has no SDPA attention in transformers: export sets eager there, SDPA elsewhere."""
+    import types
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_ft.config import config_dir
+    from lightning_ft.export import _for_inference
+    from lightning_ft.model.build import load_causal_lm
+
+    tokenizer = types.SimpleNamespace(eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    for name, want in (("gpt_oss_tiny", "eager"), ("qwen2_tiny", "sdpa")):
+        model_cfg = yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
+        config = model_cfg.get("model", model_cfg)["config"]
+        model = load_causal_lm(None, "random", dict(config, vocab_size=64))
+        _for_inference(model, tokenizer)
+        assert model.config._attn_implementation == want and model.config.use_cache

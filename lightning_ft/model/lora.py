@@ -118,11 +118,31 @@ def _check_lora_targets(key: str, targets: list[str], names: list[str]) -> None:
     or its dotted suffix (``q_proj`` matches ``model.layers.0.self_attn.q_proj``).
 
     Raises:
-        ValueError: naming ``key``, the unmatched targets and the model's own suffixes to choose from.
+        ValueError: naming ``key``, the unmatched targets and the model's own suffixes to choose from (for
+            ``lora.target_modules``, also the ``lora`` config groups whose targets the model has).
     """
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    def matched(target: str) -> bool:
+        return any(n == target or n.endswith("." + target) for n in names)
+
+    unmatched = [t for t in targets if not matched(t)]
     if unmatched:
-        raise ValueError(f"{key}: {unmatched} match nothing in the model; its layers have: {_layer_suffixes(names)}")
+        groups = _lora_groups() if key == "lora.target_modules" else {}
+        fitting = [group for group, group_targets in groups.items() if group_targets and all(map(matched, group_targets))]
+        hint = f"; the lora groups that fit this model: {', '.join(f'lora={g}' for g in fitting)}" if fitting else ""
+        raise ValueError(f"{key}: {unmatched} are not in the model; its layers have: {_layer_suffixes(names)}{hint}")
+
+
+def _lora_groups() -> dict[str, list[str]]:
+    """The ``lora`` config group's options and their ``target_modules`` (configs/lora/*.yaml)."""
+    import yaml
+
+    from lightning_ft.config import config_dir
+
+    groups = {}
+    for path in sorted((Path(config_dir()) / "lora").glob("*.yaml")):
+        targets = (yaml.safe_load(path.read_text()) or {}).get("target_modules")
+        groups[path.stem] = targets if isinstance(targets, list) else []
+    return groups
 
 
 def _check_lora_regex(key: str, pattern: str, names: list[str], leaves: list[str]) -> None:

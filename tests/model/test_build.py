@@ -15,14 +15,25 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(
     ("key", "targets", "message"),
     [
-        ("target_modules", ["q_proj", "vv_proj"], r"lora.target_modules: \['vv_proj'\] match nothing in the model; its layers have: .*self_attn.q_proj"),
-        ("target_parameters", ["mlp.experts.foo"], r"lora.target_parameters: \['mlp.experts.foo'\] match nothing .*: mlp.experts.down_proj, mlp.experts.gate_up_proj$"),
+        ("target_modules", ["q_proj", "vv_proj"], r"lora.target_modules: \['vv_proj'\] are not in the model; its layers have: .*self_attn.q_proj"),
+        ("target_parameters", ["mlp.experts.foo"], r"lora.target_parameters: \['mlp.experts.foo'\] are not in the model; .*: mlp.experts.down_proj, mlp.experts.gate_up_proj$"),
     ],
 )
 def test_a_lora_target_that_matches_nothing_is_refused_by_key(key, targets, message):
     """PEFT drops an unmatched name of a target list (or only warns, for target_parameters) and trains without it."""
     with pytest.raises(ValueError, match=message):
         ModelBuilder(model=TINY_MODEL, lora={**LORA, key: targets})(CPU)
+
+
+def test_an_unmatched_lora_target_names_the_lora_groups_that_fit():
+    """MLA (DeepSeek-V3) has no q/k/v_proj: the message points at lora=mla."""
+    import yaml
+
+    from lightning_ft.config import config_dir
+
+    model = yaml.safe_load((Path(config_dir()) / "model" / "deepseek_v3_tiny.yaml").read_text())
+    with pytest.raises(ValueError, match=r"\['q_proj', 'v_proj'\] are not in the model; .*; the lora groups that fit this model: lora=mla$"):
+        ModelBuilder(model=model, lora=LORA)(CPU)
 
 
 @pytest.mark.parametrize(

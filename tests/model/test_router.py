@@ -216,7 +216,7 @@ def test_router_training_refusals_name_the_keys(tmp_path):
         FinetuneModule(ModelBuilder(model=dense, lora=LORA, moe={"train_router": True})).configure_model()
     with pytest.raises(ValueError, match=r"routers \(mlp.gate\) would train although moe.train_router=false: lora.modules_to_save"):
         _module(lora={**LORA, "modules_to_save": ["mlp.gate"]})
-    with pytest.raises(ValueError, match=r"lora.modules_to_save: \['lm_haed'\] match nothing in the model"):
+    with pytest.raises(ValueError, match=r"lora.modules_to_save: \['lm_haed'\] are not in the model"):
         _module(lora={**LORA, "modules_to_save": ["lm_haed"]})
     with pytest.raises(ValueError, match=r"lora.modules_to_save='lm_head': expected a list"):
         _module(lora={**LORA, "modules_to_save": "lm_head"})
