@@ -346,6 +346,7 @@ def test_the_run_ends_with_a_result_line_a_compact_bar_and_validation_in_the_los
     assert (f"result: 4 steps; loss {s['initial_loss']:.3f} → {s['final_loss']:.3f}; val loss {s['val_loss']:.3f}; "
             f"{s['train_tokens']:,} tokens at {s['tokens_per_s']:,.0f} tokens/s; packing efficiency {efficiency:.1f}% "
             "(tokens / rows × data.max_tokens)") in proc.stdout + proc.stderr
+    assert f"next: python -m lightning_ft export {tmp_path} [--merge]" in proc.stdout + proc.stderr
     # the bar's last frame: one line of at most 80 columns with the loss, the validation loss and tok/s
     lines = proc.stdout.rstrip().splitlines()
     bar = next(i for i, line in enumerate(lines) if line.startswith("Epoch 0"))

@@ -348,6 +348,9 @@ class RunSummary(L.Callback):
         write_json_atomic(self.run_dir / "summary.json", self.summary)  # last: a completed summary means all is there
         log.info("result: %s", result_line(self.summary))
         log.info("summary: %s", self.run_dir / "summary.json")
+        if self.summary.get("status") == "completed":
+            log.info("next: python -m lightning_ft export %s [--merge] (the adapter, or a merged model that serves, in "
+                     "its export/ folder)", self.run_dir)
 
 
 def _status(error: BaseException | None) -> str:
