@@ -128,11 +128,6 @@ def block_causal_mask(
     return ((doc_T[:, None] == doc_T[None, :]) & keep_TT)[None, None]
 
 
-def device_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``cu_seqlens`` ([N + 1] int32) copied to ``device`` without waiting for it."""
-    return cu_seqlens.to(device, non_blocking=True)
-
-
 def _ordered_blocks(dense_MM: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A [M, M] bool block map as a BlockMask's (num_blocks [1, 1, M], indices [1, 1, M, M]) int32 pair:
     per row, how many blocks are set and their column indices first, in increasing order."""

@@ -40,7 +40,7 @@ from lightning_ft.model.attention_kernels import (
 )  # fmt: skip
 
 __all__ = [
-    "PACKED_CUDNN_TORCH", "VARLEN_ONLY", "Segment", "batch_plan", "calibrate", "crossover", "cuda_ms", "min_crossover", "plan_segments", "segmented_kernel",
+    "PACKED_CUDNN_TORCH", "VARLEN_ONLY", "Segment", "batch_plan", "calibrate", "crossover", "cuda_ms", "device_cu_seqlens", "min_crossover", "plan_segments", "segmented_kernel",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,11 @@ def segmented_kernel(
     return AttentionKernel(forward, backward, layout="THD", lse=lse)
 
 
+def device_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` ([N + 1] int32) copied to ``device`` without waiting for it."""
+    return cu_seqlens.to(device, non_blocking=True)
+
+
 def batch_plan(batch: PackedBatch, min_cudnn_tokens: int, device: torch.device) -> tuple[tuple[Segment, ...], torch.Tensor]:
     """`plan_segments` of ``batch`` with its run offsets on ``device``, built once per batch and device.
 
@@ -195,9 +200,9 @@ def batch_plan(batch: PackedBatch, min_cudnn_tokens: int, device: torch.device) 
         segments, offsets = plan_segments(batch.cu_seqlens, min_cudnn_tokens)
         if all(seg.kind == "varlen" for seg in segments):
             whole = Segment("varlen", 0, batch.num_tokens, 0, batch.cu_seqlens.numel(), batch.max_seqlen)
-            device_offsets = batch.cached(("cu_seqlens", device), lambda: batch.cu_seqlens.to(device, non_blocking=True))
+            device_offsets = batch.cached(("cu_seqlens", device), lambda: device_cu_seqlens(batch.cu_seqlens, device))
             return (whole,), device_offsets
-        return segments, offsets.to(device, non_blocking=True)
+        return segments, device_cu_seqlens(offsets, device)
 
     return batch.cached(("attention_plan", min_cudnn_tokens, device), build)
 

@@ -94,8 +94,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_ft.data.packing import PackedBatch
-from lightning_ft.model.attention import ATTENTION_NAMES, VARLEN_FAMILY, device_cu_seqlens
-from lightning_ft.model.attention_plan import NEVER, VARLEN_ONLY, min_crossover
+from lightning_ft.model.attention import ATTENTION_NAMES, VARLEN_FAMILY
+from lightning_ft.model.attention_plan import NEVER, VARLEN_ONLY, device_cu_seqlens, min_crossover
 from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
