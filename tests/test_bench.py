@@ -94,6 +94,7 @@ def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
     # profile=true ranks the timed step's ops (on the CPU by host time) for each row
     for system in ("hf_peft", "lightning_ft"):
         assert "aten::mm" in (tmp_path / f"profile_{system}_48.txt").read_text()
+        assert "BENCH_ROW " in (tmp_path / f"worker_{system}_48.log").read_text()  # each worker's whole output
     # each row appended to the results table, with the columns of the schema
     from lightning_ft.bench.table import COLUMN_NAMES, read_rows
 
@@ -115,6 +116,7 @@ def test_bench_unsloth_missing_is_a_row_saying_why(tmp_path):
     assert row["status"] == ("error: ImportError: unsloth not importable: ModuleNotFoundError: No module named 'unsloth'; "
                              'install the peers with pip install -e ".[bench]" (needs a CUDA GPU for unsloth)')
     assert f"| unsloth | 4 | 48 | {row['status']} |" in (tmp_path / "results.md").read_text()
+    assert "Traceback" in (tmp_path / "worker_unsloth_48.log").read_text()
 
 
 @pytest.mark.slow
@@ -220,7 +222,7 @@ def test_bench_row_log_line_is_readable_and_results_json_keeps_the_row(tmp_path,
     row = {"system": "lightning_ft", "model": "tiny", "seq_len": 8192, "layers": 12, "status": "ok", "ms_per_step": 172.4014269999543,
            "ms_min": 171.6, "tokens_per_s": 47517.00808139002, "tflops_per_s": 406.82, "mfu": 0.5132813118744723,
            "peak_mem_gib": 19.212421894073486, "peak_reserved_gib": 21.47265625, "loss_last": 12.207749931327067}
-    monkeypatch.setattr(runner, "_run_worker", lambda spec, timeout_s: dict(row))
+    monkeypatch.setattr(runner, "_run_worker", lambda spec, timeout_s, log: dict(row))
     cfg = _compose_bench("+bench=tiny_cpu", "systems=[lightning_ft]", "seq_lens=[8192]", "name=tiny", f"out_dir={tmp_path}")
     with caplog.at_level(logging.INFO, logger="lightning_ft.bench.runner"):
         runner.run_bench(cfg)

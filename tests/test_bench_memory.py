@@ -15,7 +15,7 @@ def _fake_workers(monkeypatch, peaks):
     """Each system's row from ``peaks`` (system → peak GiB, or a status for a row that did not run); the specs run, in order."""
     specs = []
 
-    def run(spec, timeout_s):
+    def run(spec, timeout_s, log):
         specs.append(spec)
         peak = peaks[spec["system"]]
         base = runner._row_base(spec)

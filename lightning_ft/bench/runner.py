@@ -1,5 +1,6 @@
 """Run a benchmark config: every (sequence length, system) pair in a fresh subprocess, alternating
-systems within each length, then write ``results.json``, ``results.md`` and ``results.png``, and
+systems within each length, then write ``results.json``, ``results.md`` and ``results.png`` (and each
+worker's whole output to ``worker_SYSTEM_SEQLEN.log``: the memory plan's table, warnings), and
 append each row to the results table (``results_table``; `lightning_ft.bench.table`).
 
 The systems run one after another on the same device (never at the same time); each gets its
@@ -138,10 +139,11 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
                 "peak_flops": peak,
                 "profile": str(out_dir / f"profile_{system}_{seq_len}.txt") if cfg.profile else None,
             }
+            output = out_dir / f"worker_{system}_{seq_len}.log"  # its whole output: the plan table, warnings, a traceback
             if matched is not None and system == "lightning_ft":
-                row = _memory_matched(spec, peer, matched, cfg.timeout_s)
+                row = _memory_matched(spec, peer, matched, cfg.timeout_s, output)
             else:
-                row = _run_worker(spec, cfg.timeout_s)
+                row = _run_worker(spec, cfg.timeout_s, output)
             if system == matched:
                 peer = row
             log.info("bench row: %s", row_text(row))
@@ -194,7 +196,7 @@ def _table_target(cfg: DictConfig) -> tuple[Path | None, str]:
     return path, str(name)
 
 
-def _memory_matched(spec: dict[str, Any], peer: dict[str, Any], matched: str, timeout_s: int) -> dict[str, Any]:
+def _memory_matched(spec: dict[str, Any], peer: dict[str, Any], matched: str, timeout_s: int, log: Path) -> dict[str, Any]:
     """``lightning_ft``'s row with ``strategy.memory_budget_gib`` = the ``peer`` row's peak (allocated, GiB); not run
     (a row saying why) where the peer measured none."""
     budget = peer.get("peak_mem_gib") if peer.get("status") == "ok" else None
@@ -203,24 +205,28 @@ def _memory_matched(spec: dict[str, Any], peer: dict[str, Any], matched: str, ti
         why = peer.get("status") if peer.get("status") != "ok" else "no peak memory: not on CUDA"
         return {**_row_base(spec), "status": f"not run: memory_matched={matched} measured no peak ({why})", **record}
     spec = {**spec, "strategy": {**spec["strategy"], "memory_budget_gib": budget}}
-    return {**_run_worker(spec, timeout_s), **record}
+    return {**_run_worker(spec, timeout_s, log), **record}
 
 
 def _row_base(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: spec[k] for k in ("system", "model", "seq_len")} | {"layers": spec["model_config"]["num_hidden_layers"]}
 
 
-def _run_worker(spec: dict[str, Any], timeout_s: int) -> dict[str, Any]:
+def _run_worker(spec: dict[str, Any], timeout_s: int, log: Path) -> dict[str, Any]:
+    """One row from a worker subprocess; its stdout and stderr go to ``log`` (also on a timeout)."""
     cmd = [sys.executable, "-m", "lightning_ft.bench.worker", json.dumps(spec)]
     base = _row_base(spec)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with open(log, "w") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout_s,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:
         return {**base, "status": f"timeout after {timeout_s} s"}
-    for line in reversed(proc.stdout.splitlines()):
+    output = log.read_text()
+    for line in reversed(output.splitlines()):
         if line.startswith(ROW_PREFIX):
             return json.loads(line[len(ROW_PREFIX) :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    tail = output.strip().splitlines()[-3:]
     return {**base, "status": f"crashed (exit {proc.returncode}): {' | '.join(tail)}"[:300]}
 
 
