@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ft.errors import check_choice
 from lightning_ft.kernels.nf4 import Quant4bitWeight
 
 __all__ = [
@@ -66,8 +67,7 @@ def check_quantization(quantization: str, checkpoint_method: str | None, checkpo
             whatever we say: set ``nf4``); ``nf4`` on a checkpoint quantised otherwise (MXFP4, 8-bit...).
         ImportError: ``nf4`` without bitsandbytes (naming the ``qlora`` extra).
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"model.quantization={quantization!r}: expected one of {list(QUANTIZATIONS)}")
+    check_choice("model.quantization", quantization, QUANTIZATIONS)
     bnb_4bit = checkpoint_method == "bitsandbytes" and checkpoint_4bit
     if quantization == "none" and bnb_4bit:
         raise ValueError("model.quantization=none, but the checkpoint is quantised in 4 bits by bitsandbytes: set model.quantization=nf4")
