@@ -301,6 +301,20 @@ def test_a_plus_before_a_group_of_the_defaults_list_is_named():
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
 
 
+def test_a_strategy_key_under_model_is_named_with_or_without_plus_and_in_a_yaml_file():
+    from lightning_ft.config import MOVED_KEYS, override_hints, report_key_hints, unknown_schema_keys
+
+    moved = "model.cuda_graphs: moved to strategy.cuda_graphs (the lightning_ft strategy's options): write strategy.cuda_graphs=..."
+    assert override_hints(["model.cuda_graphs=true"])[0] == moved
+    assert report_key_hints("ConfigKeyError ...\n    full_key: model.cuda_graphs\n    object_type=ModelConfig") == [moved]
+    assert unknown_schema_keys(_compose(["+model.cuda_graphs=true", "+model.fp8=true", "+data.seed=1"])) == [
+        "model.cuda_graphs (moved to strategy.cuda_graphs)", "model.fp8 (did you mean strategy.fp8?)", "data.seed (did you mean seed?)"]
+    # strategy.fp8 never was a model key: not a moved key, but its name is found in the strategy group
+    assert "model.fp8" not in MOVED_KEYS
+    assert override_hints(["model.fp8=true"])[0].startswith("model.fp8: no key 'fp8' in model; did you mean strategy.fp8? keys: ")
+    assert report_key_hints("full_key: model.fp8\n")[0].startswith("model.fp8: no key 'fp8' in model; did you mean strategy.fp8?")
+
+
 @pytest.mark.slow
 def test_hydra_output_subdir_set_on_the_command_line_is_left_to_hydra(tmp_path):
     """fit writes .hydra/ itself (configs/fit.yaml: hydra.output_subdir=null); a user's own setting keeps
