@@ -62,24 +62,37 @@ def parser() -> argparse.ArgumentParser:
         "or a .ckpt file or PEFT adapter folder",
     )
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
+    p.add_argument("--verbose", action="store_true", help="also log how the model is built (the lines fit logs), not only warnings")
     return p
 
 
 def main(argv: list[str]) -> int:
-    """Run the command; returns its exit status (an `ExportError` prints one line and returns 1)."""
+    """Run the command; returns its exit status (an `ExportError` prints one line and returns 1).
+
+    Logs this module's lines (what is loaded) and every library's warnings; the model build's INFO lines
+    (attention, kernels, parameter counts: a training run's report) only with ``--verbose``. Prints each folder
+    written on stdout."""
     import warnings
 
     import lightning  # noqa: F401  adds its own console handler (removed below: with the root's, each line would print twice)
 
     args = parser().parse_args(argv)
     logging.getLogger("lightning").handlers.clear()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)
+    # Lightning's loggers (rank_zero_info) have levels and handlers of their own
+    quieted = {} if args.verbose else {name: logging.getLogger(name).level for name in ("lightning.fabric", "lightning.pytorch")}
+    for name in quieted:
+        logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
     try:
         written = export(args.run_dir, merge=args.merge, output=args.output, checkpoint=args.checkpoint, force=args.force)
     except (ExportError, FileNotFoundError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        for name, level in quieted.items():
+            logging.getLogger(name).setLevel(level)
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0
@@ -128,6 +141,7 @@ def export(
     else:
         tokenizer = load_tokenizer(cfg["model"].get("tokenizer") or cfg["model"]["name_or_path"])
     device = base_device(run_dir, cfg)
+    log.info("export: %s with the trained weights of %s", _base_description(cfg), source)
     from_folder = source.is_dir()
     with torch.device(device):
         model = build_stock_model(cfg, vocab_size=len(tokenizer), lora=lora and not from_folder, device=device)
@@ -335,6 +349,14 @@ def load_weights(model: Any, source: Path, lora: bool) -> Any:
             f"({len(result.unexpected_keys)} unknown, {len(missing)} missing, e.g. {names}); is it this run's checkpoint?"
         )
     return model
+
+
+def _base_description(cfg: dict[str, Any]) -> str:
+    """The run's base model in words: its ``model.name_or_path``, or the random init's architecture and seed."""
+    model = cfg["model"]
+    if model.get("init") == "random":
+        return f"a random {(model.get('config') or {}).get('model_type', 'model')} base (model.init=random, seed {cfg.get('seed')})"
+    return str(model["name_or_path"])
 
 
 def _base_name(name_or_path: str) -> str:
