@@ -9,7 +9,8 @@ place at the end; an existing export is replaced only with ``--force``):
   seed, as a Hugging Face model folder; the adapter's ``base_model_name_or_path`` is this folder's
   absolute path. A pretrained run's adapter names ``model.name_or_path``.
 - ``merged/`` (``--merge``): the adapter merged into the base (PEFT's ``merge_and_unload``), in the
-  base's dtype, as a plain Hugging Face folder: ``config.json``, safetensors shards, the tokenizer and
+  base's dtype (a ``model.quantization=nf4`` base dequantised to ``model.dtype`` first, `dequantize_linears`:
+  the LoRA update is added to the weights it was trained over, not rounded back into 4 bits), as a plain Hugging Face folder: ``config.json``, safetensors shards, the tokenizer and
   ``generation_config.json``; ``AutoModelForCausalLM.from_pretrained`` and vLLM load it as they load
   the base. A full fine-tuning run (``lora=none``) has no adapter: ``--merge`` writes its model.
 
@@ -132,6 +133,8 @@ def export(
     import torch
 
     from lightning_ft.data.tokenization import load_tokenizer
+    from lightning_ft.model.build import DTYPES
+    from lightning_ft.model.quantization import dequantize_linears
 
     adapter_tokenizer = run_dir / "adapter" / "tokenizer_config.json"
     if adapter_tokenizer.is_file():  # the tokenizer the run trained with, as the run saved it
@@ -163,6 +166,9 @@ def export(
             _save_model(model, tokenizer, tmp / "base")
             written["base"] = output / "base"
         if merge:
+            dtype = cfg["model"].get("dtype", "float32")
+            if layers := dequantize_linears(model, DTYPES[dtype]):  # model.quantization=nf4: merge into the weights trained over
+                log.info("export: merged/ in %s: %d NF4 linear layers of the base dequantised before the adapter is merged", dtype, layers)
             if lora:
                 from peft import PeftModel
 
