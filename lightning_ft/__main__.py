@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> None:
         app()
     except SystemExit as exit_:
         if exit_.code not in (0, None) and not _task_started:
-            from lightning_ft.config import moved_keys_in, override_hints
+            from lightning_ft.config import override_hints, report_key_hints
 
             report, hints = _held.take(), override_hints(overrides, command)
-            hints = [h for h in moved_keys_in(report) if h not in hints] + hints  # old keys in a YAML file
+            hints = [h for h in report_key_hints(report, command) if h not in hints] + hints  # keys in a YAML file
             real_stderr.write(_composition_error(report, bool(hints[:-1])))
             real_stderr.write("".join(f"hint: {line}\n" for line in hints))
         raise

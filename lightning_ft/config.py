@@ -317,8 +317,6 @@ def key_hint(key: str, schema: Any) -> str | None:
     """For a dotted ``key`` missing from ``schema`` (a structured config, `command_schema`): one line with the
     closest keys where it goes astray and all the keys there; None for a key in the schema or under a
     free-form node (``trainer.``, ``model.config.``, ...), where any key may be added."""
-    import difflib
-
     from omegaconf import DictConfig
 
     if hint := moved_key_hint(key):
@@ -329,13 +327,26 @@ def key_hint(key: str, schema: Any) -> str | None:
         if not isinstance(node, DictConfig) or not _is_schema_node(node):
             return None
         if part not in node:
-            close = difflib.get_close_matches(part, list(node.keys()), n=3)
+            close = _close_keys(path, part, node, schema)
             where = ".".join(path) or "the top level"
-            suggestion = f"did you mean {', '.join('.'.join([*path, c]) for c in close)}? " if close else ""
+            suggestion = f"did you mean {', '.join(close)}? " if close else ""
             return f"{key}: no key {part!r} in {where}; {suggestion}keys: {', '.join(node.keys())}"
         node = node._get_node(part)
         path.append(part)
     return None
+
+
+def _close_keys(path: list[str], part: str, node: Any, schema: Any) -> list[str]:
+    """Dotted schema keys a user may have meant by ``<path>.<part>``, missing from ``node`` (the schema node at
+    ``path``): the closest keys of ``node`` (difflib), then a key of that very name elsewhere in ``schema``, at
+    the top level or in another group (``model.fp8`` → ``strategy.fp8``)."""
+    import difflib
+
+    close = [".".join([*path, c]) for c in difflib.get_close_matches(part, [str(k) for k in node.keys()], n=3)]
+    if path and part in schema:
+        close.append(part)
+    groups = [g for g in schema.keys() if g != (path or [None])[0] and _is_schema_node(schema._get_node(g))]
+    return close + [f"{g}.{part}" for g in groups if part in schema._get_node(g)]
 
 
 def moved_key_hint(key: str) -> str | None:
@@ -345,39 +356,52 @@ def moved_key_hint(key: str) -> str | None:
     return None
 
 
-def moved_keys_in(report: str) -> list[str]:
-    """`moved_key_hint` lines for the moved keys that Hydra's report of a config that does not compose names
-    (``full_key: model.cuda_graphs``: a YAML file of the user's that sets one)."""
+def report_key_hints(report: str, command: str = "fit") -> list[str]:
+    """`key_hint` lines for the keys missing from ``command``'s schema that Hydra's report of a config that does
+    not compose names (``full_key: model.cuda_graphs``: a YAML file of the user's that sets one)."""
     import re
 
-    return [hint for key in dict.fromkeys(re.findall(r"full_key: (\S+)", report)) if (hint := moved_key_hint(key))]
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(command_schema(command))
+    return [hint for key in dict.fromkeys(re.findall(r"full_key: (\S+)", report)) if (hint := key_hint(key, schema))]
 
 
-def unknown_schema_keys(cfg: Any, prefix: str = "") -> list[str]:
-    """Keys of a composed config that are not in the schema (`FitConfig`), each with a close schema key.
+def unknown_schema_keys(cfg: Any, prefix: str = "", root: Any = None) -> list[str]:
+    """Keys of a composed config that are not in the schema (`FitConfig`), each with a close schema key
+    (`_close_keys`) or, for a key of `MOVED_KEYS`, its new name.
 
     Hydra's ``+key=value`` adds a key even under a schema node, where nothing reads it (a misspelt
     ``+data.max_token=`` would be ignored); keys under free-form nodes (``trainer``, ``callbacks``,
     ``model.config``, ``optimizer``, ...) are not checked.
 
+    Args:
+        cfg: the composed config, or (in the recursion) its node at ``prefix``.
+        prefix: the dotted path of ``cfg`` with a trailing dot ("" at the top level).
+        root: the whole composed config (default: ``cfg``).
+
     Returns:
-        ``"<dotted key> (did you mean <key>?)"`` or ``"<dotted key>"`` per unknown key.
+        ``"<dotted key> (did you mean <key>?)"``, ``"<dotted key> (moved to <key>)"`` or ``"<dotted key>"`` per unknown key.
     """
-    import difflib
     from dataclasses import fields
 
     from omegaconf import DictConfig, OmegaConf
 
     found = []
+    root = cfg if root is None else root
     if not (isinstance(cfg, DictConfig) and _is_schema_node(cfg)):
         return found
     names = [f.name for f in fields(OmegaConf.get_type(cfg))]
     for key in cfg.keys():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            found.append(f"{prefix}{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+        dotted = f"{prefix}{key}"
+        if key in names:
+            found += unknown_schema_keys(cfg._get_node(key), f"{dotted}.", root)
+        elif dotted in MOVED_KEYS:
+            found.append(f"{dotted} (moved to {MOVED_KEYS[dotted]})")
         else:
-            found += unknown_schema_keys(cfg._get_node(key), f"{prefix}{key}.")
+            schema = OmegaConf.structured(OmegaConf.get_type(root))
+            close = _close_keys(prefix.split(".")[:-1], str(key), OmegaConf.select(schema, prefix[:-1]) if prefix else schema, schema)
+            found.append(dotted + (f" (did you mean {close[0]}?)" if close else ""))
     return found
 
 

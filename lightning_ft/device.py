@@ -26,6 +26,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_ft.errors import check_choice
+
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "gpu", "cpu")
@@ -51,8 +53,7 @@ def device_choices(device: str, chosen: set[str], model_type: str | None, why: s
     """
     import torch
 
-    if device not in DEVICES:
-        raise ValueError(f"device={device}: expected one of {', '.join(DEVICES)}")
+    check_choice("device", device, DEVICES)
     cuda = torch.cuda.is_available()
     if device == "gpu" and not cuda:
         raise ValueError("device=gpu: no CUDA GPU here (torch.cuda.is_available() is False); device=cpu or device=auto runs on the CPU")

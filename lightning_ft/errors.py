@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -48,6 +48,17 @@ def out_of_memory(err: BaseException) -> str | None:
         ):
             return (text.splitlines() or [type(cause).__name__])[0]
     return None
+
+
+def check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
+    """Raise ValueError naming ``key``, ``value``, the allowed ``choices`` and the closest of them when
+    ``value`` is not one of ``choices`` (a config key with a fixed set of values: ``model.attention``, ...)."""
+    import difflib
+
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    raise ValueError(f"{key}={value}: expected one of {', '.join(choices)}" + (f"; did you mean {key}={close[0]}?" if close else ""))
 
 
 def check_local_path(key: str, value: str | None) -> None:

@@ -9,7 +9,8 @@ place at the end; an existing export is replaced only with ``--force``):
   seed, as a Hugging Face model folder; the adapter's ``base_model_name_or_path`` is this folder's
   absolute path. A pretrained run's adapter names ``model.name_or_path``.
 - ``merged/`` (``--merge``): the adapter merged into the base (PEFT's ``merge_and_unload``), in the
-  base's dtype, as a plain Hugging Face folder: ``config.json``, safetensors shards, the tokenizer and
+  base's dtype (a ``model.quantization=nf4`` base dequantised to ``model.dtype`` first, `dequantize_linears`:
+  the LoRA update is added to the weights it was trained over, not rounded back into 4 bits), as a plain Hugging Face folder: ``config.json``, safetensors shards, the tokenizer and
   ``generation_config.json``; ``AutoModelForCausalLM.from_pretrained`` and vLLM load it as they load
   the base. A full fine-tuning run (``lora=none``) has no adapter: ``--merge`` writes its model.
 
@@ -62,24 +63,37 @@ def parser() -> argparse.ArgumentParser:
         "or a .ckpt file or PEFT adapter folder",
     )
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
+    p.add_argument("--verbose", action="store_true", help="also log how the model is built (the lines fit logs), not only warnings")
     return p
 
 
 def main(argv: list[str]) -> int:
-    """Run the command; returns its exit status (an `ExportError` prints one line and returns 1)."""
+    """Run the command; returns its exit status (an `ExportError` prints one line and returns 1).
+
+    Logs this module's lines (what is loaded) and every library's warnings; the model build's INFO lines
+    (attention, kernels, parameter counts: a training run's report) only with ``--verbose``. Prints each folder
+    written on stdout."""
     import warnings
 
     import lightning  # noqa: F401  adds its own console handler (removed below: with the root's, each line would print twice)
 
     args = parser().parse_args(argv)
     logging.getLogger("lightning").handlers.clear()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)
+    # Lightning's loggers (rank_zero_info) have levels and handlers of their own
+    quieted = {} if args.verbose else {name: logging.getLogger(name).level for name in ("lightning.fabric", "lightning.pytorch")}
+    for name in quieted:
+        logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
     try:
         written = export(args.run_dir, merge=args.merge, output=args.output, checkpoint=args.checkpoint, force=args.force)
     except (ExportError, FileNotFoundError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        for name, level in quieted.items():
+            logging.getLogger(name).setLevel(level)
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0
@@ -119,6 +133,8 @@ def export(
     import torch
 
     from lightning_ft.data.tokenization import load_tokenizer
+    from lightning_ft.model.build import DTYPES
+    from lightning_ft.model.quantization import dequantize_linears
 
     adapter_tokenizer = run_dir / "adapter" / "tokenizer_config.json"
     if adapter_tokenizer.is_file():  # the tokenizer the run trained with, as the run saved it
@@ -128,6 +144,7 @@ def export(
     else:
         tokenizer = load_tokenizer(cfg["model"].get("tokenizer") or cfg["model"]["name_or_path"])
     device = base_device(run_dir, cfg)
+    log.info("export: %s with the trained weights of %s", _base_description(cfg), source)
     from_folder = source.is_dir()
     with torch.device(device):
         model = build_stock_model(cfg, vocab_size=len(tokenizer), lora=lora and not from_folder, device=device)
@@ -149,6 +166,9 @@ def export(
             _save_model(model, tokenizer, tmp / "base")
             written["base"] = output / "base"
         if merge:
+            dtype = cfg["model"].get("dtype", "float32")
+            if layers := dequantize_linears(model, DTYPES[dtype]):  # model.quantization=nf4: merge into the weights trained over
+                log.info("export: merged/ in %s: %d NF4 linear layers of the base dequantised before the adapter is merged", dtype, layers)
             if lora:
                 from peft import PeftModel
 
@@ -335,6 +355,14 @@ def load_weights(model: Any, source: Path, lora: bool) -> Any:
             f"({len(result.unexpected_keys)} unknown, {len(missing)} missing, e.g. {names}); is it this run's checkpoint?"
         )
     return model
+
+
+def _base_description(cfg: dict[str, Any]) -> str:
+    """The run's base model in words: its ``model.name_or_path``, or the random init's architecture and seed."""
+    model = cfg["model"]
+    if model.get("init") == "random":
+        return f"a random {(model.get('config') or {}).get('model_type', 'model')} base (model.init=random, seed {cfg.get('seed')})"
+    return str(model["name_or_path"])
 
 
 def _base_name(name_or_path: str) -> str:

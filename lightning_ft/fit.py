@@ -23,19 +23,23 @@ from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.hydra_record import HydraRecord
 from lightning_ft.callbacks.summary import RunSummary
 from lightning_ft.config import trainer_key_hint, unknown_schema_keys
-from lightning_ft.data.datamodule import PackedDataModule
-from lightning_ft.data.formats import check_data_path
+from lightning_ft.data.datamodule import OVERFLOWS, PackedDataModule
+from lightning_ft.data.formats import FORMATS, check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
 from lightning_ft.errors import (
     MEMORY_HINT,
     Interrupted,
     TrainingStopped,
+    check_choice,
     check_local_path,
     check_logger_installed,
     out_of_memory,
 )
-from lightning_ft.model.build import ModelBuilder
-from lightning_ft.module import FinetuneModule
+from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS
+from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
+from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
+from lightning_ft.model.quantization import QUANTIZATIONS
+from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
     check_new_run_dir,
     check_resumed_config,
@@ -55,6 +59,18 @@ from lightning_ft.strategies.strategy import Execution, make_strategy
 
 log = logging.getLogger(__name__)
 
+#: config keys with a fixed set of values → those values; `_check_option_values` refuses any other before
+#: anything loads (the modules that read them check again with the same `check_choice`)
+CHOICES = {
+    "model.init": INITS,
+    "model.dtype": tuple(DTYPES),
+    "model.attention": ATTENTION_BACKENDS,
+    "model.quantization": QUANTIZATIONS,
+    "data.format": ("auto", *FORMATS),
+    "data.overflow": OVERFLOWS,
+    "moe.backend": ("hf", "auto", *EXPERT_BACKENDS),
+    "train.on_nonfinite": ON_NONFINITE,
+}
 _INT_TRAINER_KEYS = (
     "max_steps", "min_steps", "max_epochs", "min_epochs", "accumulate_grad_batches", "log_every_n_steps",
     "num_nodes", "num_sanity_val_steps",
@@ -165,13 +181,15 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     names for the keys (PEFT's ``r``, torch's "Invalid learning rate").
 
     Raises:
-        ValueError: ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
-            ``optimizer.lr`` that is negative or not a number, an unknown ``moe.backend``, or
+        ValueError: a value of a `CHOICES` key that is not one of its values (naming them and the closest),
+            ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
+            ``optimizer.lr`` that is negative or not a number, or
             ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
     """
     from lightning_ft.kernels._utils import interpreter_requested
-    from lightning_ft.kernels.moe.experts import BACKENDS
 
+    for key, choices in CHOICES.items():
+        check_choice(key, OmegaConf.select(cfg, key), choices)
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
     if cfg.lora.enabled and not cfg.lora.init_from and cfg.lora.alpha <= 0:
@@ -183,8 +201,6 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"optimizer.lr={lr!r}: expected a number, such as 2e-4")
     if lr is not None and lr < 0:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
-    if cfg.moe.backend not in ("hf", "auto", *BACKENDS):
-        raise ValueError(f"moe.backend={cfg.moe.backend}: expected one of hf, auto, {', '.join(BACKENDS)}")
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
     if cfg.moe.backend == "triton" and no_cuda and not interpreter_requested():

@@ -61,13 +61,17 @@ from typing_extensions import override
 
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
-from lightning_ft.errors import TrainingStopped
+from lightning_ft.errors import TrainingStopped, check_choice
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from lightning_ft.model.build import ModelBuilder
 from lightning_ft.model.lora import active_module
 from lightning_ft.model.router import aux_loss_coef, load_balancing_loss
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
+
+
+#: train.on_nonfinite: what a NaN/Inf loss or gradient does
+ON_NONFINITE = ("stop", "skip")
 
 
 class FinetuneModule(L.LightningModule):
@@ -99,8 +103,7 @@ class FinetuneModule(L.LightningModule):
         on_nonfinite: str = "stop",
     ):
         super().__init__()
-        if on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"train.on_nonfinite={on_nonfinite!r}: expected 'stop' or 'skip'")
+        check_choice("train.on_nonfinite", on_nonfinite, ON_NONFINITE)
         self.builder = model
         if scheduler is not None:
             scheduler_kwargs(scheduler, 1)  # refuse missing arguments now, not after the model loads

@@ -173,7 +173,14 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("lora.alpha=-4", r"lora.alpha=-4.0: must be positive"),
         ("optimizer.lr=-1", "optimizer.lr=-1: must be at least 0"),
         ("optimizer.lr=abc", "optimizer.lr='abc': expected a number"),
-        ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton"),
+        ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton$"),
+        ("model.attention=sdpaa", r"model.attention=sdpaa: expected one of auto, cudnn, varlen, flex, sdpa; did you mean model.attention=sdpa\?"),
+        ("model.quantization=nf5", r"model.quantization=nf5: expected one of none, nf4; did you mean model.quantization=nf4\?"),
+        ("model.dtype=bf16", r"model.dtype=bf16: expected one of float32, bfloat16, float16; did you mean model.dtype=bfloat16\?"),
+        ("model.init=rand", r"model.init=rand: expected one of pretrained, random; did you mean model.init=random\?"),
+        ("data.format=alpaca", r"data.format=alpaca: expected one of auto, qa, instruction, chat, text$"),
+        ("data.overflow=dropp", r"data.overflow=dropp: .*did you mean data.overflow=drop\?"),
+        ("train.on_nonfinite=ski", r"train.on_nonfinite=ski: expected one of stop, skip; did you mean train.on_nonfinite=skip\?"),
         ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\): use moe=native_torch"),
     ],
 )
@@ -292,6 +299,20 @@ def test_a_plus_before_a_group_of_the_defaults_list_is_named():
 
     assert override_hints(["+hparams_search=optuna"])[0] == "+hparams_search=optuna: `hparams_search` is in `fit`'s defaults list: hparams_search=optuna, without the +"
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
+
+
+def test_a_strategy_key_under_model_is_named_with_or_without_plus_and_in_a_yaml_file():
+    from lightning_ft.config import MOVED_KEYS, override_hints, report_key_hints, unknown_schema_keys
+
+    moved = "model.cuda_graphs: moved to strategy.cuda_graphs (the lightning_ft strategy's options): write strategy.cuda_graphs=..."
+    assert override_hints(["model.cuda_graphs=true"])[0] == moved
+    assert report_key_hints("ConfigKeyError ...\n    full_key: model.cuda_graphs\n    object_type=ModelConfig") == [moved]
+    assert unknown_schema_keys(_compose(["+model.cuda_graphs=true", "+model.fp8=true", "+data.seed=1"])) == [
+        "model.cuda_graphs (moved to strategy.cuda_graphs)", "model.fp8 (did you mean strategy.fp8?)", "data.seed (did you mean seed?)"]
+    # strategy.fp8 never was a model key: not a moved key, but its name is found in the strategy group
+    assert "model.fp8" not in MOVED_KEYS
+    assert override_hints(["model.fp8=true"])[0].startswith("model.fp8: no key 'fp8' in model; did you mean strategy.fp8? keys: ")
+    assert report_key_hints("full_key: model.fp8\n")[0].startswith("model.fp8: no key 'fp8' in model; did you mean strategy.fp8?")
 
 
 @pytest.mark.slow

@@ -45,6 +45,10 @@ def test_exported_adapter_and_merged_model_compute_the_trained_logits(run, capsy
     proc = _export(str(run), "--merge")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = run / "export"
+    # what was loaded and what was written, not the model build's report of a training run
+    assert proc.stdout.splitlines() == [f"{name}: {out / name}" for name in ("adapter", "base", "merged")]
+    logged = [line for line in proc.stderr.splitlines() if line and "Writing model shards" not in line]  # the progress bars stay
+    assert logged == [f"export: a random qwen3_moe base (model.init=random, seed 42) with the trained weights of {run / 'checkpoints' / 'last.ckpt'}"]
     assert {"adapter", "base", "merged"} <= {p.name for p in out.iterdir()} and not list(run.glob(".export.*"))
     reference = torch.load(run / "logits.pt")
     ids, trained = reference["input_ids"], reference["logits"]
@@ -123,3 +127,34 @@ def test_inference_settings_fall_back_to_eager_attention_where_sdpa_is_not_suppo
         model = load_causal_lm(None, "random", dict(config, vocab_size=64))
         _for_inference(model, tokenizer)
         assert model.config._attn_implementation == want and model.config.use_cache
+
+
+@pytest.mark.slow
+def test_merge_of_a_qlora_run_is_a_dequantised_model_with_the_trained_logits(tmp_path, caplog):
+    """model.quantization=nf4: merged/ is the adapter merged into the NF4 base dequantised to model.dtype (a
+    plain checkpoint that serves), not a 4-bit one; adapter/ over base/ (still NF4) is what was trained."""
+    pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    run_cli(run_dir, *FAST, "trainer.max_steps=2", "model.quantization=nf4",
+            "+callbacks.logits._target_=cli_helpers.DumpLogits", f"+callbacks.logits.path={run_dir / 'logits.pt'}")
+    with caplog.at_level("INFO", logger="lightning_ft.export"):
+        assert export_main([str(run_dir), "--merge"]) == 0
+    assert "export: merged/ in float32: 16 NF4 linear layers of the base dequantised before the adapter is merged" in caplog.messages
+    reference = torch.load(run_dir / "logits.pt")
+    ids, trained = reference["input_ids"], reference["logits"]
+    out = run_dir / "export"
+    assert json.loads((out / "base" / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(out / "base")), str(out / "adapter"))
+    # the training forward's math first: NF4 dequantised, then the matmul (bitsandbytes' train-mode path; lora.dropout
+    # is 0, so train mode changes nothing else). An eval forward on the CPU repacks the weights for bitsandbytes'
+    # inference kernel, which rounds otherwise (by ~0.06 here) and is then used in both modes.
+    with torch.no_grad():
+        dequantised = adapted.train()(input_ids=ids).logits
+    torch.testing.assert_close(_logits(adapted, ids), trained, atol=ATOL, rtol=RTOL)  # the kernel DumpLogits ran
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"))
+    assert "quantization_config" not in json.loads((out / "merged" / "config.json").read_text()) and merged.dtype == torch.float32
+    assert not any(type(m).__name__ == "Linear4bit" for m in merged.modules())
+    torch.testing.assert_close(_logits(merged, ids), dequantised, atol=ATOL, rtol=RTOL)

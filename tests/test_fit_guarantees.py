@@ -256,7 +256,7 @@ def test_sweep_runs_each_job_in_its_folder_and_writes_a_summary_table(tmp_path):
         assert f"| {job['final_loss']:.4f} |" in table[2 + i]
     csv_lines = (sweep / "sweep_summary.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and csv_lines[0].startswith("job,overrides,status")
-    assert "sweep summary of 2 jobs" in proc.stdout + proc.stderr
+    assert (proc.stdout + proc.stderr).count("sweep summary of") == 1 and "sweep summary of 2 jobs" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

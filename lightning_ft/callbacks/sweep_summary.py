@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -61,19 +62,23 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 class SweepSummary(Callback):
     """Writes ``sweep_summary.md`` and ``sweep_summary.csv`` into the sweep folder after every job of a
-    multirun (so the table exists even when a later job fails and Hydra stops the sweep) and at its end."""
+    multirun (so the table exists even when a later job fails and Hydra stops the sweep) and at its end.
+
+    Logs where the table is once: at the end of the sweep, or after a job that failed (Hydra's sweepers
+    stop there, and the end of the sweep never comes); the writes after the other jobs log at DEBUG."""
 
     @override
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
-            self._write(Path(config.hydra.sweep.dir))
+            failed = getattr(job_return, "status", None) == JobStatus.FAILED
+            self._write(Path(config.hydra.sweep.dir), logging.INFO if failed else logging.DEBUG)
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self._write(Path(config.hydra.sweep.dir))
+        self._write(Path(config.hydra.sweep.dir), logging.INFO)
 
     @staticmethod
-    def _write(sweep_dir: Path) -> None:
+    def _write(sweep_dir: Path, level: int) -> None:
         if os.environ.get("LOCAL_RANK", "0") != "0":
             return  # a rank Lightning started for a multi-device job runs the sweep in step; the first process writes
         rows = sweep_rows(sweep_dir)
@@ -82,4 +87,4 @@ class SweepSummary(Callback):
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
-        log.info("sweep summary of %d jobs: %s", len(rows), sweep_dir / "sweep_summary.md")
+        log.log(level, "sweep summary of %d jobs: %s", len(rows), sweep_dir / "sweep_summary.md")

@@ -34,9 +34,13 @@ from lightning_ft.data.builtin import builtin_rows
 from lightning_ft.data.formats import read_rows, to_examples
 from lightning_ft.data.packing import PackedBatch, collate_packed, pack_sequences
 from lightning_ft.data.tokenization import IGNORE_INDEX, tokenize_example
+from lightning_ft.errors import check_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+#: data.overflow: what happens to an example longer than data.max_tokens
+OVERFLOWS = ("truncate", "drop")
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +238,7 @@ class PackedDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
-        if overflow not in ("truncate", "drop"):
-            raise ValueError(f"data.overflow={overflow!r}: expected 'truncate' or 'drop'")
+        check_choice("data.overflow", overflow, OVERFLOWS)
         if max_tokens < 2:
             raise ValueError(f"data.max_tokens={max_tokens}: must be at least 2")
         if accumulate_grad_batches < 1:

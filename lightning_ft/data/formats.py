@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from lightning_ft.errors import check_choice
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("qa", "instruction", "chat", "text")
@@ -273,9 +275,7 @@ def to_examples(
     if fmt == "auto":
         fmt = detect_format(rows[0], where(1))
         log.info("data.format=auto: %s looks like the %r format", source, fmt)
-    if fmt not in FORMATS:
-        close = difflib.get_close_matches(str(fmt), FORMATS, n=1)
-        raise ValueError(f"data.format={fmt!r}: {f'did you mean {close[0]}? ' if close else ''}expected auto or one of {FORMATS}")
+    check_choice("data.format", fmt, ("auto", *FORMATS))
     examples: list[Example] = []
     for i, row in enumerate(rows, start=1):
         for messages in _row_to_conversations(row, fmt, where(i)):

@@ -74,6 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ft.data.packing import PackedBatch
+from lightning_ft.errors import check_choice
 from lightning_ft.model.attention_kernels import (
     HALF_DTYPES, attend, autocast_inputs, check_varlen_size, cpu_flash_kernel, cudnn_runs, pad_value_head_dim,
 )  # fmt: skip
@@ -531,8 +532,7 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
         ValueError: an unknown name, ``varlen`` or ``cudnn`` where it cannot run, or ``flex`` off CUDA
             (no backward there).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"model.attention={backend!r}: expected one of {list(BACKENDS)}")
+    check_choice("model.attention", backend, BACKENDS)
     if backend == "auto":
         reason = varlen_unavailable(device, dtype)
         if reason is None:

@@ -37,7 +37,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ft.errors import check_local_path
+from lightning_ft.errors import check_choice, check_local_path
 from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
@@ -59,7 +59,10 @@ from lightning_ft.strategies.strategy import Execution
 __all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: model.init
+INITS = ("pretrained", "random")
+#: model.dtype → the weights' dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_causal_lm(
@@ -108,10 +111,8 @@ def load_causal_lm(
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if init not in ("pretrained", "random"):
-        raise ValueError(f"model.init={init!r}: expected 'pretrained' or 'random'")
-    if dtype not in _DTYPES:
-        raise ValueError(f"model.dtype={dtype!r}: expected one of {list(_DTYPES)}")
+    check_choice("model.init", init, INITS)
+    check_choice("model.dtype", dtype, tuple(DTYPES))
     overrides = dict(config or {})
     check_local_path("model.name_or_path", name_or_path)
     if name_or_path:
@@ -148,14 +149,14 @@ def load_causal_lm(
             )
     method = _quant_method(hf_config)
     check_quantization(quantization, method, _quant_field(hf_config, "load_in_4bit") is True)
-    kwargs = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
+    kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
     if init == "random":
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
         if quantization == "nf4":
             quantize_linears(model)
         return model
     if quantization == "nf4" and method is None:
-        kwargs["quantization_config"] = bnb_nf4_config(_DTYPES[dtype])
+        kwargs["quantization_config"] = bnb_nf4_config(DTYPES[dtype])
     if method == "mxfp4":
         from transformers import Mxfp4Config
 
@@ -342,7 +343,7 @@ class ModelBuilder:
                 without LoRA, and the patches refuse.
         """
         cfg = self.model_cfg
-        dtype = _DTYPES.get(cfg.get("dtype", "float32"))
+        dtype = DTYPES.get(cfg.get("dtype", "float32"))
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
         moe_backend = self.moe_cfg.get("backend", "hf")
         execution = execution if execution is not None else self.execution

@@ -23,15 +23,18 @@ Sources: bitsandbytes 0.50 ``nn.Linear4bit``, ``Params4bit``, ``functional.quant
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ft.errors import check_choice
 from lightning_ft.kernels.nf4 import Quant4bitWeight
 
 __all__ = [
-    "QUANTIZATIONS", "bnb_nf4_config", "check_quantization", "check_quantized_training", "quant4bit_weight", "quantize_linears",
+    "QUANTIZATIONS", "bnb_nf4_config", "check_quantization", "check_quantized_training", "dequantize_linears", "quant4bit_weight",
+    "quantize_linears",
 ]
 
 QUANTIZATIONS = ("none", "nf4")
@@ -66,8 +69,7 @@ def check_quantization(quantization: str, checkpoint_method: str | None, checkpo
             whatever we say: set ``nf4``); ``nf4`` on a checkpoint quantised otherwise (MXFP4, 8-bit...).
         ImportError: ``nf4`` without bitsandbytes (naming the ``qlora`` extra).
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"model.quantization={quantization!r}: expected one of {list(QUANTIZATIONS)}")
+    check_choice("model.quantization", quantization, QUANTIZATIONS)
     bnb_4bit = checkpoint_method == "bitsandbytes" and checkpoint_4bit
     if quantization == "none" and bnb_4bit:
         raise ValueError("model.quantization=none, but the checkpoint is quantised in 4 bits by bitsandbytes: set model.quantization=nf4")
@@ -155,6 +157,33 @@ def quantize_linears(model: torch.nn.Module) -> int:
         model.quantization_method = model.config.quantization_config.quant_method
         rank_zero_info(f"quantization: {len(targets)} linear layers quantised to NF4 after the random init")
     return len(targets)
+
+
+def dequantize_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Replace each bitsandbytes 4-bit ``Linear4bit`` of a transformers ``model`` by an ``nn.Linear`` holding its
+    weight dequantised and cast to ``dtype`` (the values the training forward computed with, for a ``dtype`` the
+    weights were quantised from), and drop the model's and its config's record of the quantisation, so that
+    ``save_pretrained`` writes a plain ``dtype`` checkpoint. transformers' bitsandbytes quantizer does it
+    (``HfQuantizer.dequantize``, built from the config's ``quantization_config``: also for `quantize_linears`'s
+    models, which have no quantizer of their own).
+
+    Returns:
+        The number of layers dequantised (0: nothing was quantised in 4 bits, the model is left as it is).
+    """
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    count = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+    if not count:
+        return 0
+    said = logging.getLogger("transformers.integrations.bitsandbytes")  # its "dequantized in ... and casted" warning: the caller's to tell
+    level = said.level
+    said.setLevel(logging.ERROR)
+    try:
+        AutoHfQuantizer.from_config(model.config.quantization_config, pre_quantized=True).dequantize(model, dtype=dtype)
+    finally:
+        said.setLevel(level)
+    model.is_loaded_in_4bit = False
+    return count
 
 
 def quant4bit_weight(layer: torch.nn.Module) -> Quant4bitWeight | None:

@@ -18,7 +18,7 @@ def test_detects_each_format():
     assert detect_format({"text": "t"}) == "text"
     with pytest.raises(ValueError, match="cannot tell the data format.*prompt"):
         detect_format({"prompt": "x"}, "f.jsonl row 1")
-    with pytest.raises(ValueError, match="data.format='qna': did you mean qa\\? expected auto or one of"):
+    with pytest.raises(ValueError, match=r"data.format=qna: expected one of auto, qa, instruction, chat, text; did you mean data.format=qa\?"):
         to_examples([{"question": "q", "answer": "a"}], "qna")
 
 

@@ -1,0 +1,33 @@
+"""`SweepSummary`: the sweep's table after every job, and one line saying where it is."""
+
+import logging
+from types import SimpleNamespace
+
+from hydra.core.utils import JobStatus
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from lightning_ft.callbacks.sweep_summary import SweepSummary
+
+
+def _job(sweep, num, overrides):
+    hydra_dir = sweep / str(num) / ".hydra"
+    hydra_dir.mkdir(parents=True)
+    OmegaConf.save({"hydra": {"job": {"num": num}, "overrides": {"task": overrides}}}, hydra_dir / "hydra.yaml")
+
+
+def test_the_sweep_table_is_announced_once_at_the_end_or_after_a_failed_job(tmp_path, caplog):
+    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)}}})
+    callback, done = SweepSummary(), SimpleNamespace(status=JobStatus.COMPLETED)
+    with caplog.at_level(logging.INFO, logger="lightning_ft.callbacks.sweep_summary"):
+        for num in (0, 1):
+            _job(tmp_path, num, [f"lora.rank={4 * (num + 1)}"])
+            callback.on_job_end(config, done)
+        assert caplog.messages == []  # written after each job, not announced
+        assert len((tmp_path / "sweep_summary.md").read_text().splitlines()) == 4  # header, rule, two jobs
+        callback.on_multirun_end(config)
+        assert caplog.messages == [f"sweep summary of 2 jobs: {tmp_path / 'sweep_summary.md'}"]
+        caplog.clear()
+        _job(tmp_path, 2, ["lora.rank=16"])
+        callback.on_job_end(config, SimpleNamespace(status=JobStatus.FAILED))  # the sweep stops here
+        assert caplog.messages == [f"sweep summary of 3 jobs: {tmp_path / 'sweep_summary.md'}"]
