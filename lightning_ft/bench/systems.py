@@ -303,6 +303,9 @@ class StepTimer:
         reserved = torch.cuda.max_memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         key = f"peak_mem_gib_{phase}" if len(self.times) >= self.warmup_steps else "peak_mem_gib_warmup"
+        # each step's phases in the worker's output (`lightning_ft.bench.runner` keeps it): where a warm-up peak is
+        print(f"bench step {len(self.times) + 1} {phase}: peak {peak / 2**30:.2f} GiB allocated, {reserved / 2**30:.2f} GiB reserved",
+              file=sys.stderr, flush=True)
         # peak_reserved_gib: what the allocator held (allocated + cached), what the GPU must have
         for name, value in ((key, peak), ("peak_mem_gib", peak), ("peak_reserved_gib", reserved)):
             self.summary[name] = max(self.summary.get(name, 0.0), value / 2**30)
