@@ -23,6 +23,7 @@ from test_cuda_graphs import (
     _module,
 )
 from test_cuda_graphs import test_every_memory_plan_gives_the_gradients_of_plain_checkpointing as _plan_gives_plain_gradients
+from test_cuda_graphs import test_offloaded_kinds_give_the_gradients_of_keeping_them as _offloaded_kinds_give_kept_gradients
 
 from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
 from lightning_ft.strategies.offload import ActivationOffload
@@ -186,12 +187,15 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
 
 
 def _slow_copies(monkeypatch, device: str) -> None:
-    """Make every copy of the offloaded inputs as late as the offload allows.
+    """Make every copy of the offloaded inputs and kept activations as late as the offload allows.
 
     CUDA: the copy stream sleeps (``torch.cuda._sleep``, about 10 ms) before each use, so each copy to the host and
-    back starts long after the compute stream queued it. CPU (copies are synchronous there): each copy to the host
-    lands only when the offload lets its input go (`ActivationOffload._let_go`, the latest point its design allows),
-    reading the input as it is then; until then the host copy holds NaN."""
+    back starts long after the compute stream queued it. CPU (copies are synchronous there): each copy of an input to
+    the host lands only when the offload lets its input go (`ActivationOffload._let_go`, the latest point its design
+    allows), reading the input as it is then; until then the host copy holds NaN. The copies of kept activations
+    (`ActivationOffload._copy`) queue up as on a stream that runs only when the compute stream waits for one of them
+    (`ActivationOffload._wait`, `wait_copies`): then it runs in order up to that one, reading and writing the buffers
+    as they are then."""
     if device == "cuda":
         stream = ActivationOffload._stream
 
@@ -205,8 +209,8 @@ def _slow_copies(monkeypatch, device: str) -> None:
         return
     save, let_go, pending = ActivationOffload.save, ActivationOffload._let_go, {}
 
-    def late_save(self, x, layer_index):
-        saved = save(self, x, layer_index)
+    def late_save(self, x, layer_index, staged=()):
+        saved = save(self, x, layer_index, staged)
         if saved.host is not None and saved.source is not None:
             pending[id(saved)] = saved
             saved.host = torch.full_like(saved.host, float("nan"))
@@ -219,16 +223,44 @@ def _slow_copies(monkeypatch, device: str) -> None:
 
     monkeypatch.setattr(ActivationOffload, "save", late_save)
     monkeypatch.setattr(ActivationOffload, "_let_go", late_let_go)
+    stream: list[tuple[object, list]] = []  # the copies queued and not run: (event, (destination, source) pairs)
+
+    def run_until(event) -> None:
+        while stream:
+            queued, pairs = stream.pop(0)
+            for destination, source in pairs:
+                destination.copy_(source)
+            if queued is event:
+                return
+
+    def late_copy(self, pairs, device):
+        event = object()
+        stream.append((event, list(pairs)))
+        return event
+
+    monkeypatch.setattr(ActivationOffload, "_copy", late_copy)
+    monkeypatch.setattr(ActivationOffload, "_wait", lambda self, device, event: event is not None and run_until(event))
+    monkeypatch.setattr(ActivationOffload, "wait_copies", lambda self, device: run_until(None))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, kind, device):
+@pytest.mark.parametrize("name", ["offload, recompute", "offload kept, gaps"])
+def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, kind, device, name):
     """`test_every_memory_plan_gives_the_gradients_of_plain_checkpointing` with every layer input but the last
-    offloaded and the copies as late as possible (`_slow_copies`): the same loss and gradients as transformers'
-    checkpointing, bit for bit on the CPU (within bf16's tolerance on the GPU), step after step."""
+    offloaded (and attention and projections in some layers) and the copies as late as possible (`_slow_copies`):
+    the same loss and gradients as transformers' checkpointing, bit for bit on the CPU (within bf16's tolerance on
+    the GPU), step after step."""
     _slow_copies(monkeypatch, device)
-    _plan_gives_plain_gradients(kind, "offload, recompute", device)
+    _plan_gives_plain_gradients(kind, name, device, monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_slow_copy_stream_gives_the_gradients_of_keeping(monkeypatch, kind):
+    """`test_offloaded_kinds_give_the_gradients_of_keeping_them` (two forwards before one backward among its steps)
+    with the copies as late as possible: still bit for bit."""
+    _slow_copies(monkeypatch, "cpu")
+    _offloaded_kinds_give_kept_gradients(kind, "offload kept, gaps", monkeypatch)
 
 
 @pytest.mark.gpu
