@@ -42,12 +42,20 @@ graph. A layer's recordings for other signatures share its kept buffers where th
 (`KeptActivations.shared`: packed rows of one token count and other document counts), so a layer
 keeps one set, not one per signature. A layer whose forward ran again before its backward (two
 forwards, one backward, or another signature's forward) replays its forward graph once more in
-backward to restore them.
+backward to restore what it keeps on the device.
 
 Activation offloading (``activation_offload``, off by default): each layer's input, the one
 tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
 (`lightning_ft.strategies.offload`), for replayed and eager calls alike (but eager calls with
 positional arguments or keyword tensors that require grad: those are checkpointed on the device).
+A memory plan (`apply_memory_plan`) may offload the kept kinds too: the layers that offload any
+(the last one excepted) take turns, in layer order, between two staging sets of kept buffers per kind
+(``KeptActivations.shared`` keyed by the set, not the layer). A layer's forward graph writes its set
+(after the compute stream has waited for the copies still reading or writing it), then the set is
+copied to the layer call's own pinned host tensors on the copy stream; before the backward graph
+reads it, it is copied back unless it still holds that call's values, one layer ahead, like the
+inputs (`ActivationOffload.save`, `save_staged`, `load`). Those entries are restored from the host,
+never by replaying the forward. Replayed calls only: eager calls keep nothing.
 
 When graphs are recorded: per input signature (shapes, dtypes, autocast, requires_grad, the packed
 batch's layout, every non-tensor keyword), the second time a layer sees it; the first call runs
@@ -740,8 +748,9 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
         graphs, ``recordings`` (layer × signature), and per kept kind (``attention``, ``projections``)
         the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes of the
-        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs); with
-        ``activation_offload``, `ActivationOffload.stats`.
+        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs, offloading layers
+        their staging sets'); where anything is offloaded (``activation_offload``, a memory plan),
+        `ActivationOffload.stats`.
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):

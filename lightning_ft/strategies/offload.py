@@ -1,4 +1,4 @@
-"""Activation offloading: checkpointed decoder-layer inputs wait in pinned host memory for the backward.
+"""Activation offloading: checkpointed decoder-layer inputs, and kept activations, wait in pinned host memory for the backward.
 
 With gradient checkpointing a decoder layer keeps only its input x ([batch, T, hidden], the
 residual stream) from its forward to its backward, but all L layers' inputs are alive at once: on
@@ -29,6 +29,20 @@ of the GPU at the next step allocates new blocks (up to twice that memory), and 
 keeps its own blocks (rows of varying length). Each saved input owns its host tensor, so two forwards
 before one backward are safe.
 Off CUDA (tests) a saved input is a copy on its own device and the prefetch bookkeeping is the same.
+
+Kept activations (`lightning_ft.strategies.kept`) that a memory plan offloads ride along with the
+input of the same layer call (`OffloadedTensor.staged`): the graphed layers that offload them take
+turns between two staging buffer sets (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`), static
+device buffers the forward graph writes and the backward graph reads. `ActivationOffload.save` makes
+the compute stream wait for the copies that still read or write the layer's set (the copy out of the
+layer that used it two layers before; a reload into it); `save_staged`, after the forward is queued,
+copies the set to the call's own host tensors on the copy stream. `load` copies them back unless the
+set still holds them (its forward was the set's last writer), starts the previous layer's (prefetch,
+into the other set, whose last reader, the backward of the layer after, is already queued) and makes
+the compute stream wait for the copies on this layer's set. Every buffer set records whose values it
+holds and the event of its last copy, so any order of forwards and backwards (two forwards before one
+backward) reads its own values, with less overlap when the order is not the reverse of the forward's.
+Off CUDA the copies are done when they are queued.
 Layers are told their index (their order in the model): a model that calls them in another order
 gets the right values with less overlap.
 

@@ -22,7 +22,9 @@ The cost model (per layer i of L, in seconds and bytes):
     peak     = base + Σ kept_i + 2 · Σ_c max_i offloaded_i,c     two staging buffers per class (double buffering)
 
 so for offloaded layers the step takes about c + (L−1)·max(c, g) + g with c a layer's compute and g
-its copy (the published model of double-buffered offloading). The last layer offloads nothing (its
+its copy (the published model of double-buffered offloading). Each class offloaded has its own two
+staging buffers: the inputs' reloads in flight, the kept kinds' staging sets that the offloading layers
+take turns on (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`). The last layer offloads nothing (its
 backward comes first, with nothing to hide a copy under), as `lightning_ft.strategies.offload` does.
 The small ``copy_overhead`` makes keeping win a tie with a hidden copy when the memory is there.
 
@@ -361,5 +363,5 @@ def _plan(layers: list[LayerProfile], per_layer: list[list[_Option]], budget: in
         fits=fits,
         base_bytes=base_bytes,
         names=names,
-        host_bytes=host_bytes(o.offloaded for o in chosen),
+        host_bytes=host_bytes(n for o in chosen for n in o.staged.values()),
     )
