@@ -199,11 +199,7 @@ class ActivationOffload:
             saved = OffloadedTensor(x, None, layer_index, previous)
         elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            stream = self._stream(x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                host.copy_(x, non_blocking=True)
-                copied = stream.record_event()
+            copied = self._copy([(host, x)], x.device)
             saved = self.holding = OffloadedTensor(x, host, layer_index, previous)
             saved.copied = copied
         else:
@@ -276,14 +272,9 @@ class ActivationOffload:
         if saved.device.type != "cuda":
             saved.loaded = saved.host
             return
-        compute = torch.cuda.current_stream(saved.device)
-        stream = self._stream(saved.device)
         # allocated on the compute stream, which may have just freed that memory: the copy waits for it
         loaded = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            loaded.copy_(saved.host, non_blocking=True)
-            saved.ready = stream.record_event()
+        saved.ready = self._copy([(loaded, saved.host)], saved.device)
         saved.loaded = loaded
         self.inflight.append(saved)
 

@@ -93,6 +93,7 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
         # attention: the output [T, Hq·D] and the log-sum-exp; projections: q/k/v/o and the MLP's, with x·Aᵀ
         assert saved["attention"].nbytes >= tokens * hidden * 4 and saved["projections"].nbytes > saved["attention"].nbytes
         assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(3e-3)
+        assert saved["attention"].actions == saved["projections"].actions == ("keep", "offload", "recompute")
     # the forward outside the layers (the pass less the layers' forwards and their measuring, 0 here), ×3 for its backward
     assert measured.other_s == pytest.approx(3 * (TIMES["rest"] - layers * TIMES["forward"]))
     trainable = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.requires_grad)
