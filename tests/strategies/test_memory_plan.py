@@ -142,9 +142,12 @@ def test_no_plan_without_a_budget_or_graphed_layers(caplog):
     assert "memory plan: none" in caplog.text
 
 
-def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside_the_peak(tmp_path, deep):
+@pytest.mark.parametrize("budget_mib, offloaded", [(64, ("input",)), (120, ("input", "attention"))])
+def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside_the_peak(tmp_path, deep, caplog, budget_mib, offloaded):
     """A real Lightning fit: the strategy plans once, before the second batch (where graphs record), training runs
-    under the plan with the gradients of the module without one, and summary.json reports the plan."""
+    under the plan with the gradients of the module without one, and summary.json reports the plan. 64 MiB
+    (scaled): the inputs are offloaded, the rest recomputed; 120 MiB: attention's outputs (17 MiB a layer) too, in
+    most layers (two staging sets and what the last layer keeps: quicker than recomputing them)."""
     import lightning as L
 
     from lightning_ft.callbacks.summary import RunSummary
@@ -154,7 +157,7 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     reference.model.load_state_dict(module.model.state_dict())
     apply_cuda_graphs(module.model)
     batches = [_batch(row, "cpu", seed=i) for i, row in enumerate("abab")]
-    strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=64 / 1024, host_budget_gib=None)
+    strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=budget_mib / 1024, host_budget_gib=None)
     planned = []
     original = strategy.plan_memory
     strategy.plan_memory = lambda m, b: planned.append(b) or original(m, b)
@@ -168,14 +171,21 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Grads(), RunSummary(tmp_path)])
     loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=lambda items: items[0])
-    trainer.fit(module, train_dataloaders=loader)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, train_dataloaders=loader)
     assert len(planned) == 1 and torch.equal(planned[0].input_ids, batches[0].input_ids)
     made = strategy.memory_plan
-    assert made.layers_where("input", "offload") and made.layers_where("projections", "recompute")
+    assert all(len(made.layers_where(name, "offload")) >= 3 for name in offloaded) and made.layers_where("projections", "recompute")
+    if "attention" in offloaded:
+        assert not made.layers_where("attention", "recompute")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["predicted_peak_memory_bytes"] == made.peak_bytes and summary["peak_memory_bytes"] > 0
-    assert summary["memory_plan"]["layers"]["input"]["offload"] == len(made.layers_where("input", "offload"))
+    assert all(summary["memory_plan"]["layers"][name]["offload"] == len(made.layers_where(name, "offload")) for name in offloaded)
     assert summary["cuda_graphs"]["replayed_layer_calls"] > 0 and summary["cuda_graphs"]["offloaded_inputs"] > 0
+    assert (summary["cuda_graphs"]["offloaded_kept"] > 0) == ("attention" in offloaded)
+    offloading = summary["cuda_graphs"]
+    assert (f"activation offloading: {offloading['offloaded_inputs']} layer inputs and {offloading['offloaded_kept']} layer "
+            "calls' kept activations") in caplog.text
     # the same steps without a plan (plain checkpointing, transformers'): the same gradients at every step
     reference_trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), logger=False, enable_checkpointing=False,
                                   enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
