@@ -330,9 +330,10 @@ class RunSummary(L.Callback):
             )
         if graphs and "offloaded_inputs" in graphs:
             log.info(
-                "activation offloading: %d layer inputs (%.2f GiB) waited in host memory for the backward; %d of "
-                "their reloads were prefetched",
-                graphs["offloaded_inputs"], graphs["offloaded_bytes"] / 2**30, graphs["prefetched_loads"],
+                "activation offloading: %d layer inputs and %d layer calls' kept activations (%.2f GiB in all) waited "
+                "in host memory for the backward; %d of the inputs' reloads were prefetched",
+                graphs["offloaded_inputs"], graphs["offloaded_kept"], graphs["offloaded_bytes"] / 2**30,
+                graphs["prefetched_loads"],
             )
         if error is not None:  # a full disk must not hide the error that stopped the run
             try:

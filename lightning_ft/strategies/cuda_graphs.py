@@ -42,12 +42,20 @@ graph. A layer's recordings for other signatures share its kept buffers where th
 (`KeptActivations.shared`: packed rows of one token count and other document counts), so a layer
 keeps one set, not one per signature. A layer whose forward ran again before its backward (two
 forwards, one backward, or another signature's forward) replays its forward graph once more in
-backward to restore them.
+backward to restore what it keeps on the device.
 
 Activation offloading (``activation_offload``, off by default): each layer's input, the one
 tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
 (`lightning_ft.strategies.offload`), for replayed and eager calls alike (but eager calls with
 positional arguments or keyword tensors that require grad: those are checkpointed on the device).
+A memory plan (`apply_memory_plan`) may offload the kept kinds too: the layers that offload any
+(the last one excepted) take turns, in layer order, between two staging sets of kept buffers per kind
+(``KeptActivations.shared`` keyed by the set, not the layer). A layer's forward graph writes its set
+(after the compute stream has waited for the copies still reading or writing it), then the set is
+copied to the layer call's own pinned host tensors on the copy stream; before the backward graph
+reads it, it is copied back unless it still holds that call's values, one layer ahead, like the
+inputs (`ActivationOffload.save`, `save_staged`, `load`). Those entries are restored from the host,
+never by replaying the forward. Replayed calls only: eager calls keep nothing.
 
 When graphs are recorded: per input signature (shapes, dtypes, autocast, requires_grad, the packed
 batch's layout, every non-tensor keyword), the second time a layer sees it; the first call runs
@@ -259,6 +267,7 @@ class _LayerGraphs:
     fingerprint: tuple
     kept: dict[str, KeptActivations]  # per kind (`KINDS`): what the forward graph keeps for the backward graph
     entries: list[tuple]  # the kept buffer sets (`KeptActivations.kept`) the forward graph writes, maybe shared
+    staged: tuple[tuple, ...] = ()  # ... of the kinds offloaded: staging buffer sets shared with other layers
 
 
 def _fingerprint(layer: torch.nn.Module) -> tuple:
@@ -288,7 +297,9 @@ class _ModelGraphs:
         self.statics: dict[tuple, _StaticInputs] = {}
         self.param_grads: dict[tuple, torch.Tensor] = {}  # (index, shape, dtype, device) -> buffer; one backward at a time
         self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
-        self.kept_shared: dict[tuple[int, str], dict] = {}  # (id(layer), kind) -> buffers its recordings share
+        # (id(layer), kind) -> buffers its recordings share; (("offload", s), kind) -> staging set s of an offloaded kind
+        self.kept_shared: dict[tuple[Any, str], dict] = {}
+        self.staging: dict[int, int] = {}  # layer index -> its staging set (0 or 1) where the plan offloads kinds
         self.kept_writers: dict[int, int] = {}  # id(buffer set) -> the `_GraphedLayer` call whose forward wrote it last
         self.seen: dict[tuple[int, tuple], int] = {}
         self.pool = None
@@ -312,7 +323,9 @@ class _ModelGraphs:
     def allow_keep(self, nbytes: int, device: torch.device, kind: str = "attention", layer: int | None = None) -> bool:
         """Whether decoder layer ``layer`` may keep ``nbytes`` more of ``kind`` (`lightning_ft.strategies.kept`).
 
-        With a memory plan (`apply_memory_plan`): only where the plan keeps ``kind`` in that layer. On CUDA: while the peak reserved so far, everything kept so far, these, and
+        With a memory plan (`apply_memory_plan`): only where the plan keeps or offloads ``kind`` in that layer
+        (offloaded: into a staging set, `apply_memory_plan`). On CUDA: while the peak reserved so far, everything
+        kept so far (staging sets included), these, and
         ``optimizer_bytes`` (two moments per trainable weight, for an optimizer that may not have
         stepped yet) fit in 90% of the GPU's memory; the peak is re-read at each request. On every
         device: while everything kept so far and these fit in ``keep_max_bytes``, when set. Layers
@@ -320,7 +333,7 @@ class _ModelGraphs:
         """
         if not self.keep[kind]:
             return False
-        if self.plan is not None and layer is not None and self.plan.action(layer, kind) != "keep":
+        if self.plan is not None and layer is not None and self.plan.action(layer, kind) not in ("keep", "offload"):
             return False
         kept = self.kept_bytes() + nbytes
         if self.keep_max_bytes is not None and kept > self.keep_max_bytes:
@@ -371,6 +384,8 @@ class _ModelGraphs:
             self.log_once(f"{self.max_signatures} input signatures recorded (max_signatures): new ones run eagerly")
             return None
         static = self.statics.get(signature) or self._new_static(signature, hidden, kwargs)
+        if self.offload is not None:  # the recording writes staging buffers that copies may still read or write
+            self.offload.wait_copies(hidden.device)
         graphs = self.graphs[key] = self._record(layer, static, hidden, kwargs)
         return graphs, static
 
@@ -406,11 +421,13 @@ class _ModelGraphs:
         )
         input_grad = hidden.requires_grad
 
-        kept = {  # what they keep enters their layer's shared store (and kept_bytes) as it is kept
+        index = getattr(layer, _INDEX_ATTR, None)
+        offloaded = {kind for kind in KINDS if index in self.staging and self.plan.action(index, kind) == "offload"}
+        kept = {  # what they keep enters their layer's shared store, or their staging set's (and kept_bytes), as it is kept
             kind: KeptActivations(
                 kind,
-                functools.partial(self.allow_keep, device=hidden.device, kind=kind, layer=getattr(layer, _INDEX_ATTR, None)),
-                shared=self.kept_shared.setdefault((id(layer), kind), {}),
+                functools.partial(self.allow_keep, device=hidden.device, kind=kind, layer=index),
+                shared=self.kept_shared.setdefault((("offload", self.staging[index]) if kind in offloaded else id(layer), kind), {}),
             )
             for kind in KINDS
         }
@@ -456,10 +473,11 @@ class _ModelGraphs:
                 "attention outputs not kept for some layers: their attention has no kept kernel here (kept: auto, cudnn "
                 "and varlen; sdpa on the CPU)"
             )
-        entries = [entry for keep in kept.values() for entry in keep.kept if entry is not None]
+        entries = [entry for kind, keep in kept.items() if kind not in offloaded for entry in keep.kept if entry is not None]
+        staged = tuple(entry for kind in offloaded for entry in kept[kind].kept if entry is not None)
         for entry in entries:  # the recording wrote them with this call's input (the replay that follows marks it)
             self.kept_writers[id(entry)] = 0
-        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept, entries)
+        return _LayerGraphs(graphs[0], graphs[1], params, param_grads, unused, _fingerprint(layer), kept, entries, staged)
 
     def _capture(self, static: _StaticInputs, fns: tuple[Callable[[], None], ...]) -> list[torch.cuda.CUDAGraph]:
         if self.stream is None:
@@ -490,17 +508,20 @@ class _ModelGraphs:
 
 
 class _GraphedLayer(torch.autograd.Function):
-    """A decoder layer replayed from its graphs; saves only its input (checkpointing), or offloads it."""
+    """A decoder layer replayed from its graphs; saves only its input (checkpointing), or offloads it and
+    its offloaded kept activations (the staging buffers its forward graph writes)."""
 
     @staticmethod
     def forward(ctx, graphs: _LayerGraphs, static: _StaticInputs, writers: dict, kwargs: dict, offload, index: int, hidden: torch.Tensor, *params):
         ctx.offload = offload
         if offload is None:
             ctx.save_for_backward(hidden)
-        else:
-            ctx.offloaded = offload.save(hidden, index)  # before the replay: the copy overlaps it
+        else:  # before the replay: the input's copy overlaps it, and the staging buffers' last copies are waited for
+            ctx.offloaded = offload.save(hidden, index, graphs.staged)
         static.load(hidden, kwargs)
         graphs.forward.replay()
+        if graphs.staged:
+            offload.save_staged(ctx.offloaded)
         ctx.forward_id = next(_FORWARD_IDS)
         for entry in graphs.entries:
             writers[id(entry)] = ctx.forward_id
@@ -509,6 +530,7 @@ class _GraphedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        # offloaded: the input and the staging buffers back (the compute stream waits for their copies)
         (hidden,) = ctx.saved_tensors if ctx.offload is None else (ctx.offload.load(ctx.offloaded),)
         static: _StaticInputs = ctx.static
         static.load(hidden, ctx.kwargs)
@@ -516,7 +538,8 @@ class _GraphedLayer(torch.autograd.Function):
         if any(ctx.writers.get(id(entry)) != ctx.forward_id for entry in ctx.graphs.entries):
             # the layer ran forward again since (e.g. two forwards, then one backward; maybe for
             # another signature, whose recording shares buffers): what it keeps is another input's;
-            # replay this input's forward to restore it
+            # replay this input's forward to restore it (it writes the staging buffers too, with what
+            # `load` put there)
             ctx.graphs.forward.replay()
             for entry in ctx.graphs.entries:
                 ctx.writers[id(entry)] = ctx.forward_id
@@ -689,28 +712,30 @@ def graphed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
     """Let ``plan`` (`lightning_ft.strategies.planner.plan`) decide, per decoder layer of a model patched by
-    `apply_cuda_graphs`, which kinds its recordings keep (``attention``, ``projections``: kept where the plan
-    says ``keep``, recomputed otherwise) and whether its input is offloaded (``input``: ``offload``).
+    `apply_cuda_graphs`, what its recordings do with each kind (``attention``, ``projections``: ``keep``,
+    ``offload`` or ``recompute``) and whether its input is offloaded (``input``: ``offload``).
 
-    The graphs recorded so far are dropped (with their kept buffers): every layer records again, under the
-    plan, the next time it runs. The keep switches, ``keep_max_gib`` and the 90% memory check still apply
-    on top of the plan.
+    The layers that offload kinds, in order, take turns between two staging sets per kind (the k-th
+    uses set k mod 2): their forward graphs write the set, whose tensors then go to pinned host memory
+    and come back before the layer's backward, one layer ahead (`ActivationOffload`). The last layer
+    offloads nothing: what the plan offloads there is kept (as its input is). The graphs recorded so far
+    are dropped (with their kept buffers): every layer records again, under the plan, the next time it
+    runs. The keep switches, ``keep_max_gib`` and the 90% memory check still apply on top of the plan.
 
     Raises:
-        ValueError: ``model`` is not patched, the plan is for another number of layers, or it offloads
-            something other than layer inputs (plan attention and projections with ``keep``/``recompute`` only).
+        ValueError: ``model`` is not patched, or the plan is for another number of layers.
     """
     layers = graphed_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: apply_cuda_graphs first (the memory plan drives the graphed layers)")
     if len(plan.actions) != len(layers):
         raise ValueError(f"memory plan for {len(plan.actions)} decoder layers, the model has {len(layers)}")
-    if moved := sorted({name for name in KINDS for _ in plan.layers_where(name, "offload")}):
-        raise ValueError(f"memory plan offloads {', '.join(moved)}: only layer inputs can be offloaded; plan them keep | recompute")
     state: _ModelGraphs = getattr(layers[0], _STATE_ATTR)
     state.plan = plan
+    staging = [i for i in range(len(layers) - 1) if any(plan.action(i, kind) == "offload" for kind in KINDS)]
+    state.staging = {layer: rank % 2 for rank, layer in enumerate(staging)}
     offloaded = plan.layers_where("input", "offload")
-    state.offload = ActivationOffload(len(layers), layers=offloaded) if offloaded else None
+    state.offload = ActivationOffload(len(layers), layers=offloaded) if offloaded or staging else None
     state.graphs.clear()
     state.kept_shared.clear()
     state.kept_writers.clear()
@@ -723,8 +748,9 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
         graphs, ``recordings`` (layer × signature), and per kept kind (``attention``, ``projections``)
         the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes of the
-        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs); with
-        ``activation_offload``, `ActivationOffload.stats`.
+        buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs, offloading layers
+        their staging sets'); where anything is offloaded (``activation_offload``, a memory plan),
+        `ActivationOffload.stats`.
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):

@@ -29,7 +29,10 @@ signature, e.g. per packed-batch layout) may share one ``shared`` store. A first
 whose results have the shapes and dtypes a call at the same position already kept there copies
 into those buffers and asks no budget, so a layer keeps one set of buffers for all its signatures
 of one token count instead of one per signature. Whoever replays must then know which input the
-buffers hold (`lightning_ft.strategies.cuda_graphs` tracks it per buffer set).
+buffers hold (`lightning_ft.strategies.cuda_graphs` tracks it per buffer set). The same mechanism
+gives offloaded kinds their staging sets: the layers that offload a kind share a store per staging
+set (two, taken in turns), so their buffers are one set's, whose values go to pinned host memory
+between a layer's forward and its backward (`lightning_ft.strategies.offload`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Activation offloading: checkpointed decoder-layer inputs wait in pinned host memory for the backward.
+"""Activation offloading: checkpointed decoder-layer inputs, and kept activations, wait in pinned host memory for the backward.
 
 With gradient checkpointing a decoder layer keeps only its input x ([batch, T, hidden], the
 residual stream) from its forward to its backward, but all L layers' inputs are alive at once: on
@@ -29,6 +29,20 @@ of the GPU at the next step allocates new blocks (up to twice that memory), and 
 keeps its own blocks (rows of varying length). Each saved input owns its host tensor, so two forwards
 before one backward are safe.
 Off CUDA (tests) a saved input is a copy on its own device and the prefetch bookkeeping is the same.
+
+Kept activations (`lightning_ft.strategies.kept`) that a memory plan offloads ride along with the
+input of the same layer call (`OffloadedTensor.staged`): the graphed layers that offload them take
+turns between two staging buffer sets (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`), static
+device buffers the forward graph writes and the backward graph reads. `ActivationOffload.save` makes
+the compute stream wait for the copies that still read or write the layer's set (the copy out of the
+layer that used it two layers before; a reload into it); `save_staged`, after the forward is queued,
+copies the set to the call's own host tensors on the copy stream. `load` copies them back unless the
+set still holds them (its forward was the set's last writer), starts the previous layer's (prefetch,
+into the other set, whose last reader, the backward of the layer after, is already queued) and makes
+the compute stream wait for the copies on this layer's set. Every buffer set records whose values it
+holds and the event of its last copy, so any order of forwards and backwards (two forwards before one
+backward) reads its own values, with less overlap when the order is not the reverse of the forward's.
+Off CUDA the copies are done when they are queued.
 Layers are told their index (their order in the model): a model that calls them in another order
 gets the right values with less overlap.
 
@@ -77,11 +91,14 @@ class OffloadedTensor:
         loaded: the input on the device: the last layer's, or a reload in flight or not used yet.
         ready: the copy stream's event after that reload (CUDA).
         consumed: `ActivationOffload.load` has returned it.
+        staged: the layer's offloaded kept activations: the staging buffer sets its forward wrote
+            (`lightning_ft.strategies.kept`; tuples whose tensors are shared with other layers), or ().
+        staged_host: their tensors' host copies (pinned on CUDA), in order; None once loaded.
     """
 
     __slots__ = (
         "host", "device", "layer_index", "previous", "source", "version", "copied", "loaded", "ready", "consumed",
-        "__weakref__",
+        "staged", "staged_host", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, x: torch.Tensor, host: torch.Tensor | None, layer_index: int, previous: OffloadedTensor | None):
@@ -95,6 +112,8 @@ class OffloadedTensor:
         self.loaded: torch.Tensor | None = None if host is not None else x
         self.ready: torch.cuda.Event | None = None
         self.consumed = False
+        self.staged: tuple[tuple, ...] = ()
+        self.staged_host: list[torch.Tensor] | None = None
 
 
 class ActivationOffload:
@@ -106,7 +125,9 @@ class ActivationOffload:
             the others stay on the device as the last one's does. None: every layer but the last.
 
     Attributes (counters over the run): ``saved`` inputs offloaded, ``saved_bytes`` copied to the
-    host, ``prefetched`` loads whose copy had been started by the next layer's load.
+    host (inputs and kept activations), ``prefetched`` loads whose copy had been started by the next
+    layer's load, ``staged_saves`` layer calls whose kept activations went to the host,
+    ``staged_loads`` copies of kept activations back into their staging buffers.
     """
 
     def __init__(self, num_layers: int, layers: set[int] | None = None):
@@ -116,9 +137,15 @@ class ActivationOffload:
         self.last: weakref.ref[OffloadedTensor] | None = None  # the input saved last (not kept alive)
         self.holding: OffloadedTensor | None = None  # the one input whose device memory is still held
         self.inflight: list[OffloadedTensor] = []  # reloads started whose event the compute stream has not waited on
+        # staging buffer sets (by id): whose values they hold, or will in stream order, and the copy event after
+        # the last copy that reads or writes them
+        self.holder: dict[int, weakref.ref[OffloadedTensor]] = {}
+        self.busy: dict[int, torch.cuda.Event | None] = {}
         self.saved = 0
         self.saved_bytes = 0
         self.prefetched = 0
+        self.staged_saves = 0
+        self.staged_loads = 0
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:
@@ -146,11 +173,14 @@ class ActivationOffload:
             saved.loaded = saved.ready = None
         self.inflight.clear()
 
-    def save(self, x: torch.Tensor, layer_index: int) -> OffloadedTensor:
+    def save(self, x: torch.Tensor, layer_index: int, staged: tuple[tuple, ...] = ()) -> OffloadedTensor:
         """Start copying decoder layer ``layer_index``'s input ``x`` to the host (the last layer's stays).
 
         Call it when ``x`` is written and before the layer's kernels are queued. ``x`` is held
         until the next call (the next layer's input), which orders its reuse after the copy.
+        ``staged``: the staging buffer sets the layer's forward is about to write (its offloaded kept
+        activations); the compute stream waits for the copies that still read or write them, and
+        `save_staged` copies them out once written.
 
         Returns:
             the `OffloadedTensor` to `load` in the backward.
@@ -169,11 +199,7 @@ class ActivationOffload:
             saved = OffloadedTensor(x, None, layer_index, previous)
         elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            stream = self._stream(x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                host.copy_(x, non_blocking=True)
-                copied = stream.record_event()
+            copied = self._copy([(host, x)], x.device)
             saved = self.holding = OffloadedTensor(x, host, layer_index, previous)
             saved.copied = copied
         else:
@@ -181,21 +207,74 @@ class ActivationOffload:
         if saved.host is not None:
             self.saved += 1
             self.saved_bytes += x.numel() * x.element_size()
+        if staged:
+            saved.staged = staged
+            self._wait_staging(saved)
+            for entry in staged:
+                self.holder[id(entry)] = weakref.ref(saved)
         self.last = weakref.ref(saved)
         return saved
+
+    def save_staged(self, saved: OffloadedTensor) -> None:
+        """Start copying the staging buffers `save` was given to the host, once the layer's forward has
+        written them (queued): each call owns its host copies, so two forwards before one backward are safe."""
+        tensors = _tensors(saved.staged)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+        copied = self._copy(list(zip(host, tensors)), saved.device)
+        saved.staged_host = host
+        for entry in saved.staged:
+            self.busy[id(entry)] = copied
+        self.staged_saves += 1
+        self.saved_bytes += sum(t.nbytes for t in tensors)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.cuda.Event | None:
+        """Copy each (destination, source) on the copy stream after the compute stream's work queued so far;
+        the event after them (None off CUDA, where the copies are done on return)."""
+        if device.type != "cuda":
+            for destination, source in pairs:
+                destination.copy_(source)
+            return None
+        stream = self._stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for destination, source in pairs:
+                destination.copy_(source, non_blocking=True)
+            return stream.record_event()
+
+    def _wait(self, device: torch.device, event: torch.cuda.Event | None) -> None:
+        """The compute stream waits for ``event`` (a `_copy`'s)."""
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def _wait_staging(self, saved: OffloadedTensor) -> None:
+        """The compute stream waits for the copies that read or write ``saved``'s staging buffers."""
+        for entry in saved.staged:
+            self._wait(saved.device, self.busy.pop(id(entry), None))
+
+    def _load_staged(self, saved: OffloadedTensor) -> None:
+        """Copy ``saved``'s kept activations back into its staging buffers, unless they hold them already
+        (its forward was their last writer, or a prefetch is on its way)."""
+        holders = [self.holder.get(id(entry)) for entry in saved.staged]
+        if all(holder is not None and holder() is saved for holder in holders):
+            return
+        loaded = self._copy(list(zip(_tensors(saved.staged), saved.staged_host)), saved.device)
+        for entry in saved.staged:
+            self.holder[id(entry)], self.busy[id(entry)] = weakref.ref(saved), loaded
+        self.staged_loads += 1
+
+    def wait_copies(self, device: torch.device) -> None:
+        """The compute stream waits for every copy queued so far (before buffers are written outside `save`'s
+        order, e.g. while a layer is recorded)."""
+        if device in self.streams:
+            torch.cuda.current_stream(device).wait_stream(self.streams[device])
 
     def _start_load(self, saved: OffloadedTensor) -> None:
         if saved.device.type != "cuda":
             saved.loaded = saved.host
             return
-        compute = torch.cuda.current_stream(saved.device)
-        stream = self._stream(saved.device)
         # allocated on the compute stream, which may have just freed that memory: the copy waits for it
         loaded = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            loaded.copy_(saved.host, non_blocking=True)
-            saved.ready = stream.record_event()
+        saved.ready = self._copy([(loaded, saved.host)], saved.device)
         saved.loaded = loaded
         self.inflight.append(saved)
 
@@ -221,19 +300,32 @@ class ActivationOffload:
             self.prefetched += 1
         else:  # an input kept on the device (the last layer's, or one a memory plan keeps)
             _check_version(saved, saved.loaded)
+        self._load_staged(saved)
         previous, saved.previous = saved.previous, None
         if previous is not None and previous.loaded is None and not previous.consumed:
             self._start_load(previous)  # overlaps this layer's backward
+        if previous is not None and not previous.consumed:
+            self._load_staged(previous)  # into the other staging set, last read by the backward queued before
         loaded, saved.loaded, saved.host = saved.loaded, None, None
         if saved.ready is not None:
             torch.cuda.current_stream(saved.device).wait_event(saved.ready)
             saved.ready = None
             self.inflight.remove(saved)
+        self._wait_staging(saved)
+        saved.staged_host = None
         return loaded
 
     def stats(self) -> dict[str, int]:
-        """``offloaded_inputs``, ``offloaded_bytes`` (copied to the host) and ``prefetched_loads`` so far."""
-        return {"offloaded_inputs": self.saved, "offloaded_bytes": self.saved_bytes, "prefetched_loads": self.prefetched}
+        """``offloaded_inputs``, ``offloaded_bytes`` (copied to the host), ``prefetched_loads``, ``offloaded_kept``
+        (layer calls whose kept activations were offloaded) and ``reloaded_kept`` (their copies back) so far."""
+        return {
+            "offloaded_inputs": self.saved, "offloaded_bytes": self.saved_bytes, "prefetched_loads": self.prefetched,
+            "offloaded_kept": self.staged_saves, "reloaded_kept": self.staged_loads,
+        }
+
+
+def _tensors(staged: tuple[tuple, ...]) -> list[torch.Tensor]:
+    return [v for entry in staged for v in entry if isinstance(v, torch.Tensor)]
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):

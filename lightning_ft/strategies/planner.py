@@ -19,14 +19,16 @@ The cost model (per layer i of L, in seconds and bytes):
                + max(0, offloaded_i / d2h − forward_i)           copy out, hidden under layer i's forward
                + max(0, offloaded_i / h2d − backward_{i+1})      copy in, hidden under layer i+1's backward
                + copy_overhead × copy time                       a hidden copy still costs a little
-    peak     = base + Σ kept_i + 2 · max_i offloaded_i           two staging buffers (double buffering)
+    peak     = base + Σ kept_i + 2 · Σ_c max_i offloaded_i,c     two staging buffers per class (double buffering)
 
 so for offloaded layers the step takes about c + (L−1)·max(c, g) + g with c a layer's compute and g
-its copy (the published model of double-buffered offloading). The last layer offloads nothing (its
+its copy (the published model of double-buffered offloading). Each class offloaded has its own two
+staging buffers: the inputs' reloads in flight, the kept kinds' staging sets that the offloading layers
+take turns on (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`). The last layer offloads nothing (its
 backward comes first, with nothing to hide a copy under), as `lightning_ft.strategies.offload` does.
 The small ``copy_overhead`` makes keeping win a tie with a hidden copy when the memory is there.
 
-The search: for each staging size (the distinct per-layer offloaded bytes), a dynamic program over the
+The search: for each staging size (per class, the distinct per-layer offloaded bytes), a dynamic program over the
 bytes kept (a multiple-choice knapsack: one option per layer, the least total time within the room
 left; bytes rounded up to 1/4096 of the most that can be kept, so exact up to that rounding, and more
 budget never gives a slower plan); the fastest of those. `Plan.table` renders the plan for the start log.
@@ -125,6 +127,7 @@ class _Option:
     kept: int
     offloaded: int
     time: float
+    staged: dict[str, int] = field(default_factory=dict)  # per saved class offloaded, its bytes
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class Plan:
         kept_bytes: per layer, the bytes kept.
         offloaded_bytes: per layer, the bytes offloaded.
         step_s: the predicted step time: Σ ``layer_s`` + ``other_s``.
-        peak_bytes: the predicted peak: base + Σ kept + two staging buffers of the largest offload.
+        peak_bytes: the predicted peak: base + Σ kept + per class, two staging buffers of its largest offload.
         budget_bytes: the budget it was made for.
         fits: whether ``peak_bytes`` fits ``budget_bytes`` (else the leanest plan, which does not).
         base_bytes: the step's memory without any saved class (`plan`'s ``base_bytes``).
@@ -228,7 +231,8 @@ def _options(layer: LayerProfile, window_s: float, bandwidth: Bandwidth, copy_ov
         out_s, in_s = offloaded / bandwidth.device_to_host, offloaded / bandwidth.host_to_device
         exposed = max(0.0, out_s - layer.forward_s) + max(0.0, in_s - window_s)
         time = layer.forward_s + layer.backward_s + recompute + exposed + copy_overhead * (out_s + in_s)
-        options.append(_Option(actions, kept, offloaded, time))
+        staged = {c.name: c.nbytes for c, a in zip(layer.saved, actions) if a == "offload"}
+        options.append(_Option(actions, kept, offloaded, time, staged))
     return options
 
 
@@ -318,35 +322,46 @@ def plan(
     return made
 
 
+def _peak(base_bytes: int, chosen: list[_Option]) -> int:
+    """The predicted peak of one option per layer: the base, what they keep, per class two staging buffers of its largest offload."""
+    staging = {}
+    for option in chosen:
+        for name, nbytes in option.staged.items():
+            staging[name] = max(staging.get(name, 0), nbytes)
+    return base_bytes + sum(o.kept for o in chosen) + 2 * sum(staging.values())
+
+
 def _plan(layers: list[LayerProfile], per_layer: list[list[_Option]], budget: int, base_bytes: int, other_s: float) -> Plan:
     """`plan`'s search over ``per_layer``'s options (see the module docstring)."""
     # the bytes' unit of the search: fine enough to be exact to a fraction of a percent, coarse enough to be quick
     unit = max(MIB, sum(max(o.kept for o in options) for options in per_layer) // 4096)
+    names = tuple(dict.fromkeys(c.name for layer in layers for c in layer.saved))
+    sizes = [sorted({0} | {o.staged.get(name, 0) for options in per_layer for o in options}) for name in names]
     best: tuple[float, int, list[_Option]] | None = None
-    for staging in sorted({o.offloaded for options in per_layer for o in options}):
-        allowed = [[o for o in options if o.offloaded <= staging] for options in per_layer]
+    for staging in itertools.product(*sizes):  # per class, the staging size
+        limit = dict(zip(names, staging))
+        allowed = [[o for o in options if all(n <= limit[c] for c, n in o.staged.items())] for options in per_layer]
         if not all(allowed):  # a layer that must offload more than this staging size
             continue
-        chosen = _knapsack(allowed, budget - base_bytes - 2 * staging, unit)
+        chosen = _knapsack(allowed, budget - base_bytes - 2 * sum(staging), unit)
         if chosen is not None:
             time = sum(o.time for o in chosen)
-            peak = base_bytes + sum(o.kept for o in chosen) + 2 * max(o.offloaded for o in chosen)
+            peak = _peak(base_bytes, chosen)
             if best is None or (time, peak) < best[:2]:
                 best = (time, peak, chosen)
     fits = best is not None
     # none fits: the leanest plan (least peak), said not to fit
     chosen = best[2] if best is not None else [min(options, key=lambda o: (o.kept + 2 * o.offloaded, o.time)) for options in per_layer]
-    names = tuple(dict.fromkeys(c.name for layer in layers for c in layer.saved))
     return Plan(
         actions=tuple({c.name: a for c, a in zip(layer.saved, o.actions)} for layer, o in zip(layers, chosen)),
         layer_s=tuple(o.time for o in chosen),
         kept_bytes=tuple(o.kept for o in chosen),
         offloaded_bytes=tuple(o.offloaded for o in chosen),
         step_s=sum(o.time for o in chosen) + other_s,
-        peak_bytes=base_bytes + sum(o.kept for o in chosen) + 2 * max(o.offloaded for o in chosen),
+        peak_bytes=_peak(base_bytes, chosen),
         budget_bytes=budget,
         fits=fits,
         base_bytes=base_bytes,
         names=names,
-        host_bytes=host_bytes(o.offloaded for o in chosen),
+        host_bytes=host_bytes(n for o in chosen for n in o.staged.values()),
     )

@@ -201,7 +201,7 @@ class StepProfiler:
             for kind in kinds:
                 if r["bytes"].get(kind):  # a kind this layer has no kept call for is left out
                     recompute = max(0.0, r["recompute"][kind]() - backward)
-                    saved.append(SavedClass(kind, r["bytes"][kind], recompute_s=recompute, actions=("keep", "recompute")))
+                    saved.append(SavedClass(kind, r["bytes"][kind], recompute_s=recompute))  # keep, offload or recompute
             profiles.append(LayerProfile(forward, backward, tuple(saved)))
             working = max(working, r["working_bytes"])
         # the forward outside the layers (the pass's time less theirs and their measuring) ×3 for its backward

@@ -23,6 +23,7 @@ from test_cuda_graphs import (
     _module,
 )
 from test_cuda_graphs import test_every_memory_plan_gives_the_gradients_of_plain_checkpointing as _plan_gives_plain_gradients
+from test_cuda_graphs import test_offloaded_kinds_give_the_gradients_of_keeping_them as _offloaded_kinds_give_kept_gradients
 
 from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
 from lightning_ft.strategies.offload import ActivationOffload
@@ -92,6 +93,7 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
         # attention: the output [T, Hq·D] and the log-sum-exp; projections: q/k/v/o and the MLP's, with x·Aᵀ
         assert saved["attention"].nbytes >= tokens * hidden * 4 and saved["projections"].nbytes > saved["attention"].nbytes
         assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(3e-3)
+        assert saved["attention"].actions == saved["projections"].actions == ("keep", "offload", "recompute")
     # the forward outside the layers (the pass less the layers' forwards and their measuring, 0 here), ×3 for its backward
     assert measured.other_s == pytest.approx(3 * (TIMES["rest"] - layers * TIMES["forward"]))
     trainable = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.requires_grad)
@@ -140,9 +142,12 @@ def test_no_plan_without_a_budget_or_graphed_layers(caplog):
     assert "memory plan: none" in caplog.text
 
 
-def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside_the_peak(tmp_path, deep):
+@pytest.mark.parametrize("budget_mib, offloaded", [(64, ("input",)), (120, ("input", "attention"))])
+def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside_the_peak(tmp_path, deep, caplog, budget_mib, offloaded):
     """A real Lightning fit: the strategy plans once, before the second batch (where graphs record), training runs
-    under the plan with the gradients of the module without one, and summary.json reports the plan."""
+    under the plan with the gradients of the module without one, and summary.json reports the plan. 64 MiB
+    (scaled): the inputs are offloaded, the rest recomputed; 120 MiB: attention's outputs (17 MiB a layer) too, in
+    most layers (two staging sets and what the last layer keeps: quicker than recomputing them)."""
     import lightning as L
 
     from lightning_ft.callbacks.summary import RunSummary
@@ -152,7 +157,7 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     reference.model.load_state_dict(module.model.state_dict())
     apply_cuda_graphs(module.model)
     batches = [_batch(row, "cpu", seed=i) for i, row in enumerate("abab")]
-    strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=64 / 1024, host_budget_gib=None)
+    strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=budget_mib / 1024, host_budget_gib=None)
     planned = []
     original = strategy.plan_memory
     strategy.plan_memory = lambda m, b: planned.append(b) or original(m, b)
@@ -166,14 +171,21 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Grads(), RunSummary(tmp_path)])
     loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=lambda items: items[0])
-    trainer.fit(module, train_dataloaders=loader)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, train_dataloaders=loader)
     assert len(planned) == 1 and torch.equal(planned[0].input_ids, batches[0].input_ids)
     made = strategy.memory_plan
-    assert made.layers_where("input", "offload") and made.layers_where("projections", "recompute")
+    assert all(len(made.layers_where(name, "offload")) >= 3 for name in offloaded) and made.layers_where("projections", "recompute")
+    if "attention" in offloaded:
+        assert not made.layers_where("attention", "recompute")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["predicted_peak_memory_bytes"] == made.peak_bytes and summary["peak_memory_bytes"] > 0
-    assert summary["memory_plan"]["layers"]["input"]["offload"] == len(made.layers_where("input", "offload"))
+    assert all(summary["memory_plan"]["layers"][name]["offload"] == len(made.layers_where(name, "offload")) for name in offloaded)
     assert summary["cuda_graphs"]["replayed_layer_calls"] > 0 and summary["cuda_graphs"]["offloaded_inputs"] > 0
+    assert (summary["cuda_graphs"]["offloaded_kept"] > 0) == ("attention" in offloaded)
+    offloading = summary["cuda_graphs"]
+    assert (f"activation offloading: {offloading['offloaded_inputs']} layer inputs and {offloading['offloaded_kept']} layer "
+            "calls' kept activations") in caplog.text
     # the same steps without a plan (plain checkpointing, transformers'): the same gradients at every step
     reference_trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), logger=False, enable_checkpointing=False,
                                   enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
@@ -186,12 +198,15 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
 
 
 def _slow_copies(monkeypatch, device: str) -> None:
-    """Make every copy of the offloaded inputs as late as the offload allows.
+    """Make every copy of the offloaded inputs and kept activations as late as the offload allows.
 
     CUDA: the copy stream sleeps (``torch.cuda._sleep``, about 10 ms) before each use, so each copy to the host and
-    back starts long after the compute stream queued it. CPU (copies are synchronous there): each copy to the host
-    lands only when the offload lets its input go (`ActivationOffload._let_go`, the latest point its design allows),
-    reading the input as it is then; until then the host copy holds NaN."""
+    back starts long after the compute stream queued it. CPU (copies are synchronous there): each copy of an input to
+    the host lands only when the offload lets its input go (`ActivationOffload._let_go`, the latest point its design
+    allows), reading the input as it is then; until then the host copy holds NaN. The copies of kept activations
+    (`ActivationOffload._copy`) queue up as on a stream that runs only when the compute stream waits for one of them
+    (`ActivationOffload._wait`, `wait_copies`): then it runs in order up to that one, reading and writing the buffers
+    as they are then."""
     if device == "cuda":
         stream = ActivationOffload._stream
 
@@ -205,8 +220,8 @@ def _slow_copies(monkeypatch, device: str) -> None:
         return
     save, let_go, pending = ActivationOffload.save, ActivationOffload._let_go, {}
 
-    def late_save(self, x, layer_index):
-        saved = save(self, x, layer_index)
+    def late_save(self, x, layer_index, staged=()):
+        saved = save(self, x, layer_index, staged)
         if saved.host is not None and saved.source is not None:
             pending[id(saved)] = saved
             saved.host = torch.full_like(saved.host, float("nan"))
@@ -219,16 +234,44 @@ def _slow_copies(monkeypatch, device: str) -> None:
 
     monkeypatch.setattr(ActivationOffload, "save", late_save)
     monkeypatch.setattr(ActivationOffload, "_let_go", late_let_go)
+    stream: list[tuple[object, list]] = []  # the copies queued and not run: (event, (destination, source) pairs)
+
+    def run_until(event) -> None:
+        while stream:
+            queued, pairs = stream.pop(0)
+            for destination, source in pairs:
+                destination.copy_(source)
+            if queued is event:
+                return
+
+    def late_copy(self, pairs, device):
+        event = object()
+        stream.append((event, list(pairs)))
+        return event
+
+    monkeypatch.setattr(ActivationOffload, "_copy", late_copy)
+    monkeypatch.setattr(ActivationOffload, "_wait", lambda self, device, event: event is not None and run_until(event))
+    monkeypatch.setattr(ActivationOffload, "wait_copies", lambda self, device: run_until(None))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, kind, device):
+@pytest.mark.parametrize("name", ["offload, recompute", "offload kept, gaps"])
+def test_a_slow_copy_stream_gives_the_same_gradients(monkeypatch, kind, device, name):
     """`test_every_memory_plan_gives_the_gradients_of_plain_checkpointing` with every layer input but the last
-    offloaded and the copies as late as possible (`_slow_copies`): the same loss and gradients as transformers'
-    checkpointing, bit for bit on the CPU (within bf16's tolerance on the GPU), step after step."""
+    offloaded (and attention and projections in some layers) and the copies as late as possible (`_slow_copies`):
+    the same loss and gradients as transformers' checkpointing, bit for bit on the CPU (within bf16's tolerance on
+    the GPU), step after step."""
     _slow_copies(monkeypatch, device)
-    _plan_gives_plain_gradients(kind, "offload, recompute", device)
+    _plan_gives_plain_gradients(kind, name, device, monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_slow_copy_stream_gives_the_gradients_of_keeping(monkeypatch, kind):
+    """`test_offloaded_kinds_give_the_gradients_of_keeping_them` (two forwards before one backward among its steps)
+    with the copies as late as possible: still bit for bit."""
+    _slow_copies(monkeypatch, "cpu")
+    _offloaded_kinds_give_kept_gradients(kind, "offload kept, gaps", monkeypatch)
 
 
 @pytest.mark.gpu

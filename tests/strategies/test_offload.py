@@ -32,7 +32,9 @@ def test_inputs_come_back_unchanged_and_each_load_prefetches_the_layer_before(de
             assert saved[i - 1].loaded is not None  # its copy was started by this load
     assert all(torch.equal(got, want) for got, want in zip(loaded, inputs))
     assert all(got.device == want.device for got, want in zip(loaded, inputs))
-    assert offload.stats() == {"offloaded_inputs": 3, "offloaded_bytes": 3 * 37 * 29 * 2, "prefetched_loads": 3}
+    assert offload.stats() == {
+        "offloaded_inputs": 3, "offloaded_bytes": 3 * 37 * 29 * 2, "prefetched_loads": 3, "offloaded_kept": 0, "reloaded_kept": 0,
+    }
     with pytest.raises(RuntimeError, match="decoder layer 2's offloaded input was loaded already"):
         offload.load(saved[2])
 

@@ -46,13 +46,13 @@ def _random_layers(rng, n, projections):
 
 def _brute_force(layers, budget, base, bandwidth):
     """The exact optimum over every combination (small cases), with the planner's cost model."""
-    from lightning_ft.strategies.planner import _options
+    from lightning_ft.strategies.planner import _options, _peak
 
     per_layer = [_options(layer, layers[i + 1].backward_s if i + 1 < len(layers) else 0.0, bandwidth, 0.01, i == len(layers) - 1)
                  for i, layer in enumerate(layers)]
     best = None
     for combo in itertools.product(*per_layer):
-        peak = base + sum(o.kept for o in combo) + 2 * max(o.offloaded for o in combo)
+        peak = _peak(base, list(combo))
         if peak <= budget:
             time = sum(o.time for o in combo)
             best = time if best is None else min(best, time)
@@ -166,3 +166,15 @@ def test_a_host_budget_bounds_what_is_offloaded_and_says_why():
     assert bounded.summary()["fallbacks"] == list(bounded.fallbacks) and bounded.summary()["host_bytes"] == bounded.host_bytes
     assert not plan(layers, tight, GIB, FAST, host_budget=free.host_bytes).fallbacks  # enough: the same plan
     assert plan(layers, tight, GIB, FAST, host_budget=0).host_bytes == 0
+
+
+def test_each_offloaded_class_has_its_own_two_staging_buffers():
+    """Inputs and attention offloaded: the peak has two staging buffers of each class's largest offload (attention's
+    are the staging sets the layers take turns on, the inputs' the two reloads in flight), and the plan keeps to it."""
+    layers = _layers(actions=("keep", "offload"), projections_mib=0)
+    everything = 8 * (64 + 96) * MIB
+    lean = everything - 7 * (64 + 96) * MIB + 2 * (64 + 96) * MIB  # all but the last layer's offloaded, and staging
+    made = plan(layers, budget=GIB + lean, base_bytes=GIB, bandwidth=FAST)
+    assert made.fits and made.layers_where("input", "offload") == made.layers_where("attention", "offload") == set(range(7))
+    assert made.peak_bytes == GIB + lean
+    assert not plan(layers, budget=GIB + lean - MIB, base_bytes=GIB, bandwidth=FAST).fits
