@@ -15,8 +15,11 @@ layer's own forward is called, not the patched one):
 
 and from the pass as a whole: the rest of the forward (embedding, LM head, loss; ×3 for their
 backward), the memory base (what is allocated now, the trainable weights' gradients, the optimizer's
-two moments per trainable weight if it has no state yet, and the larger of one layer's backward
-working set with nothing kept and the rest of the forward's working set), and the device ↔ pinned
+two moments per trainable weight if it has no state yet, the CUDA graphs' static buffers (a layer's
+input, output, output gradient and input gradient, [T, hidden] each, shared by the layers: measured on
+the H100 at 64K tokens, leaving them out under-predicted the recording step's peak by 1.4 GiB), and the
+larger of one layer's backward working set with nothing kept and the rest of the forward's working
+set), and the device ↔ pinned
 host bandwidth (a timed copy of `COPY_BYTES` each way). The peak statistics are reset after each
 layer's timing and at the end, so the measuring's own allocations do not count as the training step's peak
 (summary.json reads the peak of building the model before: ``peak_memory_setup_bytes``).
@@ -210,7 +213,8 @@ class StepProfiler:
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         optimizers = getattr(getattr(module, "_trainer", None), "optimizers", None) or []
         moments = 0 if any(o.state for o in optimizers) else 2 * trainable  # allocated after the first step
-        base = allocated + trainable + moments + max(working, forward_peak[0] - allocated)
+        statics = 4 * max(r["input_bytes"] for r in results.values())  # `cuda_graphs._StaticInputs`: x, out, dout, dx
+        base = allocated + trainable + moments + statics + max(working, forward_peak[0] - allocated)
         return Measurement(tuple(profiles), bandwidth, base, rest_s)
 
     def _layer(

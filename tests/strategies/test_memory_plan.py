@@ -97,7 +97,8 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
     # the forward outside the layers (the pass less the layers' forwards and their measuring, 0 here), ×3 for its backward
     assert measured.other_s == pytest.approx(3 * (TIMES["rest"] - layers * TIMES["forward"]))
     trainable = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.requires_grad)
-    assert measured.base_bytes == 3 * trainable  # the CPU's memory figures are 0: gradients and AdamW's two moments
+    # the CPU's memory figures are 0: gradients and AdamW's two moments, the graphs' four static [T, hidden] buffers
+    assert measured.base_bytes == 3 * trainable + 4 * tokens * hidden * 4
     # each layer measured once (the first twice: a warm-up), none recorded into graphs, the model's kwargs untouched
     assert sum(what == "forward" for _, what in profiler.calls) == layers + 1
     state_graphs = getattr(graphed_layers(module.model)[0], "_lightning_ft_cuda_graphs").graphs
