@@ -76,3 +76,39 @@ def test_bad_mxfp4_settings_are_refused():
     check_quantization("mxfp4", "mxfp4", False)
     with pytest.raises(ValueError, match="keeps gpt-oss's MoE experts in MXFP4; Linear has none"):
         quantize_experts(torch.nn.Linear(32, 32))
+
+
+def test_fit_on_mxfp4_experts_then_export_merge_writes_dequantised_experts(tmp_path):
+    """The CLI: tiny gpt-oss, LoRA on attention and experts, experts in MXFP4 on the triton backend (Triton
+    interpreted here): the loss falls, the adapter is plain PEFT (no MXFP4 tensors); ``export --merge`` writes the
+    base's experts dequantised (values on the MXFP4 grid) and the merged model computes what the adapter over that
+    base computes (fp32; the merge rounds, 1e-4)."""
+    from cli_helpers import FAST, run_cli, summary
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.export import main as export_main
+    from lightning_ft.kernels.mxfp4 import dequantize_mxfp4_reference, quantize_mxfp4
+
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *FAST, "trainer.max_steps=3", "scheduler.num_warmup_steps=0", "model=gpt_oss_tiny",
+                   "lora=moe", "moe.backend=triton", "model.quantization=mxfp4")
+    assert f"quantization: {EXPERT_WEIGHTS} expert weights quantised to MXFP4 after the random init" in proc.stdout + proc.stderr
+    s = summary(run_dir)
+    assert s["steps"] == 3 and s["final_loss"] < s["initial_loss"]
+    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert any("experts" in key for key in adapter) and not any(key.endswith(("_blocks", "_scales")) for key in adapter)
+    assert export_main([str(run_dir), "--merge"]) == 0
+    out = run_dir / "export"
+    base, merged = (AutoModelForCausalLM.from_pretrained(str(out / name)) for name in ("base", "merged"))
+    for model in (base, merged):
+        assert not any(key.endswith(("_blocks", "_scales")) for key in model.state_dict())
+    for name in ("gate_up_proj", "down_proj"):
+        stored = base.state_dict()[f"model.layers.0.mlp.experts.{name}"].transpose(1, 2)  # [E, N, C]
+        assert torch.equal(dequantize_mxfp4_reference(*quantize_mxfp4(stored), torch.float32), stored), name
+        assert not torch.equal(merged.state_dict()[f"model.layers.0.mlp.experts.{name}"], stored.transpose(1, 2)), name
+    ids = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    adapted = PeftModel.from_pretrained(base, str(out / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
