@@ -102,10 +102,6 @@ class Mxfp4Weight(NamedTuple):
         experts, rows, half = self.blocks.shape
         return torch.Size((experts, 2 * half, rows) if self.transposed else (experts, rows, 2 * half))
 
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
     def transpose(self, dim0: int, dim1: int) -> Mxfp4Weight:
         """The [E, C, N] <-> [E, N, C] view (no copy); only ``transpose(1, 2)``, as a dense 3-D weight is transposed here."""
         if {dim0 % 3, dim1 % 3} != {1, 2}:

@@ -30,7 +30,7 @@ import torch
 
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4_reference, quantize_mxfp4
 
-__all__ = ["dequantize_experts", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
+__all__ = ["dequantize_experts", "experts_bytes", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 

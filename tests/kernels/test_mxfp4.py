@@ -74,8 +74,9 @@ def test_weight_view_shapes_and_transpose():
 def test_grouped_gemm_reads_mxfp4_weights(device, dtype, quantised_along_c):
     """The Triton grouped GEMM on an `Mxfp4Weight` (both orientations: x·Wᵀ with W quantised along the
     contracted dim, as the forward reads it, and dy·W, as the input gradient reads it) equals the same kernel
-    on the dequantised dense weight bitwise (the tiles dequantise exactly), and the plain-torch reference;
-    odd sizes, gather, scatter, routing weights, LoRA, bias; expert 1 has no rows."""
+    on the dequantised dense weight (bitwise under the interpreter: the tiles dequantise exactly; on CUDA each
+    is autotuned apart, so the summation order may differ) and the plain-torch reference; odd sizes, gather,
+    scatter, routing weights, LoRA, bias; expert 1 has no rows."""
     torch.manual_seed(0)
     counts = torch.tensor([9, 0, 14, 3])
     rows, experts, rank = int(counts.sum()), 4, 3
@@ -95,7 +96,11 @@ def test_grouped_gemm_reads_mxfp4_weights(device, dtype, quantised_along_c):
         bias_EN=torch.randn(experts, n_dim, device=device),
     )
     out = grouped_gemm(src, w_ECN, offsets, rows, **kwargs)
-    assert torch.equal(out, grouped_gemm(src, dense, offsets, rows, **kwargs))
-    reference = grouped_gemm_reference(src, w_ECN, offsets, rows, **kwargs)
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    twin = grouped_gemm(src, dense, offsets, rows, **kwargs)
+    if device.type == "cpu":
+        assert torch.equal(out, twin)
+    else:
+        torch.testing.assert_close(out.float(), twin.float(), **tolerance)
+    reference = grouped_gemm_reference(src, w_ECN, offsets, rows, **kwargs)
     torch.testing.assert_close(out.float(), reference.float(), **tolerance)

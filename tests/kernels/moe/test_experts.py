@@ -145,8 +145,9 @@ def test_backend_has_no_host_sync(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_mxfp4_experts_equal_their_dequantised_twin(dtype, device, monkeypatch):
     """gpt-oss experts held in MXFP4 (`Mxfp4Weight`, frozen) on the triton backend: output and every gradient
-    (x, routing weights, LoRA, biases) bitwise those of the same backend on the dequantised dense weights (the
-    tile loads dequantise exactly); expert 1 gets no tokens. Other backends refuse MXFP4 weights."""
+    (x, routing weights, LoRA, biases) those of the same backend on the dequantised dense weights, bitwise under
+    the interpreter (the tile loads dequantise exactly; on CUDA the two are autotuned apart: within the bf16/fp32
+    tolerances); expert 1 gets no tokens. Other backends refuse MXFP4 weights."""
     _skip_unless_runnable("triton", device)
     case = Case(tokens=13, hidden=64, intermediate=32, experts=5, top_k=3, rank=4, empty=(1,), gpt_oss=True)
     topk_idx, tensors = _make(case, device)
@@ -158,9 +159,11 @@ def test_mxfp4_experts_equal_their_dequantised_twin(dtype, device, monkeypatch):
     dense_out, dense_grads = _run("triton", case, topk_idx, tensors, dtype, grad_out)
     monkeypatch.setattr(moe_cases, "_weights", lambda case, t: (quantised["w_gate_up"], quantised["w_down"]))
     out, grads = _run("triton", case, topk_idx, tensors, dtype, grad_out)
-    assert torch.equal(out, dense_out)
     assert grads.keys() == dense_grads.keys()
-    for name, grad in dense_grads.items():
-        assert torch.equal(grads[name], grad), name
+    for name, value, twin in [("output", out, dense_out)] + [(n, grads[n], g) for n, g in dense_grads.items()]:
+        if device == "cpu":
+            assert torch.equal(value, twin), name
+        else:
+            _assert_close(value, twin.double(), dtype, name)
     with pytest.raises(ValueError, match="moe.backend=triton"):
         _run("native_torch", case, topk_idx, tensors, dtype, grad_out)

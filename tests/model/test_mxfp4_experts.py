@@ -78,6 +78,7 @@ def test_bad_mxfp4_settings_are_refused():
         quantize_experts(torch.nn.Linear(32, 32))
 
 
+@pytest.mark.slow
 def test_fit_on_mxfp4_experts_then_export_merge_writes_dequantised_experts(tmp_path):
     """The CLI: tiny gpt-oss, LoRA on attention and experts, experts in MXFP4 on the triton backend (Triton
     interpreted here): the loss falls, the adapter is plain PEFT (no MXFP4 tensors); ``export --merge`` writes the
