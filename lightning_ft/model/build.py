@@ -28,6 +28,7 @@ With every kernel off and ``moe.backend=hf`` the result is stock transformers + 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from lightning_ft.model.attention import register_packed_attention, resolve_atte
 from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
+from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
 from lightning_ft.model.patching import apply_kernels
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
@@ -80,7 +82,8 @@ def load_causal_lm(
     A checkpoint whose config says ``quantization_config.quant_method: mxfp4`` (gpt-oss's published
     checkpoints: the experts as ``*_blocks`` / ``*_scales``) loads with its experts dequantised to
     ``dtype`` (transformers' ``Mxfp4Config(dequantize=True)``): the trained model holds plain weights,
-    and transformers' own MXFP4 experts do not train.
+    and transformers' own MXFP4 experts do not train. With ``quantization=mxfp4`` they stay in MXFP4 instead
+    (`lightning_ft.model.mxfp4`).
 
     Args:
         name_or_path: a local checkpoint folder or hub name; optional with ``init="random"`` when
@@ -96,7 +99,9 @@ def load_causal_lm(
         attn_implementation: passed to transformers (packed attention: a name from `register_packed_attention`).
         quantization: ``none``, or ``nf4``: the linear layers (not the LM head) as bitsandbytes NF4 with double
             quantisation, quantised while a 16/32-bit checkpoint loads, after a random init, or as a
-            bitsandbytes 4-bit checkpoint stores them (`lightning_ft.model.quantization`).
+            bitsandbytes 4-bit checkpoint stores them (`lightning_ft.model.quantization`); or ``mxfp4``: gpt-oss's
+            MoE experts in MXFP4, kept as an MXFP4 checkpoint stores them, else quantised after loading
+            (`lightning_ft.model.mxfp4`).
 
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
@@ -154,6 +159,8 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
         if quantization == "nf4":
             quantize_linears(model)
+        if quantization == "mxfp4":
+            _quantize_experts(model, "the random init")
         return model
     if quantization == "nf4" and method is None:
         kwargs["quantization_config"] = bnb_nf4_config(DTYPES[dtype])
@@ -164,9 +171,19 @@ def load_causal_lm(
     device = torch.get_default_device()
     if device.type != "cpu":
         kwargs["device_map"] = str(device)
-    return AutoModelForCausalLM.from_pretrained(
-        name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
-    )
+    keep_mxfp4 = quantization == "mxfp4" and method == "mxfp4"
+    with keeping_mxfp4() if keep_mxfp4 else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
+        )
+    if quantization == "mxfp4" and not keep_mxfp4:
+        _quantize_experts(model, "loading")
+    return model
+
+
+def _quantize_experts(model: torch.nn.Module, after: str) -> None:
+    """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`), logged."""
+    rank_zero_info(f"quantization: {quantize_experts(model)} expert weights quantised to MXFP4 after {after}")
 
 
 def _quant_method(hf_config: Any) -> str | None:
@@ -292,6 +309,9 @@ class ModelBuilder:
             same kind of device (random draws differ between the CPU and CUDA); None: the current RNG state.
         execution: the strategy's options where no strategy gives them when called (a model built without
             a Trainer); default: `Execution`'s defaults (no CUDA graphs).
+        dense_experts: dequantise ``model.quantization=mxfp4``'s experts right after loading, to the values trained
+            over (`lightning_ft.model.mxfp4.dequantize_experts`), and skip the training checks: the stock model
+            of ``export``, not for training.
 
     Raises:
         ValueError: ``model`` has a key the strategy owns now (`lightning_ft.config.MOVED_KEYS`), naming its new key.
@@ -306,6 +326,7 @@ class ModelBuilder:
         vocab_size: int | None = None,
         seed: int | None = None,
         execution: Execution | None = None,
+        dense_experts: bool = False,
     ):
         from lightning_ft.config import MOVED_KEYS
 
@@ -318,6 +339,7 @@ class ModelBuilder:
         self.vocab_size = vocab_size
         self.seed = seed
         self.execution = execution if execution is not None else Execution()
+        self.dense_experts = dense_experts
 
     def __call__(
         self, device: torch.device, precision: str | None = None, sharded: bool = False, execution: Execution | None = None
@@ -349,7 +371,9 @@ class ModelBuilder:
         execution = execution if execution is not None else self.execution
         execution.check()
         lora_enabled = bool(self.lora_cfg.get("enabled", True))
-        check_quantized_training(cfg.get("quantization", "none"), lora_enabled, sharded, execution.cuda_graphs)
+        quantization = cfg.get("quantization", "none")
+        if not (self.dense_experts and quantization == "mxfp4"):
+            check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs, moe_backend)
         if execution.fp8:
             _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"))
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
@@ -367,6 +391,8 @@ class ModelBuilder:
             quantization=cfg.get("quantization", "none"),
         )
         model.config.use_cache = False
+        if self.dense_experts and (experts := dequantize_experts(model)):
+            rank_zero_info(f"quantization: {experts} MXFP4 expert weights dequantised to model.dtype")
         if attention == "auto":  # which documents run cuDNN: measured before any step (CUDA graphs key rows by it)
             calibrate(model.config, device, dtype)
         support = architecture_support(model.config)

@@ -1,4 +1,6 @@
-"""``model.quantization``: the frozen base in 4 bits (QLoRA), stored as bitsandbytes stores it.
+"""``model.quantization``: the frozen base in 4 bits: ``nf4`` (QLoRA) as bitsandbytes stores it, or ``mxfp4``.
+
+``mxfp4`` keeps gpt-oss's MoE experts in MXFP4 (`lightning_ft.model.mxfp4`); the rest of this module is ``nf4``'s.
 
 ``nf4`` keeps every frozen ``nn.Linear`` of the decoder (not the LM head, as transformers leaves it) as a
 bitsandbytes ``Linear4bit``: NF4 codes, blocks of 64 with double-quantised absmax (blocks of 256), as
@@ -37,7 +39,7 @@ __all__ = [
     "quantize_linears",
 ]
 
-QUANTIZATIONS = ("none", "nf4")
+QUANTIZATIONS = ("none", "nf4", "mxfp4")
 _BLOCKSIZE = 64
 
 
@@ -66,7 +68,8 @@ def check_quantization(quantization: str, checkpoint_method: str | None, checkpo
 
     Raises:
         ValueError: an unknown value; a bitsandbytes 4-bit checkpoint with ``none`` (it loads in 4 bits
-            whatever we say: set ``nf4``); ``nf4`` on a checkpoint quantised otherwise (MXFP4, 8-bit...).
+            whatever we say: set ``nf4``); ``nf4`` on a checkpoint quantised otherwise (MXFP4, 8-bit...);
+            ``mxfp4`` on a checkpoint quantised other than in MXFP4.
         ImportError: ``nf4`` without bitsandbytes (naming the ``qlora`` extra).
     """
     check_choice("model.quantization", quantization, QUANTIZATIONS)
@@ -80,25 +83,35 @@ def check_quantization(quantization: str, checkpoint_method: str | None, checkpo
                 "checkpoint or a bitsandbytes 4-bit one: set model.quantization=none"
             )
         _bitsandbytes()
+    if quantization == "mxfp4" and checkpoint_method not in (None, "mxfp4"):
+        raise ValueError(
+            f"model.quantization=mxfp4: the checkpoint is already quantised ({checkpoint_method}); mxfp4 takes a 16/32-bit "
+            "or an MXFP4 checkpoint: set model.quantization=none"
+        )
 
 
-def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_graphs: bool) -> None:
+def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_graphs: bool, moe_backend: str = "triton") -> None:
     """Refuse, before any weight loads, what a 4-bit base cannot run with (yet).
 
     Raises:
-        ValueError: ``nf4`` without LoRA (the 4-bit weights cannot train), under FSDP2 (``sharded``: it would shard
-            bitsandbytes' packed bytes without their quantisation state), or with ``strategy.cuda_graphs`` (not
-            checked over the 4-bit layers); each naming the setting to change.
+        ValueError: ``nf4`` or ``mxfp4`` without LoRA (the 4-bit weights cannot train), under FSDP2 (``sharded``: it
+            would shard the packed bytes without their scales), or with ``strategy.cuda_graphs`` (not checked over
+            the 4-bit weights); ``mxfp4`` with a ``moe.backend`` other than ``triton`` (the one that reads MXFP4);
+            each naming the setting to change.
     """
-    if quantization != "nf4":
+    if quantization == "none":
         return
     if not lora:
-        raise ValueError("model.quantization=nf4 freezes the base in 4 bits, so only LoRA can train: set lora.enabled=true "
-                         "(or model.quantization=none for full fine-tuning)")
+        raise ValueError(f"model.quantization={quantization} freezes the base in 4 bits, so only LoRA can train: set "
+                         "lora.enabled=true (or model.quantization=none for full fine-tuning)")
     if sharded:
-        raise ValueError("model.quantization=nf4 does not run under strategy=fsdp2: use one GPU or strategy=ddp")
+        raise ValueError(f"model.quantization={quantization} does not run under strategy=fsdp2: use one GPU or strategy=ddp")
     if cuda_graphs:
-        raise ValueError("strategy.cuda_graphs=true is not supported with model.quantization=nf4 yet: set strategy.cuda_graphs=false")
+        raise ValueError(f"strategy.cuda_graphs=true is not supported with model.quantization={quantization} yet: "
+                         "set strategy.cuda_graphs=false")
+    if quantization == "mxfp4" and moe_backend != "triton":
+        raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton reads "
+                         f"(moe.backend={moe_backend}): set moe.backend=triton")
 
 
 def bnb_nf4_config(dtype: torch.dtype) -> Any:

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ft.kernels.mxfp4 import dequantize_mxfp4_reference
+
 from lightning_ft.model.build import ModelBuilder
 from tiny_model import LORA, TINY_MODEL
 
@@ -106,16 +108,9 @@ def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog, mo
     assert caplog.messages == []
 
 
-# The published MXFP4 layout of gpt-oss's experts (OCP Microscaling FP4, E2M1 values, one E8M0 scale per 32):
-# ``<proj>_blocks`` [E, N, C/32, 16] uint8, two 4-bit codes a byte (low nibble first along C), and
-# ``<proj>_scales`` [E, N, C/32] uint8, the exponent + 127; the weight it stands for is [E, C, N] (transposed).
-_FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-
-
 def _dequantise_mxfp4(blocks, scales):
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [E, N, G, 32]
-    values = torch.tensor(_FP4_VALUES)[codes] * torch.exp2(scales.float() - 127)[..., None]
-    return values.flatten(-2).transpose(1, 2)  # [E, C, N]
+    """The [E, C, N] weight that gpt-oss's ``<proj>_blocks`` [E, N, C/32, 16] / ``<proj>_scales`` [E, N, C/32] stand for."""
+    return dequantize_mxfp4_reference(blocks, scales, torch.float32).transpose(1, 2)
 
 
 def _write_checkpoint(folder, config, state_dict, quantization=None):
@@ -131,14 +126,13 @@ def _write_checkpoint(folder, config, state_dict, quantization=None):
     (folder / "config.json").write_text(json.dumps(values))
 
 
-def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_dequantised_bf16_twin(tmp_path):
-    """Experts stored in the published MXFP4 layout load through the normal from_pretrained path dequantised to
-    model.dtype: every weight and the logits equal those of a bf16 checkpoint holding the same values."""
+def _mxfp4_checkpoint_and_bf16_twin(tmp_path):
+    """A tiny gpt-oss checkpoint with its experts in the published MXFP4 layout (random codes and scales), and a
+    bf16 checkpoint holding the same values; returns the MXFP4 state."""
     import transformers
     import yaml
 
     from lightning_ft.config import config_dir
-    from lightning_ft.model.build import load_causal_lm
 
     overrides = yaml.safe_load((Path(config_dir()) / "model" / "gpt_oss_tiny.yaml").read_text())["config"]
     config = transformers.AutoConfig.for_model(overrides.pop("model_type"), **overrides, vocab_size=64)
@@ -156,7 +150,15 @@ def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_dequantised_bf16_twin(tmp_path
     mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     _write_checkpoint(tmp_path / "mxfp4", config, quantised, mxfp4)
     _write_checkpoint(tmp_path / "bf16", config, twin)
+    return quantised
 
+
+def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_dequantised_bf16_twin(tmp_path):
+    """Experts stored in the published MXFP4 layout load through the normal from_pretrained path dequantised to
+    model.dtype: every weight and the logits equal those of a bf16 checkpoint holding the same values."""
+    from lightning_ft.model.build import load_causal_lm
+
+    _mxfp4_checkpoint_and_bf16_twin(tmp_path)
     loaded = load_causal_lm(str(tmp_path / "mxfp4"), dtype="bfloat16", attn_implementation="eager")
     reference = load_causal_lm(str(tmp_path / "bf16"), dtype="bfloat16", attn_implementation="eager")
     assert not getattr(loaded, "is_quantized", False)
@@ -167,3 +169,26 @@ def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_dequantised_bf16_twin(tmp_path
     ids = torch.tensor([[3, 7, 1, 9, 4, 2]])
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_model_quantization_mxfp4_keeps_an_mxfp4_checkpoint_s_experts_as_they_are(tmp_path):
+    """model.quantization=mxfp4: the checkpoint's blocks and scales are the experts' buffers byte for byte (not
+    dequantised and quantised again); the bf16 twin is quantised after loading to the same values; dequantised,
+    every weight equals the twin's."""
+    from lightning_ft.model.build import load_causal_lm
+    from lightning_ft.model.mxfp4 import dequantize_experts
+
+    quantised = _mxfp4_checkpoint_and_bf16_twin(tmp_path)
+    kept = load_causal_lm(str(tmp_path / "mxfp4"), dtype="bfloat16", attn_implementation="eager", quantization="mxfp4")
+    requantised = load_causal_lm(str(tmp_path / "bf16"), dtype="bfloat16", attn_implementation="eager", quantization="mxfp4")
+    state = kept.state_dict()
+    for name, value in quantised.items():
+        if name.endswith(("_blocks", "_scales")):
+            assert torch.equal(state[name], value), name
+            assert requantised.state_dict()[name].shape == value.shape, name
+    reference = load_causal_lm(str(tmp_path / "bf16"), dtype="bfloat16", attn_implementation="eager")
+    for model in (kept, requantised):
+        assert dequantize_experts(model) == 4
+        assert model.state_dict().keys() == reference.state_dict().keys()
+        for name, weight in reference.state_dict().items():
+            assert torch.equal(model.state_dict()[name], weight), name

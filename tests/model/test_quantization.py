@@ -82,7 +82,7 @@ def test_checkpoints_quantise_at_load_and_bitsandbytes_4bit_ones_load_as_they_ar
 
 
 def test_bad_quantization_settings_are_refused(monkeypatch):
-    with pytest.raises(ValueError, match=r"model.quantization=int4: expected one of none, nf4$"):
+    with pytest.raises(ValueError, match=r"model.quantization=int4: expected one of none, nf4, mxfp4$"):
         check_quantization("int4", None, False)
     with pytest.raises(ValueError, match=r"already quantised \(mxfp4\).*set model.quantization=none"):
         check_quantization("nf4", "mxfp4", False)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
+from lightning_ft.kernels.mxfp4 import Mxfp4Weight, mxfp4_tile
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_wgrad", "grouped_wgrad_reference"]
 
@@ -103,7 +104,7 @@ def _dot_operands(a, b, DOT_UPCAST: tl.constexpr):
 @triton.jit
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
-    gathered_ptr, bias_ptr,
+    gathered_ptr, bias_ptr, w_scales_ptr,
     N, C, R, E, scaling, alpha,
     stride_src_m, stride_src_c,
     stride_g_m, stride_g_c,
@@ -113,8 +114,10 @@ def _grouped_gemm_body(
     stride_mid_m, stride_mid_r,
     stride_lb_e, stride_lb_r, stride_lb_n,
     stride_bias_e, stride_bias_n,
+    stride_ws_e, stride_ws_row,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -124,7 +127,10 @@ def _grouped_gemm_body(
     SCATTER else p; scale = row_scale if ROW_SCALE else 1; w is [E, C, N], lora_b [E, R, N], mid
     [S, R]; fp32 accumulation, stored in out's dtype; ACCUMULATE adds acc[orow(p)] first (in fp32;
     acc is out itself for an in-place sum). STORE_GATHERED also writes the src rows it loads to
-    gathered[p] (the column tiles of pid_n == 0: each row once).
+    gathered[p] (the column tiles of pid_n == 0: each row once). MXFP4: w is an MXFP4 weight (w_ptr its blocks
+    [E, rows, bytes], w_scales_ptr its scales [E, rows, groups], both contiguous along their last dim; stride_w_e /
+    stride_w_c the blocks' expert and row strides), quantised along C (MXFP4_ALONG_C: w[e, c, n] is stored row n)
+    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -153,6 +159,7 @@ def _grouped_gemm_body(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert * stride_w_e
+    ws_base = w_scales_ptr + expert * stride_ws_e
     num_k_tiles = tl.where(active, tl.cdiv(C, BLOCK_C), 0)
     for k_tile in range(0, num_k_tiles):
         k = k_tile * BLOCK_C + ks
@@ -165,7 +172,15 @@ def _grouped_gemm_body(
                     a,
                     mask=row_mask[:, None] & k_mask[None, :],
                 )
-        b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
+        if MXFP4:
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            if MXFP4_ALONG_C:
+                b = mxfp4_tile(w_base, ws_base, cols[None, :], k[:, None], stride_w_c, stride_ws_row, b_mask)
+            else:
+                b = mxfp4_tile(w_base, ws_base, k[:, None], cols[None, :], stride_w_c, stride_ws_row, b_mask)
+            b = b.to(src_ptr.dtype.element_ty)  # exact: e2m1 times a power of two
+        else:
+            b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
         a, b = _dot_operands(a, b, DOT_UPCAST)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
@@ -200,7 +215,8 @@ _GEMM_AUTOTUNE = dict(
         gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4)],
         interpret=(16, 64, 64),
     ),
-    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED"],
+    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
+         "MXFP4_ALONG_C"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -288,7 +304,7 @@ def _dot_options(dtype: torch.dtype) -> dict:
 
 def grouped_gemm(
     src: torch.Tensor,
-    w_ECN: torch.Tensor,
+    w_ECN: torch.Tensor | Mxfp4Weight,
     offsets_E: torch.Tensor,
     num_rows: int,
     *,
@@ -315,7 +331,9 @@ def grouped_gemm(
 
     Args:
         src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given.
-        w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy).
+        w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy); or an
+            `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
+            tile by tile in registers (its ``dtype`` is the compute dtype).
         offsets_E: [E] int32 cumulative row ends; ``offsets_E[-1] == num_rows``.
         num_rows: S, the number of sorted rows (a host int from the tensors' shapes).
         src_idx_S: [S] int64 source row of each sorted row (the fused gather).
@@ -360,9 +378,13 @@ def grouped_gemm(
     acc = accumulate_into if accumulate_into is not None else out
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
-    lora_b = lora_b_ERN if has_lora else w_ECN
+    mxfp4 = isinstance(w_ECN, Mxfp4Weight)
+    w, w_scales = (w_ECN.blocks, w_ECN.scales) if mxfp4 else (w_ECN, w_ECN)
+    if mxfp4 and (w.stride(-1) != 1 or w_scales.stride(-1) != 1):
+        raise ValueError("grouped_gemm: an Mxfp4Weight's blocks and scales must be contiguous along their last dim")
+    lora_b = lora_b_ERN if has_lora else w
     gathered = gathered_out if gathered_out is not None else src
-    bias = bias_EN if bias_EN is not None else w_ECN
+    bias = bias_EN if bias_EN is not None else src
     if bias_EN is not None and bias_EN.shape != (num_experts, n_dim):
         raise ValueError(f"bias_EN {tuple(bias_EN.shape)} is not [{num_experts}, {n_dim}]")
 
@@ -373,21 +395,22 @@ def grouped_gemm(
 
     kernel = _grouped_gemm_kernel if accumulate_into is None else _grouped_gemm_accumulate_kernel
     kernel[grid](
-        src, src_idx_S if src_idx_S is not None else offsets_E, w_ECN, out,
+        src, src_idx_S if src_idx_S is not None else offsets_E, w, out,
         out_idx_S if out_idx_S is not None else offsets_E,
-        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered, bias,
+        row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered, bias, w_scales,
         n_dim, c_dim, rank, num_experts, float(scaling), float(alpha),
         src.stride(0), src.stride(1),
         gathered.stride(0), gathered.stride(1),
-        w_ECN.stride(0), w_ECN.stride(1), w_ECN.stride(2),
+        *((w.stride(0), w.stride(1), 1) if mxfp4 else (w.stride(0), w.stride(1), w.stride(2))),
         out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1),
         mid.stride(0), mid.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         bias.stride(0), bias.stride(-1),
+        w_scales.stride(0), w_scales.stride(1),
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
         HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
-        **_dot_options(src.dtype),
+        **_dot_options(src.dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
     return out
@@ -449,7 +472,9 @@ def grouped_gemm_reference(
     accumulate_into: torch.Tensor | None = None, alpha: float = 1.0, bias_EN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of `grouped_gemm` (same arguments but ``out`` and ``gathered_out``):
-    each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype."""
+    each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype (an `Mxfp4Weight` dequantised first)."""
+    if isinstance(w_ECN, Mxfp4Weight):
+        w_ECN = w_ECN.dequantize()
     ends = offsets_E.long().cpu()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     expert_S = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(src.device)
@@ -494,6 +519,18 @@ def _bias_grad(dy, offsets_E, num_rows, src_idx_S=None, row_scale_S=None):
     return grouped_wgrad(ones_S1, dy, offsets_E, rhs_idx_S=src_idx_S, row_scale_S=row_scale_S)[:, 0]
 
 
+def _saved_weight(ctx, w_ENC) -> tuple:
+    """What to put in ``save_for_backward`` for the weight: itself, or None for an `Mxfp4Weight` (frozen buffers,
+    kept on ``ctx``: ``save_for_backward`` takes tensors only)."""
+    ctx.mxfp4_weight = w_ENC if isinstance(w_ENC, Mxfp4Weight) else None
+    return (None,) if ctx.mxfp4_weight is not None else (w_ENC,)
+
+
+def _weight_of(ctx, saved):
+    """The weight `_saved_weight` kept."""
+    return ctx.mxfp4_weight if ctx.mxfp4_weight is not None else saved
+
+
 class _GatherGroupedLinear(torch.autograd.Function):
     """h_SN = x[token_idx_S] W_e^T + s (x[token_idx_S] A_e^T) B_e^T (+ b_e), the gather fused into the loads.
 
@@ -514,7 +551,7 @@ class _GatherGroupedLinear(torch.autograd.Function):
             x_TC, w_ENC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S,
             lora_mid_SR=xa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN,
         )
-        ctx.save_for_backward(x_TC, w_ENC, lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E)
+        ctx.save_for_backward(x_TC, *_saved_weight(ctx, w_ENC), lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E)
         ctx.scaling = scaling
         ctx.top_k = top_k
         return h_SN
@@ -522,6 +559,7 @@ class _GatherGroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh_SN):
         x_TC, w_ENC, lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E = ctx.saved_tensors
+        w_ENC = _weight_of(ctx, w_ENC)
         needs_x, needs_w, needs_a, needs_b = ctx.needs_input_grad[:4]
         num_rows = token_idx_S.numel()
         mid_SR = None
@@ -564,7 +602,7 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         if lora_a_ERC is not None:
             aa_SR = grouped_gemm(a_SC, lora_a_ERC.transpose(1, 2), offsets_E, num_rows)
             lora_b_ERN = lora_b_ENR.transpose(1, 2)
-        ctx.save_for_backward(a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E, bias_EN)
+        ctx.save_for_backward(a_SC, weight_S, *_saved_weight(ctx, w_ENC), lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E, bias_EN)
         ctx.scaling = scaling
         if not output_needed:  # a recompute whose output value is discarded: the backward never reads it
             return unread_output(a_SC, num_rows // top_k, w_ENC.shape[1])
@@ -577,6 +615,7 @@ class _ScatterGroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_TN):
         a_SC, weight_S, w_ENC, lora_a_ERC, lora_b_ENR, aa_SR, token_idx_S, offsets_E, bias_EN = ctx.saved_tensors
+        w_ENC = _weight_of(ctx, w_ENC)
         needs_a, needs_weight, needs_w, needs_la, needs_lb = ctx.needs_input_grad[:5]
         num_rows = a_SC.shape[0]
         gb_SR = None

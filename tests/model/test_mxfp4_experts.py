@@ -1,0 +1,115 @@
+"""model.quantization=mxfp4 (model/mxfp4.py): gpt-oss's frozen experts kept in MXFP4 on the triton MoE backend."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_ft.config import config_dir
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.model.mxfp4 import dequantize_experts, experts_bytes, quantize_experts
+from lightning_ft.model.quantization import check_quantization, check_quantized_training
+
+CONFIG = {**yaml.safe_load((Path(config_dir()) / "model" / "gpt_oss_tiny.yaml").read_text())["config"], "vocab_size": 64}
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "o_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+EXPERT_WEIGHTS = 4  # gate_up and down in each of 2 layers
+
+
+def _build(quantization="mxfp4", dtype="float32", backend="triton"):
+    model = {"init": "random", "config": CONFIG, "dtype": dtype, "quantization": quantization, "attention": "sdpa"}
+    return ModelBuilder(model, LORA, moe={"backend": backend}, seed=0)(torch.device("cpu")).model
+
+
+def test_random_init_keeps_the_experts_in_mxfp4_at_about_a_quarter_of_the_bytes():
+    """Blocks and scales in the checkpoints' names and layout; the dense parameter a 2-byte placeholder of its
+    shape (PEFT reads it); bf16 experts: (1/2 + 1/32) bytes a weight against 2, exactly."""
+    dense, kept = _build("none", "bfloat16"), _build("mxfp4", "bfloat16")
+    experts = kept.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer
+    assert experts.gate_up_proj_blocks.shape == (4, 64, 2, 16) and experts.gate_up_proj_scales.shape == (4, 64, 2)
+    assert experts.down_proj_blocks.shape == (4, 64, 1, 16) and experts.down_proj_blocks.dtype == torch.uint8
+    assert experts.gate_up_proj.shape == (4, 64, 64) and experts.gate_up_proj.untyped_storage().nbytes() == 2
+    weights = 2 * (4 * 64 * 64 + 4 * 32 * 64)  # 2 layers: gate_up [4, 64, 64], down [4, 32, 64]
+    assert experts_bytes(dense) == 2 * weights
+    assert experts_bytes(kept) == weights // 2 + weights // 32 + 2 * EXPERT_WEIGHTS
+    assert experts_bytes(kept) / experts_bytes(dense) < 0.27
+
+
+def test_logits_and_lora_gradients_equal_the_dequantised_twin():
+    """fp32: the model with MXFP4 experts and the same model with them dequantised to dense weights (both on the
+    triton backend) give the same logits and LoRA gradients, bitwise (the tiles dequantise exactly); the expert
+    LoRA's B is made non-zero so that every factor gets a gradient."""
+    runs = []
+    for dense in (False, True):
+        model = _build()
+        if dense:
+            assert dequantize_experts(model) == EXPERT_WEIGHTS
+        torch.manual_seed(1)
+        for name, param in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                param.data.normal_(0, 0.1)
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (logits, grads), (twin_logits, twin_grads) = runs
+    assert torch.equal(logits, twin_logits)
+    assert grads.keys() == twin_grads.keys() and any("experts" in name for name in grads)
+    for name, grad in grads.items():
+        assert grad is not None and torch.equal(grad, twin_grads[name]), name
+
+
+def test_bad_mxfp4_settings_are_refused():
+    with pytest.raises(ValueError, match="moe.backend=grouped_mm.*set moe.backend=triton"):
+        check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=False, moe_backend="grouped_mm")
+    with pytest.raises(ValueError, match="only moe.backend=triton reads"):
+        _build(backend="hf")
+    with pytest.raises(ValueError, match="mxfp4 does not run under strategy=fsdp2"):
+        check_quantized_training("mxfp4", lora=True, sharded=True, cuda_graphs=False)
+    with pytest.raises(ValueError, match="mxfp4 freezes the base.*set lora.enabled=true"):
+        check_quantized_training("mxfp4", lora=False, sharded=False, cuda_graphs=False)
+    with pytest.raises(ValueError, match="mxfp4.*set strategy.cuda_graphs=false"):
+        check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"already quantised \(bitsandbytes\)"):
+        check_quantization("mxfp4", "bitsandbytes", True)
+    check_quantization("mxfp4", "mxfp4", False)
+    with pytest.raises(ValueError, match="keeps gpt-oss's MoE experts in MXFP4; Linear has none"):
+        quantize_experts(torch.nn.Linear(32, 32))
+
+
+@pytest.mark.slow
+def test_fit_on_mxfp4_experts_then_export_merge_writes_dequantised_experts(tmp_path):
+    """The CLI: tiny gpt-oss, LoRA on attention and experts, experts in MXFP4 on the triton backend (Triton
+    interpreted here): the loss falls, the adapter is plain PEFT (no MXFP4 tensors); ``export --merge`` writes the
+    base's experts dequantised (values on the MXFP4 grid) and the merged model computes what the adapter over that
+    base computes (fp32; the merge rounds, 1e-4)."""
+    from cli_helpers import FAST, run_cli, summary
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.export import main as export_main
+    from lightning_ft.kernels.mxfp4 import dequantize_mxfp4_reference, quantize_mxfp4
+
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *FAST, "trainer.max_steps=3", "scheduler.num_warmup_steps=0", "model=gpt_oss_tiny",
+                   "lora=moe", "moe.backend=triton", "model.quantization=mxfp4")
+    assert f"quantization: {EXPERT_WEIGHTS} expert weights quantised to MXFP4 after the random init" in proc.stdout + proc.stderr
+    s = summary(run_dir)
+    assert s["steps"] == 3 and s["final_loss"] < s["initial_loss"]
+    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert any("experts" in key for key in adapter) and not any(key.endswith(("_blocks", "_scales")) for key in adapter)
+    assert export_main([str(run_dir), "--merge"]) == 0
+    out = run_dir / "export"
+    base, merged = (AutoModelForCausalLM.from_pretrained(str(out / name)) for name in ("base", "merged"))
+    for model in (base, merged):
+        assert not any(key.endswith(("_blocks", "_scales")) for key in model.state_dict())
+    for name in ("gate_up_proj", "down_proj"):
+        stored = base.state_dict()[f"model.layers.0.mlp.experts.{name}"].transpose(1, 2)  # [E, N, C]
+        assert torch.equal(dequantize_mxfp4_reference(*quantize_mxfp4(stored), torch.float32), stored), name
+        assert not torch.equal(merged.state_dict()[f"model.layers.0.mlp.experts.{name}"], stored.transpose(1, 2)), name
+    ids = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    adapted = PeftModel.from_pretrained(base, str(out / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
