@@ -41,6 +41,7 @@ losses and the skip counters, so a resumed run replays an uninterrupted one exac
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import random
@@ -63,6 +64,7 @@ from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_choice
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
+from lightning_ft.model.attention import packed_forward
 from lightning_ft.model.build import ModelBuilder
 from lightning_ft.model.lora import active_module
 from lightning_ft.model.router import aux_loss_coef, load_balancing_loss
@@ -182,11 +184,12 @@ class FinetuneModule(L.LightningModule):
         # only a model whose config has output_router_logits takes the argument (a dense one would pass it on)
         if self.aux_loss_coef is not None:
             inputs["output_router_logits"] = router_logits
-        if self.plain_head:
-            out = getattr(hf, hf.base_model_prefix)(**inputs, use_cache=False)
-        else:  # the model changes its logits after the LM head: its own forward makes them
-            out = hf(**inputs, use_cache=False)
-            logits = out.logits[:, :-1].float()
+        with packed_forward() if self.packed else contextlib.nullcontext():  # no transformers mask for a packed row
+            if self.plain_head:
+                out = getattr(hf, hf.base_model_prefix)(**inputs, use_cache=False)
+            else:  # the model changes its logits after the LM head: its own forward makes them
+                out = hf(**inputs, use_cache=False)
+                logits = out.logits[:, :-1].float()
         aux_loss = load_balancing_loss(hf, out.router_logits) if router_logits else None
         if self.plain_head:
             hidden_BTH = out.last_hidden_state

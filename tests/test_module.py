@@ -464,3 +464,16 @@ def test_training_steps_counts_as_lightning_does_without_the_train_loader(max_ep
         trainer.fit(_CountSteps(), datamodule=data)
     ours, lightnings = counted.value.args
     assert ours == lightnings and data.train_batches_per_epoch() == 15
+
+
+def test_the_packed_loss_builds_no_transformers_attention_mask(monkeypatch):
+    """A packed row's attention masks come from its offsets: transformers' [T, T] mask is never built for it, nor its
+    packed-sequence detection run (a device sync)."""
+    from transformers import masking_utils
+
+    module = _module()
+    calls = []
+    for name in ("sdpa_mask", "find_packed_sequence_indices"):
+        monkeypatch.setattr(masking_utils, name, lambda *args, **kwargs: calls.append(args))
+    module.loss_terms(collate_packed(_docs([7, 5], seed=0)), aux=False)
+    assert not calls

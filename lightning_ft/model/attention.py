@@ -67,8 +67,9 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -472,7 +473,7 @@ def packed_attention_forward(
 
     Args:
         query: [1, Hq, T, D]; key: [1, Hkv, T, D]; value: [1, Hkv, T, Dv], Dv <= D (MLA's is narrower).
-        packed_batch: the batch being run (None: transformers' SDPA attention handles the call).
+        packed_batch: the batch being run (None: an unpacked call, `unpacked_attention`).
         backend: ``auto``, ``cudnn``, ``varlen``, ``flex`` or ``sdpa`` (bound by `register_packed_attention`).
         kwargs: from the attention module: ``sliding_window``, ``s_aux`` ([Hq] attention-sink logits,
             gpt-oss), ``softcap`` (logit soft-capping, Gemma 2).
@@ -487,11 +488,7 @@ def packed_attention_forward(
         ValueError: several rows, or attention dropout with auto/cudnn/varlen/flex.
     """
     if packed_batch is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]} rows")
     window, sinks, softcap = kwargs.get("sliding_window"), kwargs.get("s_aux"), kwargs.get("softcap")
@@ -507,6 +504,65 @@ def packed_attention_forward(
     if backend == "flex":
         return flex_attention(query, key, value, packed_batch, scaling, window, sinks, softcap), None
     return varlen_attention(query, key, value, packed_batch, scaling, window, backend, sinks), None
+
+
+def unpacked_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> torch.Tensor:
+    """Attention of a call without a packed batch (evaluation on padded rows, generation with a KV cache): [B, T, Hq, Dv].
+
+    ``attention_mask`` is transformers' SDPA mask ([B, 1, Tq, Tk] bool: causal, padding, sliding window; None
+    where plain causal attention is exact), registered for our attention by `register_packed_attention`. Transformers'
+    SDPA attention runs it, but a layer with attention sinks (``s_aux``) or soft-capping (``softcap``), which
+    SDPA has not, runs `_math_attention` (transformers' eager attention, written out); a query row with no key
+    to attend (padding) attends every key instead of producing NaN (its output is not used).
+
+    Raises:
+        ValueError: attention dropout with sinks or soft-capping.
+    """
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    if sinks is None and softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)[0]
+    if dropout:
+        raise ValueError("attention dropout with soft-capping or sinks is not supported on unpacked rows")
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    keep = attention_mask
+    if keep is None:  # causal, the queries being the last q_len positions (a KV cache before them)
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    keep = keep | ~keep.any(dim=-1, keepdim=True)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return _math_attention(*autocast_inputs(query, key, value), keep, scaling, sinks, softcap).transpose(1, 2).contiguous()
+
+
+@contextmanager
+def packed_forward() -> Iterator[None]:
+    """Run a model forward on a packed row without transformers' attention mask.
+
+    Our attention names are registered with transformers' SDPA mask (`register_packed_attention`), which
+    unpacked calls need (padding, sliding windows). A packed row needs none (its attention reads the batch's
+    offsets), and building one would cost a [T, T] mask (4 GiB at 64K tokens) and a device sync (transformers'
+    packed-sequence detection from ``position_ids``). Inside, our names are out of transformers' mask registry,
+    which makes it skip both, as for any attention without a mask function.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    registry = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping  # what transformers checks ("custom attention without mask")
+    removed = {name: registry.pop(name) for name in ATTENTION_NAMES.values() if name in registry}
+    try:
+        yield
+    finally:
+        registry.update(removed)
 
 
 def varlen_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
@@ -558,8 +614,10 @@ def register_packed_attention(backend: str = "sdpa") -> str:
         ValueError: ``backend`` is not one of `ATTENTION_NAMES`.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if backend not in ATTENTION_NAMES:
         raise ValueError(f"packed attention backend {backend!r}: expected one of {list(ATTENTION_NAMES)}")
     AttentionInterface.register(ATTENTION_NAMES[backend], partial(packed_attention_forward, backend=backend))
+    AttentionMaskInterface.register(ATTENTION_NAMES[backend], sdpa_mask)  # for unpacked calls (`packed_forward`)
     return ATTENTION_NAMES[backend]

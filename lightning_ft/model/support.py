@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from lightning_ft.model.attention import packed_forward
+
 __all__ = ["ArchitectureSupport", "architecture_support", "tiny_config"]
 
 # config fields shrunk for the probe, and their values: hidden 32, 2 heads (1 key/value head) of 16
@@ -152,9 +154,10 @@ def _packing_differs(stock: torch.nn.Module, alone: list[torch.Tensor], batch: A
         return "its attention does not go through transformers' attention-function registry"
     packed.set_attn_implementation(attention)
     try:
-        hidden = getattr(packed, packed.base_model_prefix)(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
-        ).last_hidden_state
+        with packed_forward():
+            hidden = getattr(packed, packed.base_model_prefix)(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
+            ).last_hidden_state
     except Exception as err:
         return f"its forward fails on a packed row ({type(err).__name__}: {err})"
     if torch.allclose(hidden, torch.cat(alone, dim=1), atol=_ATOL, rtol=0):

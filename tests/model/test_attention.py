@@ -521,3 +521,57 @@ def test_varlen_size_guard_names_the_limit():
     check_varlen_size(total_q=511_487, num_docs=100, num_heads=32, head_dim=128)
     with pytest.raises(ValueError, match=r"at most 511487 .*model.attention=flex"):
         check_varlen_size(total_q=511_488, num_docs=100, num_heads=32, head_dim=128)
+
+
+UNPACKED = {  # attention sinks and a sliding window (gpt-oss), soft-capping and a window (Gemma 2), plain (Llama)
+    "gpt_oss": dict(
+        model_type="gpt_oss", hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"], initializer_range=0.5, vocab_size=97,
+    ),
+    "gemma2": dict(
+        model_type="gemma2", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=3, attn_logit_softcapping=1.0, vocab_size=97,
+    ),
+    "llama": TINY["llama"],
+}
+
+
+@pytest.mark.parametrize("kind", list(UNPACKED))
+def test_unpacked_rows_equal_transformers_eager_with_padding_sinks_softcap_and_windows(kind):
+    """Calls without a packed batch (evaluation, generation, the logits a run dumps) get transformers' mask
+    (padding, sliding window) and keep sinks and soft-capping, as the model's own eager attention does."""
+    import copy
+
+    torch.manual_seed(0)
+    ours = load_causal_lm(None, "random", dict(UNPACKED[kind]), attn_implementation=attention.register_packed_attention("sdpa"))
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    with torch.no_grad():
+        got, want = (m.eval()(input_ids=ids, attention_mask=mask).logits for m in (ours, eager))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1, 3:], want[1, 3:], rtol=1e-5, atol=1e-5)  # padding's own logits are not used
+        # generation: the prompt, then one token at a time through the KV cache
+        prompt = ids[:1, :6]
+        torch.testing.assert_close(*(m.generate(prompt, max_new_tokens=4, do_sample=False) for m in (ours, eager)))
+
+
+def test_a_packed_forward_gets_no_transformers_mask(monkeypatch):
+    """Inside `packed_forward` transformers builds no mask and runs no packed-sequence detection (a device sync);
+    outside, unpacked calls get its SDPA mask."""
+    from transformers import masking_utils
+
+    model = _model("llama")
+    batch = collate_packed(_docs([5, 3]))
+    detected = []
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda *args: detected.append(1))
+    with attention.packed_forward(), torch.no_grad():
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False)
+    assert not detected
+    assert attention.ATTENTION_NAMES["sdpa"] in masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping  # restored
+    with torch.no_grad():
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False)
+    assert detected  # the check above would see it

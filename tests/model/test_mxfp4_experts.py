@@ -94,7 +94,8 @@ def test_fit_on_mxfp4_experts_then_export_merge_writes_dequantised_experts(tmp_p
 
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, *FAST, "trainer.max_steps=3", "scheduler.num_warmup_steps=0", "model=gpt_oss_tiny",
-                   "lora=moe", "moe.backend=triton", "model.quantization=mxfp4")
+                   "lora=moe", "moe.backend=triton", "model.quantization=mxfp4",
+                   "+callbacks.logits._target_=cli_helpers.DumpLogits", f"+callbacks.logits.path={run_dir / 'logits.pt'}")
     assert f"quantization: {EXPERT_WEIGHTS} expert weights quantised to MXFP4 after the random init" in proc.stdout + proc.stderr
     s = summary(run_dir)
     assert s["steps"] == 3 and s["final_loss"] < s["initial_loss"]
@@ -109,7 +110,9 @@ def test_fit_on_mxfp4_experts_then_export_merge_writes_dequantised_experts(tmp_p
         stored = base.state_dict()[f"model.layers.0.mlp.experts.{name}"].transpose(1, 2)  # [E, N, C]
         assert torch.equal(dequantize_mxfp4_reference(*quantize_mxfp4(stored), torch.float32), stored), name
         assert not torch.equal(merged.state_dict()[f"model.layers.0.mlp.experts.{name}"], stored.transpose(1, 2)), name
-    ids = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = torch.load(run_dir / "logits.pt")  # the trained model's own logits (MXFP4 experts, our kernels)
+    ids, trained = reference["input_ids"], reference["logits"]
     adapted = PeftModel.from_pretrained(base, str(out / "adapter"))
     with torch.no_grad():
-        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+        for model in (merged, adapted):
+            torch.testing.assert_close(model.eval()(input_ids=ids).logits, trained, atol=1e-4, rtol=1e-4)
