@@ -97,22 +97,35 @@ def test_checkpointing_through_offloaded_inputs_gives_the_plain_autograd_gradien
 
 @pytest.mark.gpu
 def test_offloading_frees_the_inputs_on_the_gpu_and_never_syncs():
+    """Two forwards and backwards (the second's first save reads the first's copy and wait events): no sync;
+    then the stats: every copy and wait timed, at a plausible bandwidth."""
     mib = 2**20
     offload = ActivationOffload(num_layers=5)
-    inputs = [torch.randn(mib // 2, device="cuda", dtype=torch.bfloat16) for _ in range(5)]  # 1 MiB each
-    want = [x.clone() for x in inputs]
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    rounds = []
     try:
-        torch.cuda.set_sync_debug_mode("error")
-        saved = [offload.save(x, i) for i, x in enumerate(inputs)]
-        del inputs
-        freed = before - torch.cuda.memory_allocated()
-        loaded = [offload.load(s) for s in reversed(saved)][::-1]
+        for _ in range(2):
+            inputs = [torch.randn(4 * mib, device="cuda", dtype=torch.bfloat16) for _ in range(5)]  # 8 MiB each
+            want = [x.clone() for x in inputs]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.set_sync_debug_mode("error")
+            saved = [offload.save(x, i) for i, x in enumerate(inputs)]
+            del inputs
+            freed = before - torch.cuda.memory_allocated()
+            loaded = [offload.load(s) for s in reversed(saved)][::-1]
+            torch.cuda.set_sync_debug_mode("default")
+            rounds.append((freed, loaded, want))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert freed == 4 * mib  # all but the last layer's
-    assert all(torch.equal(got, w) for got, w in zip(loaded, want))
+    for freed, loaded, want in rounds:
+        assert freed == 4 * 8 * mib  # all but the last layer's
+        assert all(torch.equal(got, w) for got, w in zip(loaded, want))
+    torch.cuda.synchronize()
+    stats = offload.stats()
+    assert stats["offloaded_bytes"] == stats["reloaded_bytes"] == 2 * 4 * 8 * mib and stats["forwards"] == 2
+    assert stats["compute_waits"] == 2 * 8 and not offload.meter.pending  # per round: saves 1-4 and loads 0-3
+    assert 1 < stats["copy_d2h_gbps"] < 1000 and 1 < stats["copy_h2d_gbps"] < 1000, stats  # pinned memory: tens of GB/s
+    assert stats["compute_wait_ms"] >= 0 and stats["compute_wait_ms_per_forward"] == stats["compute_wait_ms"] / 2
 
 
 def test_an_input_changed_in_place_during_its_forward_is_an_error():
