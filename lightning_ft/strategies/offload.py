@@ -200,8 +200,8 @@ class CopyMeter:
         (1e9 bytes per second: the timed copies' bytes over their summed times), None where none was timed (off
         CUDA, or none has completed yet); ``compute_waits``: the compute stream's waits on copies (none off
         CUDA); ``compute_wait_ms``: the timed waits' summed stall, ms, and ``compute_wait_ms_per_forward`` (over
-        the forwards, layer 0's saves), None where nothing was timed (off CUDA). The run's first steps (recording, the first
-        pinned allocations) count too.
+        the forwards, layer 0's saves), None where nothing was timed (off CUDA). The run's first steps (recording,
+        the first pinned allocations) count too.
         """
         self.resolve(everything=True)
         gbps = {d: self.timed_bytes[d] / self.copy_ms[d] / 1e6 if self.copy_ms[d] > 0 else None for d in DIRECTIONS}
