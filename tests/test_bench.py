@@ -430,3 +430,16 @@ def test_settings_name_fp8_base_weights():
     config = {"dtype": "bfloat16", "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj"]}, "kernels": {"lora": True}}
     assert settings_text({**config, "strategy": {"fp8": True}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora fp8"
     assert settings_text({**config, "strategy": {"fp8": False}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora"
+
+
+def test_results_md_shows_the_offloading_copies_where_a_row_has_them():
+    from lightning_ft.bench import runner
+
+    base = {"system": "lightning_ft", "layers": 48, "seq_len": 32768, "status": "ok", "ms_per_step": 5000.0}
+    plain = runner.markdown_table([base])
+    offloading = runner.markdown_table([base, {**base, "cuda_graphs_copy_d2h_gbps": 21.53, "cuda_graphs_copy_h2d_gbps": 19.2,
+                                               "cuda_graphs_compute_wait_ms_per_forward": 3.125}])
+    assert "offload" not in plain
+    head, _, no_offload, row = offloading.splitlines()
+    assert head.endswith("| offload d2h GB/s | offload h2d GB/s | offload wait ms/step |")
+    assert no_offload.endswith("| – | – | – |") and row.endswith("| 21.53 | 19.20 | 3.12 |")

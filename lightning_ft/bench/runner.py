@@ -45,7 +45,10 @@ _COLUMNS = [("system", "system"), ("layers", "layers"), ("seq_len", "seq"), ("st
             ("ms_per_step", "ms/step"), ("tokens_per_s", "tokens/s"), ("x_vs_hf_peft", "× hf_peft"),
             ("mfu", "MFU"), ("peak_mem_gib", "peak GiB"), ("mem_vs_hf_peft", "mem × hf_peft"), ("loss_last", "loss")]
 _PROFILE_COLUMNS = [("device_busy_ms_per_step", "device busy ms"), ("kernels_per_step", "kernels/step"),
-                    ("memory_budget_gib", "budget GiB"), ("predicted_peak_gib", "predicted peak GiB")]
+                    ("memory_budget_gib", "budget GiB"), ("predicted_peak_gib", "predicted peak GiB"),
+                    # activation offloading's copies (`ActivationOffload.stats`): achieved GB/s, the compute stream's stall
+                    ("cuda_graphs_copy_d2h_gbps", "offload d2h GB/s"), ("cuda_graphs_copy_h2d_gbps", "offload h2d GB/s"),
+                    ("cuda_graphs_compute_wait_ms_per_forward", "offload wait ms/step")]
 
 
 def environment() -> dict[str, Any]:

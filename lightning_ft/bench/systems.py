@@ -216,7 +216,8 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
 
     The summary has `StepTimer`'s entries, with a memory plan its predicted peak (``predicted_peak_gib``) and,
     with CUDA graphs, `cuda_graph_stats` prefixed ``cuda_graphs_`` (layer calls replayed, bytes of attention and
-    projection outputs kept).
+    projection outputs kept; with activation offloading the copies' achieved GB/s and the compute stream's wait on
+    them per forward, warm-up steps included: `lightning_ft.strategies.offload.CopyMeter.stats`).
     """
     import lightning as L
 

@@ -111,6 +111,52 @@ def result_line(summary: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def offload_copies(graphs: dict[str, Any] | None, steps: int, plan: Any = None) -> dict[str, float | None] | None:
+    """How activation offloading's copies went (`lightning_ft.strategies.offload.ActivationOffload.stats`, in
+    ``graphs``: `cuda_graph_stats`), for summary.json and the log: the achieved bandwidth of the copies to the host
+    and back, ``copy_d2h_gbps`` and ``copy_h2d_gbps`` (GB/s, 1e9 bytes per second), beside the ceiling the memory
+    plan measured, ``ceiling_d2h_gbps`` and ``ceiling_h2d_gbps`` (``plan.bandwidth``; None without a plan), and
+    ``compute_wait_ms_per_step``: what the compute stream stalled on copies per optimizer step (ms; 0: the copies
+    were hidden under compute), over the ``steps`` run. None where nothing was offloaded; the timings are None off
+    CUDA (nothing timed)."""
+    if not graphs or "offloaded_inputs" not in graphs:
+        return None
+    bandwidth = getattr(plan, "bandwidth", None)
+    wait_ms = graphs["compute_wait_ms"]
+    return {
+        "copy_d2h_gbps": graphs["copy_d2h_gbps"],
+        "copy_h2d_gbps": graphs["copy_h2d_gbps"],
+        "ceiling_d2h_gbps": bandwidth.device_to_host / 1e9 if bandwidth is not None else None,
+        "ceiling_h2d_gbps": bandwidth.host_to_device / 1e9 if bandwidth is not None else None,
+        "compute_wait_ms_per_step": wait_ms / steps if wait_ms is not None and steps else None,
+    }
+
+
+def offload_line(graphs: dict[str, Any], copies: dict[str, float | None]) -> str:
+    """The log's line on activation offloading: what waited in host memory (``graphs``, `cuda_graph_stats`) and
+    how the copies went (`offload_copies`)."""
+    line = (
+        f"activation offloading: {graphs['offloaded_inputs']} layer inputs and {graphs['offloaded_kept']} layer calls' "
+        f"kept activations ({graphs['offloaded_bytes'] / 2**30:.2f} GiB in all) waited in host memory for the backward; "
+        f"{graphs['prefetched_loads']} of the inputs' reloads were prefetched"
+    )
+    if copies["copy_d2h_gbps"] is None and copies["compute_wait_ms_per_step"] is None:
+        return line + "; copy times not measured (off CUDA)"
+
+    def gbps(key: str) -> str:
+        return "n/a" if copies[key] is None else f"{copies[key]:.1f} GB/s"
+
+    ceiling = "" if copies["ceiling_d2h_gbps"] is None else (
+        f" (measured ceiling {gbps('ceiling_d2h_gbps')} and {gbps('ceiling_h2d_gbps')})"
+    )
+    wait = copies["compute_wait_ms_per_step"]
+    return (
+        f"{line}; copies to the host at {gbps('copy_d2h_gbps')} and back at {gbps('copy_h2d_gbps')}{ceiling}; "
+        f"the compute stream waited {'n/a' if wait is None else f'{wait:.2f}'} ms per step on copies (0: all hidden "
+        "under compute)"
+    )
+
+
 def planned_steps(trainer: L.Trainer) -> str:
     """How many optimizer steps the run takes and what bounds them (``trainer.max_epochs`` or ``trainer.max_steps``),
     from Lightning's ``estimated_stepping_batches``; after the data is set up (``on_train_start``)."""
@@ -151,6 +197,8 @@ class RunSummary(L.Callback):
       documents' tokens over the rows' capacity, ``data.max_tokens`` each, ...), ``cuda_graphs``
       (with ``strategy.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
       recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
+      ``offload_copies`` (with activation offloading: the copies' achieved bandwidth against the memory plan's
+      measured one and the compute stream's wait on them per step; `offload_copies`; else null),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,
       ``allocator`` (`allocator_settings`) and the resolved ``config``.
     - ``loss_curve.png``: training loss, validation points and learning rate (`loss_curve_figure`).
@@ -313,12 +361,14 @@ class RunSummary(L.Callback):
             "val_exact_match": _float(metrics.get("val/exact_match")),
             "data": asdict(datamodule.stats) if datamodule is not None and hasattr(datamodule, "stats") else None,
             "cuda_graphs": cuda_graph_stats(pl_module.model) if getattr(pl_module, "model", None) is not None else None,
+            "offload_copies": None,
             "world_size": trainer.world_size,
             "device": str(pl_module.device),
             "allocator": allocator_settings(),
             "config": self.config,
         }
         graphs = self.summary["cuda_graphs"]
+        self.summary["offload_copies"] = offload_copies(graphs, len(losses), plan)
         if graphs and (calls := graphs["replayed_layer_calls"] + graphs["eager_layer_calls"]):
             log.info(
                 "cuda graphs: %.0f%% of %d layer calls replayed from graphs (%d input signatures recorded; "
@@ -328,13 +378,8 @@ class RunSummary(L.Callback):
                 graphs["kept_attention_recordings"], graphs["kept_attention_bytes"] / 2**30,
                 graphs["kept_projections_recordings"], graphs["kept_projections_bytes"] / 2**30,
             )
-        if graphs and "offloaded_inputs" in graphs:
-            log.info(
-                "activation offloading: %d layer inputs and %d layer calls' kept activations (%.2f GiB in all) waited "
-                "in host memory for the backward; %d of the inputs' reloads were prefetched",
-                graphs["offloaded_inputs"], graphs["offloaded_kept"], graphs["offloaded_bytes"] / 2**30,
-                graphs["prefetched_loads"],
-            )
+        if self.summary["offload_copies"] is not None:
+            log.info("%s", offload_line(graphs, self.summary["offload_copies"]))
         if error is not None:  # a full disk must not hide the error that stopped the run
             try:
                 self._write_files(losses)

@@ -741,7 +741,7 @@ def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
     state.kept_writers.clear()
 
 
-def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
+def cuda_graph_stats(model: torch.nn.Module) -> dict[str, Any] | None:
     """How the graphed layers of ``model`` ran in training so far (None: not patched).
 
     Returns:
@@ -750,7 +750,7 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
         the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes of the
         buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs, offloading layers
         their staging sets'); where anything is offloaded (``activation_offload``, a memory plan),
-        `ActivationOffload.stats`.
+        `ActivationOffload.stats` (counts, bytes, and the copies' GB/s and waits' ms: None off CUDA).
     """
     for module in model.modules():
         if hasattr(module, _STATE_ATTR):

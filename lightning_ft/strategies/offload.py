@@ -50,6 +50,13 @@ Over pinned memory's host-device bandwidth a layer's input moves in well under t
 or backward at long rows (32K tokens on Qwen3-30B-A3B); at short rows the copies are small but so
 is the saving (turn it on for long contexts).
 
+What it costs is measured as it runs (`CopyMeter`, `ActivationOffload.stats`): CUDA events around each
+copy on the copy stream give its time (the bytes are known), and an event recorded on the compute stream
+just before each wait on a copy's event and one just after give the wait: the one after completes only
+once the copy has, so the time between them is what the compute stream stalled (the copies not hidden
+under compute). The events are read without a sync: once per forward (at layer 0's `save`) and in
+`stats`, only those that have completed (``Event.query``); the others stay for a later read.
+
 Sources: CUDA streams and events (CUDA C++ Programming Guide); the caching allocators' stream
 semantics (``torch.cuda`` memory management notes); the offloaded checkpoints of Unsloth (a side
 stream, one staging buffer plus a second when memory allows) and torchtune's ``OffloadActivations``
@@ -60,11 +67,14 @@ one layer ahead and skips the last layer.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections import deque
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["ActivationOffload", "OffloadedTensor", "offloaded_checkpoint"]
+__all__ = ["ActivationOffload", "CopyMeter", "OffloadedTensor", "offloaded_checkpoint"]
+
+DIRECTIONS = ("d2h", "h2d")  # device to host (save), host to device (load)
 
 
 def _check_version(saved: OffloadedTensor, x: torch.Tensor) -> None:
@@ -116,6 +126,93 @@ class OffloadedTensor:
         self.staged_host: list[torch.Tensor] | None = None
 
 
+class CopyMeter:
+    """Bytes, copy times and compute-stream waits of an `ActivationOffload`, timed by events read without a sync.
+
+    `copied` takes the events around a copy (on the copy stream), `waited` those around a wait of the compute
+    stream on a copy's event (the later one completes once that copy has: the time between them is the stall).
+    `resolve` adds up the elapsed times of the entries whose later event has completed (``query()``) and keeps
+    the others for a later call. Events are anything with ``query()`` and ``elapsed_time(end)`` (milliseconds),
+    as `torch.cuda.Event` with ``enable_timing=True``; None: untimed (off CUDA, where the copies are done when
+    queued and nothing waits).
+
+    Args:
+        max_pending: the most timed entries kept unread (a host far ahead of the GPU); beyond it, copies and
+            waits are counted but not timed (their events are not kept).
+    """
+
+    def __init__(self, max_pending: int = 8192):
+        self.max_pending = max_pending
+        self.bytes = dict.fromkeys(DIRECTIONS, 0)  # copied, per direction
+        self.timed_bytes = dict.fromkeys(DIRECTIONS, 0)  # of the copies timed so far
+        self.copy_ms = dict.fromkeys(DIRECTIONS, 0.0)  # their summed times
+        self.waits = 0
+        self.wait_ms = 0.0  # the timed waits' summed times
+        self.forwards = 0
+        self.timed = False  # any copy or wait had events (on CUDA)
+        self.pending: deque[tuple[str | None, int, Any, Any]] = deque()  # (direction, or None for a wait; bytes; events)
+
+    def copied(self, direction: str, nbytes: int, start: Any = None, end: Any = None) -> None:
+        """A copy of ``nbytes`` in ``direction`` (``d2h`` or ``h2d``) between the events ``start`` and ``end``."""
+        self.bytes[direction] += nbytes
+        self._keep(direction, nbytes, start, end)
+
+    def waited(self, before: Any = None, after: Any = None) -> None:
+        """A wait of the compute stream on a copy, between the events ``before`` and ``after``."""
+        self.waits += 1
+        self._keep(None, 0, before, after)
+
+    def _keep(self, direction: str | None, nbytes: int, start: Any, end: Any) -> None:
+        if start is not None and len(self.pending) < self.max_pending:
+            self.pending.append((direction, nbytes, start, end))
+            self.timed = True
+
+    def forward(self) -> None:
+        """A forward begins (layer 0's `ActivationOffload.save`): read the entries that have completed."""
+        self.forwards += 1
+        self.resolve()
+
+    def resolve(self, everything: bool = False) -> None:
+        """Add up the completed entries, from the oldest to the first that has not completed (the GPU runs them
+        in about that order); with ``everything``, all that have completed. No sync: ``query`` only."""
+        left: deque = deque()
+        while self.pending:
+            entry = self.pending.popleft()
+            direction, nbytes, start, end = entry
+            if not end.query():
+                left.append(entry)
+                if not everything:
+                    break
+                continue
+            ms = start.elapsed_time(end)
+            if direction is None:
+                self.wait_ms += ms
+            else:
+                self.copy_ms[direction] += ms
+                self.timed_bytes[direction] += nbytes
+        left.extend(self.pending)
+        self.pending = left
+
+    def stats(self) -> dict[str, float | int | None]:
+        """The entries completed so far read (`resolve`), then:
+
+        ``copy_d2h_gbps``, ``copy_h2d_gbps``: the achieved bandwidth of the copies to the host and back, GB/s
+        (1e9 bytes per second: the timed copies' bytes over their summed times), None where none was timed (off
+        CUDA, or none has completed yet); ``compute_waits``: the compute stream's waits on copies (none off
+        CUDA); ``compute_wait_ms``: the timed waits' summed stall, ms, and ``compute_wait_ms_per_forward`` (over
+        the forwards, layer 0's saves), None where nothing was timed (off CUDA). The run's first steps (recording,
+        the first pinned allocations) count too.
+        """
+        self.resolve(everything=True)
+        gbps = {d: self.timed_bytes[d] / self.copy_ms[d] / 1e6 if self.copy_ms[d] > 0 else None for d in DIRECTIONS}
+        wait_ms = self.wait_ms if self.timed else None
+        return {
+            "copy_d2h_gbps": gbps["d2h"], "copy_h2d_gbps": gbps["h2d"], "compute_waits": self.waits,
+            "compute_wait_ms": wait_ms,
+            "compute_wait_ms_per_forward": wait_ms / self.forwards if wait_ms is not None and self.forwards else None,
+        }
+
+
 class ActivationOffload:
     """Offloads the checkpointed inputs of ``num_layers`` decoder layers (see the module docstring).
 
@@ -124,10 +221,10 @@ class ActivationOffload:
         layers: the layers whose inputs are offloaded (a memory plan, `lightning_ft.strategies.planner`);
             the others stay on the device as the last one's does. None: every layer but the last.
 
-    Attributes (counters over the run): ``saved`` inputs offloaded, ``saved_bytes`` copied to the
-    host (inputs and kept activations), ``prefetched`` loads whose copy had been started by the next
-    layer's load, ``staged_saves`` layer calls whose kept activations went to the host,
-    ``staged_loads`` copies of kept activations back into their staging buffers.
+    Attributes (counters over the run): ``saved`` inputs offloaded, ``prefetched`` loads whose copy had
+    been started by the next layer's load, ``staged_saves`` layer calls whose kept activations went to the
+    host, ``staged_loads`` copies of kept activations back into their staging buffers; ``meter``, the
+    `CopyMeter` of every copy (bytes, times) and of the compute stream's waits on them.
     """
 
     def __init__(self, num_layers: int, layers: set[int] | None = None):
@@ -142,7 +239,7 @@ class ActivationOffload:
         self.holder: dict[int, weakref.ref[OffloadedTensor]] = {}
         self.busy: dict[int, torch.cuda.Event | None] = {}
         self.saved = 0
-        self.saved_bytes = 0
+        self.meter = CopyMeter()
         self.prefetched = 0
         self.staged_saves = 0
         self.staged_loads = 0
@@ -161,15 +258,14 @@ class ActivationOffload:
         saved, self.holding = self.holding, None
         if saved is None or saved.source is None:
             return
-        if saved.copied is not None:
-            torch.cuda.current_stream(saved.device).wait_event(saved.copied)
+        self._wait(saved.device, saved.copied)
         source, saved.source = saved.source, None
         _check_version(saved, source)
 
     def _wait_abandoned(self) -> None:
         """Reloads of a backward that stopped early: order their memory's reuse after their copies."""
         for saved in self.inflight:
-            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            self._wait(saved.device, saved.ready)
             saved.loaded = saved.ready = None
         self.inflight.clear()
 
@@ -188,6 +284,8 @@ class ActivationOffload:
         Raises:
             RuntimeError: the input saved before was changed in place since.
         """
+        if layer_index == 0:
+            self.meter.forward()
         self._let_go()
         self._wait_abandoned()
         x = x.detach()
@@ -199,14 +297,14 @@ class ActivationOffload:
             saved = OffloadedTensor(x, None, layer_index, previous)
         elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            copied = self._copy([(host, x)], x.device)
+            copied = self._copy([(host, x)], x.device, "d2h")
             saved = self.holding = OffloadedTensor(x, host, layer_index, previous)
             saved.copied = copied
         else:
             saved = self.holding = OffloadedTensor(x, x.clone(), layer_index, previous)
+            self.meter.copied("d2h", x.nbytes)
         if saved.host is not None:
             self.saved += 1
-            self.saved_bytes += x.numel() * x.element_size()
         if staged:
             saved.staged = staged
             self._wait_staging(saved)
@@ -220,31 +318,40 @@ class ActivationOffload:
         written them (queued): each call owns its host copies, so two forwards before one backward are safe."""
         tensors = _tensors(saved.staged)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
-        copied = self._copy(list(zip(host, tensors)), saved.device)
+        copied = self._copy(list(zip(host, tensors)), saved.device, "d2h")
         saved.staged_host = host
         for entry in saved.staged:
             self.busy[id(entry)] = copied
         self.staged_saves += 1
-        self.saved_bytes += sum(t.nbytes for t in tensors)
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.cuda.Event | None:
-        """Copy each (destination, source) on the copy stream after the compute stream's work queued so far;
-        the event after them (None off CUDA, where the copies are done on return)."""
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, direction: str) -> torch.cuda.Event | None:
+        """Copy each (destination, source) on the copy stream after the compute stream's work queued so far,
+        ``direction`` ``d2h`` or ``h2d`` (for the `CopyMeter`, with the events around them); the event after
+        them (None off CUDA, where the copies are done on return)."""
+        nbytes = sum(destination.nbytes for destination, _ in pairs)
         if device.type != "cuda":
             for destination, source in pairs:
                 destination.copy_(source)
+            self.meter.copied(direction, nbytes)
             return None
         stream = self._stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            start = stream.record_event(torch.cuda.Event(enable_timing=True))
             for destination, source in pairs:
                 destination.copy_(source, non_blocking=True)
-            return stream.record_event()
+            end = stream.record_event(torch.cuda.Event(enable_timing=True))
+        self.meter.copied(direction, nbytes, start, end)
+        return end
 
     def _wait(self, device: torch.device, event: torch.cuda.Event | None) -> None:
-        """The compute stream waits for ``event`` (a `_copy`'s)."""
-        if event is not None:
-            torch.cuda.current_stream(device).wait_event(event)
+        """The compute stream waits for ``event`` (a copy's), between two events for the `CopyMeter` (the stall)."""
+        if event is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        before = stream.record_event(torch.cuda.Event(enable_timing=True))
+        stream.wait_event(event)
+        self.meter.waited(before, stream.record_event(torch.cuda.Event(enable_timing=True)))
 
     def _wait_staging(self, saved: OffloadedTensor) -> None:
         """The compute stream waits for the copies that read or write ``saved``'s staging buffers."""
@@ -257,7 +364,7 @@ class ActivationOffload:
         holders = [self.holder.get(id(entry)) for entry in saved.staged]
         if all(holder is not None and holder() is saved for holder in holders):
             return
-        loaded = self._copy(list(zip(_tensors(saved.staged), saved.staged_host)), saved.device)
+        loaded = self._copy(list(zip(_tensors(saved.staged), saved.staged_host)), saved.device, "h2d")
         for entry in saved.staged:
             self.holder[id(entry)], self.busy[id(entry)] = weakref.ref(saved), loaded
         self.staged_loads += 1
@@ -266,15 +373,16 @@ class ActivationOffload:
         """The compute stream waits for every copy queued so far (before buffers are written outside `save`'s
         order, e.g. while a layer is recorded)."""
         if device in self.streams:
-            torch.cuda.current_stream(device).wait_stream(self.streams[device])
+            self._wait(device, self.streams[device].record_event())
 
     def _start_load(self, saved: OffloadedTensor) -> None:
         if saved.device.type != "cuda":
             saved.loaded = saved.host
+            self.meter.copied("h2d", saved.host.nbytes)  # the copy the device would make
             return
         # allocated on the compute stream, which may have just freed that memory: the copy waits for it
         loaded = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
-        saved.ready = self._copy([(loaded, saved.host)], saved.device)
+        saved.ready = self._copy([(loaded, saved.host)], saved.device, "h2d")
         saved.loaded = loaded
         self.inflight.append(saved)
 
@@ -308,19 +416,23 @@ class ActivationOffload:
             self._load_staged(previous)  # into the other staging set, last read by the backward queued before
         loaded, saved.loaded, saved.host = saved.loaded, None, None
         if saved.ready is not None:
-            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            self._wait(saved.device, saved.ready)
             saved.ready = None
             self.inflight.remove(saved)
         self._wait_staging(saved)
         saved.staged_host = None
         return loaded
 
-    def stats(self) -> dict[str, int]:
-        """``offloaded_inputs``, ``offloaded_bytes`` (copied to the host), ``prefetched_loads``, ``offloaded_kept``
-        (layer calls whose kept activations were offloaded) and ``reloaded_kept`` (their copies back) so far."""
+    def stats(self) -> dict[str, float | int | None]:
+        """So far: ``offloaded_inputs``, ``offloaded_bytes`` (copied to the host: inputs and kept activations),
+        ``reloaded_bytes`` (copied back), ``prefetched_loads``, ``offloaded_kept`` (layer calls whose kept
+        activations were offloaded), ``reloaded_kept`` (their copies back), ``forwards`` (layer 0's saves) and
+        the copies' achieved bandwidth and the compute stream's waits on them (`CopyMeter.stats`: GB/s and ms,
+        None off CUDA)."""
         return {
-            "offloaded_inputs": self.saved, "offloaded_bytes": self.saved_bytes, "prefetched_loads": self.prefetched,
-            "offloaded_kept": self.staged_saves, "reloaded_kept": self.staged_loads,
+            "offloaded_inputs": self.saved, "offloaded_bytes": self.meter.bytes["d2h"], "reloaded_bytes": self.meter.bytes["h2d"],
+            "prefetched_loads": self.prefetched, "offloaded_kept": self.staged_saves, "reloaded_kept": self.staged_loads,
+            "forwards": self.meter.forwards, **self.meter.stats(),
         }
 
 

@@ -147,6 +147,8 @@ class Plan:
         names: the saved classes, in the layers' order.
         host_bytes: the pinned host memory the offloaded tensors take (`host_bytes`).
         fallbacks: why the plan is not the fastest one (a pinned-host budget that took offloading away), for the log.
+        bandwidth: the measured copy bandwidths it was made with (`plan`'s ``bandwidth``), the ceiling of the
+            offloading copies' achieved ones (`lightning_ft.strategies.offload.CopyMeter`).
     """
 
     actions: tuple[dict[str, str], ...]
@@ -161,6 +163,7 @@ class Plan:
     names: tuple[str, ...] = field(default=())
     host_bytes: int = 0
     fallbacks: tuple[str, ...] = ()
+    bandwidth: Bandwidth | None = None
 
     def action(self, layer: int, name: str) -> str:
         """What happens to ``name`` in ``layer`` (``keep`` for a class or layer the plan does not know)."""
@@ -319,7 +322,7 @@ def plan(
             f"({made.host_bytes / GIB:.2f} GiB), the others keep or recompute instead"
         )
         made = replace(made, fallbacks=(*made.fallbacks, reason))
-    return made
+    return replace(made, bandwidth=bandwidth)
 
 
 def _peak(base_bytes: int, chosen: list[_Option]) -> int:

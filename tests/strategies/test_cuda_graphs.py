@@ -183,6 +183,11 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         stats = cuda_graph_stats(module.model)
         assert stats["offloaded_inputs"] == stats["prefetched_loads"] == offloaded
         assert stats["offloaded_bytes"] == offloaded * 64 * TINY[kind]["hidden_size"] * (2 if cuda else 4)
+        assert stats["reloaded_bytes"] == stats["offloaded_bytes"] and stats["forwards"] == len(sequence)
+        # CUDA: each save waits on the copy of the input before, each load on its own (more while a layer records)
+        assert stats["compute_waits"] >= 2 * offloaded if cuda else stats["compute_waits"] == 0
+        timed = [stats[k] for k in ("copy_d2h_gbps", "copy_h2d_gbps", "compute_wait_ms", "compute_wait_ms_per_forward")]
+        assert all(v is not None and v >= 0 for v in timed) if cuda else timed == [None] * 4
     else:
         assert "offloaded_inputs" not in cuda_graph_stats(module.model)
 
@@ -469,10 +474,13 @@ def test_a_replayed_training_step_never_syncs(offload, monkeypatch):
     torch.cuda.synchronize()
     try:
         torch.cuda.set_sync_debug_mode("error")
-        loss = step("a", 2)
+        loss = step("a", 2)  # its first save reads the copy and wait events of the steps before (no sync)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(loss.item())
+    if offload:
+        stats = cuda_graph_stats(module.model)
+        assert stats["copy_d2h_gbps"] > 0 and stats["copy_h2d_gbps"] > 0 and stats["compute_wait_ms"] >= 0, stats
 
 
 def test_graphed_layers_under_ddp_give_the_eager_gradients(tmp_path):

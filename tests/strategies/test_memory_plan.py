@@ -187,6 +187,10 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     offloading = summary["cuda_graphs"]
     assert (f"activation offloading: {offloading['offloaded_inputs']} layer inputs and {offloading['offloaded_kept']} layer "
             "calls' kept activations") in caplog.text
+    # off CUDA the copies are not timed; the ceiling is the plan's measured bandwidth (FakeProfiler's 50 GB/s)
+    assert summary["offload_copies"] == {"copy_d2h_gbps": None, "copy_h2d_gbps": None, "ceiling_d2h_gbps": 50.0,
+                                         "ceiling_h2d_gbps": 50.0, "compute_wait_ms_per_step": None}
+    assert "copy times not measured (off CUDA)" in caplog.text
     # the same steps without a plan (plain checkpointing, transformers'): the same gradients at every step
     reference_trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), logger=False, enable_checkpointing=False,
                                   enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
@@ -245,7 +249,7 @@ def _slow_copies(monkeypatch, device: str) -> None:
             if queued is event:
                 return
 
-    def late_copy(self, pairs, device):
+    def late_copy(self, pairs, device, direction):
         event = object()
         stream.append((event, list(pairs)))
         return event

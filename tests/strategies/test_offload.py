@@ -7,7 +7,7 @@
 import pytest
 import torch
 
-from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
+from lightning_ft.strategies.offload import ActivationOffload, CopyMeter, offloaded_checkpoint
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -32,9 +32,19 @@ def test_inputs_come_back_unchanged_and_each_load_prefetches_the_layer_before(de
             assert saved[i - 1].loaded is not None  # its copy was started by this load
     assert all(torch.equal(got, want) for got, want in zip(loaded, inputs))
     assert all(got.device == want.device for got, want in zip(loaded, inputs))
-    assert offload.stats() == {
-        "offloaded_inputs": 3, "offloaded_bytes": 3 * 37 * 29 * 2, "prefetched_loads": 3, "offloaded_kept": 0, "reloaded_kept": 0,
+    stats = offload.stats()
+    timing = {k: stats.pop(k) for k in ("copy_d2h_gbps", "copy_h2d_gbps", "compute_wait_ms", "compute_wait_ms_per_forward")}
+    nbytes = 37 * 29 * 2
+    assert stats == {
+        "offloaded_inputs": 3, "offloaded_bytes": 3 * nbytes, "reloaded_bytes": 3 * nbytes, "prefetched_loads": 3,
+        "offloaded_kept": 0, "reloaded_kept": 0, "forwards": 1,
+        # CUDA: layers 0-2's loads wait on their copies and saves 1-3 on the copy before (off CUDA: done when queued)
+        "compute_waits": 6 if device == "cuda" else 0,
     }
+    if device == "cpu":  # nothing to time
+        assert set(timing.values()) == {None}
+    else:
+        assert all(v is not None and v >= 0 for v in timing.values()), timing
     with pytest.raises(RuntimeError, match="decoder layer 2's offloaded input was loaded already"):
         offload.load(saved[2])
 
@@ -87,22 +97,35 @@ def test_checkpointing_through_offloaded_inputs_gives_the_plain_autograd_gradien
 
 @pytest.mark.gpu
 def test_offloading_frees_the_inputs_on_the_gpu_and_never_syncs():
+    """Two forwards and backwards (the second's first save reads the first's copy and wait events): no sync;
+    then the stats: every copy and wait timed, at a plausible bandwidth."""
     mib = 2**20
     offload = ActivationOffload(num_layers=5)
-    inputs = [torch.randn(mib // 2, device="cuda", dtype=torch.bfloat16) for _ in range(5)]  # 1 MiB each
-    want = [x.clone() for x in inputs]
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    rounds = []
     try:
-        torch.cuda.set_sync_debug_mode("error")
-        saved = [offload.save(x, i) for i, x in enumerate(inputs)]
-        del inputs
-        freed = before - torch.cuda.memory_allocated()
-        loaded = [offload.load(s) for s in reversed(saved)][::-1]
+        for _ in range(2):
+            inputs = [torch.randn(4 * mib, device="cuda", dtype=torch.bfloat16) for _ in range(5)]  # 8 MiB each
+            want = [x.clone() for x in inputs]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.set_sync_debug_mode("error")
+            saved = [offload.save(x, i) for i, x in enumerate(inputs)]
+            del inputs
+            freed = before - torch.cuda.memory_allocated()
+            loaded = [offload.load(s) for s in reversed(saved)][::-1]
+            torch.cuda.set_sync_debug_mode("default")
+            rounds.append((freed, loaded, want))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert freed == 4 * mib  # all but the last layer's
-    assert all(torch.equal(got, w) for got, w in zip(loaded, want))
+    for freed, loaded, want in rounds:
+        assert freed == 4 * 8 * mib  # all but the last layer's
+        assert all(torch.equal(got, w) for got, w in zip(loaded, want))
+    torch.cuda.synchronize()
+    stats = offload.stats()
+    assert stats["offloaded_bytes"] == stats["reloaded_bytes"] == 2 * 4 * 8 * mib and stats["forwards"] == 2
+    assert stats["compute_waits"] == 2 * 8 and not offload.meter.pending  # per round: saves 1-4 and loads 0-3
+    assert 1 < stats["copy_d2h_gbps"] < 1000 and 1 < stats["copy_h2d_gbps"] < 1000, stats  # pinned memory: tens of GB/s
+    assert stats["compute_wait_ms"] >= 0 and stats["compute_wait_ms_per_forward"] == stats["compute_wait_ms"] / 2
 
 
 def test_an_input_changed_in_place_during_its_forward_is_an_error():
@@ -184,3 +207,52 @@ def test_a_memory_plan_offloads_only_its_layers():
     assert [s.host is not None for s in saved] == [True, False, True, False]
     assert all(torch.equal(offload.load(s), x) for s, x in zip(reversed(saved), reversed(inputs)))
     assert offload.stats()["offloaded_inputs"] == 2
+
+
+class _FakeEvent:
+    """An event at ``ms`` on a fake clock, completed once ``clock["now"]`` reaches it."""
+
+    def __init__(self, clock: dict, ms: float):
+        self.clock, self.ms = clock, ms
+
+    def query(self) -> bool:
+        return self.clock["now"] >= self.ms
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert self.query() and end.query(), "elapsed_time of an event that has not completed (CUDA raises)"
+        return end.ms - self.ms
+
+
+def test_the_copy_meter_adds_up_only_the_completed_copies_and_waits_and_keeps_the_rest():
+    clock = {"now": 0.0}
+    meter = CopyMeter(max_pending=3)
+    event = lambda ms: _FakeEvent(clock, ms)  # noqa: E731
+    meter.forward()
+    meter.copied("d2h", 4_000_000, event(0), event(2))  # 4 MB in 2 ms: 2 GB/s
+    meter.waited(event(1), event(2.5))  # the compute stream stalled 1.5 ms on it
+    meter.copied("h2d", 1_000_000, event(3), event(3.5))  # done after the wait's entry: read in order
+    meter.copied("h2d", 1_000_000, event(4), event(5))  # over max_pending: counted, not timed
+    assert meter.bytes == {"d2h": 4_000_000, "h2d": 2_000_000} and meter.waits == 1 and len(meter.pending) == 3
+    clock["now"] = 3.5
+    meter.forward()  # the next forward reads the completed entries, never waits for the others
+    assert len(meter.pending) == 0 and meter.forwards == 2
+    meter.copied("d2h", 4_000_000, event(6), event(7))  # 4 GB/s, not completed when the stats are read
+    assert meter.stats() == {
+        "copy_d2h_gbps": 2.0, "copy_h2d_gbps": 2.0, "compute_waits": 1, "compute_wait_ms": 1.5,
+        "compute_wait_ms_per_forward": 0.75,
+    }
+    clock["now"] = 7.0
+    assert meter.stats()["copy_d2h_gbps"] == 8_000_000 / 3 / 1e6  # both copies' bytes over both copies' times
+    assert len(meter.pending) == 0
+
+
+def test_the_copy_meter_reads_every_completed_entry_at_stats_time_even_behind_one_that_is_not():
+    clock = {"now": 0.0}
+    meter = CopyMeter()
+    meter.copied("h2d", 10**6, _FakeEvent(clock, 0), _FakeEvent(clock, 10))  # a slow copy, still running
+    meter.waited(_FakeEvent(clock, 0), _FakeEvent(clock, 0.5))  # a wait on an earlier one, done
+    clock["now"] = 1.0
+    meter.resolve()  # in order: stops at the running copy
+    assert len(meter.pending) == 2
+    stats = meter.stats()  # everything completed: the wait, and the copy stays for later
+    assert stats["compute_wait_ms"] == 0.5 and stats["copy_h2d_gbps"] is None and len(meter.pending) == 1

@@ -140,6 +140,7 @@ def test_the_table_shows_runs_of_layers_the_time_and_the_peak():
     assert "0–" in text  # alike layers share a row
     summary = made.summary()
     assert summary["predicted_peak_bytes"] == made.peak_bytes and summary["layers"]["input"]["keep"] == 8
+    assert made.bandwidth == SLOW  # for the run's summary: the ceiling of the copies' achieved bandwidth
 
 
 def test_budget_bytes():
