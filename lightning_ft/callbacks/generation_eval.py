@@ -9,7 +9,7 @@ and a generation is correct when the text after its last ``####`` equals the ref
 commas and ``$`` removed, a final period dropped; OpenAI's grade-school-math answer format). A reply
 without ``####`` is compared whole (stripped), which suits short answers such as the built-in
 arithmetic task. The model generates with its own (PEFT-wrapped) ``generate``: without a
-``packed_batch`` the packed attention function falls back to stock SDPA with a KV cache.
+``packed_batch`` the packed attention function runs `lightning_ft.model.attention.unpacked_attention` with a KV cache.
 """
 
 from __future__ import annotations

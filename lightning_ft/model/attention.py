@@ -3,10 +3,11 @@
 `register_packed_attention` registers one attention function per backend with transformers
 (``ATTENTION_NAMES``); a model loaded with that ``attn_implementation`` calls it in every layer with
 the `PackedBatch` that `FinetuneModule` passes as the ``packed_batch`` keyword (transformers forwards
-unknown keywords from the model call down to the attention function). transformers builds no mask
-of its own for a name it has no mask function for, so nothing is derived from ``position_ids`` per
-forward (its packed-sequence detection would cost a device sync). Without a ``packed_batch`` (e.g.
-generation with a KV cache) every backend hands the call to transformers' own SDPA attention.
+unknown keywords from the model call down to the attention function). Inside `packed_forward` (how
+`FinetuneModule` runs a packed row) transformers builds no mask of its own, so nothing is derived from
+``position_ids`` per forward (its packed-sequence detection would cost a device sync). Without a
+``packed_batch`` (evaluation on padded rows, generation with a KV cache) every backend runs
+`unpacked_attention` on transformers' SDPA mask (padding, sliding windows), sinks and soft-capping included.
 
 Backends (``model.attention``), each checked against `packed_attention_reference` (every document
 alone):
