@@ -175,7 +175,7 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("optimizer.lr=abc", "optimizer.lr='abc': expected a number"),
         ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton$"),
         ("model.attention=sdpaa", r"model.attention=sdpaa: expected one of auto, cudnn, varlen, flex, sdpa; did you mean model.attention=sdpa\?"),
-        ("model.quantization=nf5", r"model.quantization=nf5: expected one of none, nf4; did you mean model.quantization=nf4\?"),
+        ("model.quantization=nf5", r"model.quantization=nf5: expected one of none, nf4, mxfp4; did you mean model.quantization=nf4\?"),
         ("model.dtype=bf16", r"model.dtype=bf16: expected one of float32, bfloat16, float16; did you mean model.dtype=bfloat16\?"),
         ("model.init=rand", r"model.init=rand: expected one of pretrained, random; did you mean model.init=random\?"),
         ("data.format=alpaca", r"data.format=alpaca: expected one of auto, qa, instruction, chat, text$"),
