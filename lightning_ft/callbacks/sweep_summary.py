@@ -87,4 +87,4 @@ class SweepSummary(Callback):
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
-        log.log(level, "sweep summary of %d jobs: %s", len(rows), sweep_dir / "sweep_summary.md")
+        log.log(level, "sweep summary of %d job%s: %s", len(rows), "" if len(rows) == 1 else "s", sweep_dir / "sweep_summary.md")

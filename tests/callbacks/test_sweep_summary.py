@@ -20,9 +20,13 @@ def test_the_sweep_table_is_announced_once_at_the_end_or_after_a_failed_job(tmp_
     config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)}}})
     callback, done = SweepSummary(), SimpleNamespace(status=JobStatus.COMPLETED)
     with caplog.at_level(logging.INFO, logger="lightning_ft.callbacks.sweep_summary"):
-        for num in (0, 1):
-            _job(tmp_path, num, [f"lora.rank={4 * (num + 1)}"])
-            callback.on_job_end(config, done)
+        _job(tmp_path, 0, ["lora.rank=4"])
+        callback.on_job_end(config, done)
+        callback.on_multirun_end(config)
+        assert caplog.messages == [f"sweep summary of 1 job: {tmp_path / 'sweep_summary.md'}"]
+        caplog.clear()
+        _job(tmp_path, 1, ["lora.rank=8"])
+        callback.on_job_end(config, done)
         assert caplog.messages == []  # written after each job, not announced
         assert len((tmp_path / "sweep_summary.md").read_text().splitlines()) == 4  # header, rule, two jobs
         callback.on_multirun_end(config)
