@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lightning_ft.kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4_reference, quantize_mxfp4
+from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
 __all__ = ["dequantize_experts", "experts_bytes", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
 
@@ -106,10 +106,10 @@ def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None)
             weight = mxfp4_weight(experts, name)
             if weight is None:
                 continue
-            dense = dequantize_mxfp4_reference(weight.blocks.unflatten(-1, (-1, 16)), weight.scales, dtype or weight.dtype)
+            dense = weight._replace(dtype=dtype or weight.dtype, transposed=True).dequantize()  # the stored [E, C, N]
             delattr(experts, f"{name}_blocks")
             delattr(experts, f"{name}_scales")
-            setattr(experts, name, torch.nn.Parameter(dense.transpose(1, 2).contiguous(), requires_grad=False))
+            setattr(experts, name, torch.nn.Parameter(dense.contiguous(), requires_grad=False))
             count += 1
     return count
 

@@ -125,9 +125,12 @@ class Bandwidth:
 class _Option:
     actions: tuple[str, ...]  # per saved class, in the layer's order
     kept: int
-    offloaded: int
     time: float
-    staged: dict[str, int] = field(default_factory=dict)  # per saved class offloaded, its bytes
+    staged: dict[str, int]  # per saved class offloaded, its bytes
+
+    @property
+    def offloaded(self) -> int:
+        return sum(self.staged.values())
 
 
 @dataclass(frozen=True)
@@ -229,13 +232,13 @@ def _options(layer: LayerProfile, window_s: float, bandwidth: Bandwidth, copy_ov
     options = []
     for actions in itertools.product(*choices):
         kept = sum(c.nbytes for c, a in zip(layer.saved, actions) if a == "keep")
-        offloaded = sum(c.nbytes for c, a in zip(layer.saved, actions) if a == "offload")
+        staged = {c.name: c.nbytes for c, a in zip(layer.saved, actions) if a == "offload"}
+        offloaded = sum(staged.values())
         recompute = sum(c.recompute_s for c, a in zip(layer.saved, actions) if a == "recompute")
         out_s, in_s = offloaded / bandwidth.device_to_host, offloaded / bandwidth.host_to_device
         exposed = max(0.0, out_s - layer.forward_s) + max(0.0, in_s - window_s)
         time = layer.forward_s + layer.backward_s + recompute + exposed + copy_overhead * (out_s + in_s)
-        staged = {c.name: c.nbytes for c, a in zip(layer.saved, actions) if a == "offload"}
-        options.append(_Option(actions, kept, offloaded, time, staged))
+        options.append(_Option(actions, kept, time, staged))
     return options
 
 
