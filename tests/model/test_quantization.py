@@ -103,11 +103,13 @@ def test_bad_quantization_settings_are_refused(monkeypatch):
 ])  # fmt: skip
 def test_qlora_step_gives_peft_and_bitsandbytes_lora_gradients(precision, device):
     """Our dequantisation + GEMMs (kernels.lora) against PEFT's bnb layers over bitsandbytes' matmul_4bit: the
-    same model, LoRA B drawn non-zero, one loss and backward. fp32: equal to rounding; bf16: through two layers
-    and back (measured 3e-2 at most, relative to each gradient's largest entry, as the bf16 LoRA kernel gives)."""
+    same model, LoRA B drawn non-zero, one loss and backward. fp32: equal to rounding. bf16: two bf16 paths
+    differ from each other by about as much as each differs from fp32 math (measured 5e-2 to 2e-1 of a
+    gradient's norm on CUDA), so each is measured against the fp32 step and ours may be no farther from it
+    than PEFT + bitsandbytes (within 25%, or 1e-2 of the norm)."""
     bf16 = precision != "fp32"
-    grads, losses = [], []
-    for kernels in (False, True):
+
+    def step(kernels, bf16):
         model = _build("bfloat16" if bf16 else "float32", kernels=kernels, precision="bf16-mixed" if bf16 else None, device=device)
         gen = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
@@ -119,14 +121,23 @@ def test_qlora_step_gives_peft_and_bitsandbytes_lora_gradients(precision, device
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * LINEARS
-    tol = 1e-5 if not bf16 else 5e-2
-    assert losses[1] == pytest.approx(losses[0], rel=tol)
-    for name, expected in grads[0].items():
-        assert expected.abs().max() > 0, name
-        torch.testing.assert_close(grads[1][name], expected, rtol=0, atol=tol * expected.abs().max().item())
+        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+    exact_loss, exact = step(kernels=False, bf16=False)
+    (peft_loss, peft), (ours_loss, ours) = step(kernels=False, bf16=bf16), step(kernels=True, bf16=bf16)
+    assert exact.keys() == peft.keys() == ours.keys() and len(exact) == 2 * LINEARS
+    if not bf16:
+        assert ours_loss == pytest.approx(peft_loss, rel=1e-5)
+        for name, expected in peft.items():
+            assert expected.abs().max() > 0, name
+            torch.testing.assert_close(ours[name], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        return
+    assert abs(ours_loss - exact_loss) <= 1.25 * abs(peft_loss - exact_loss) + 1e-2 * exact_loss
+    for name, expected in exact.items():
+        norm = expected.norm()
+        assert norm > 0, name
+        ours_error, peft_error = (ours[name] - expected).norm() / norm, (peft[name] - expected).norm() / norm
+        assert ours_error <= 1.25 * peft_error + 1e-2, f"{name}: ours {ours_error:.3g}, PEFT + bitsandbytes {peft_error:.3g} from fp32"
 
 
 def test_adapter_saves_in_peft_format_and_loads_on_the_stock_bitsandbytes_model(tmp_path):
