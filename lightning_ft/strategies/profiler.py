@@ -13,19 +13,23 @@ layer's own forward is called, not the patched one):
                  recomputed, less the one above
     bytes        per saved class, what its store kept (`KeptActivations.nbytes`); the input's bytes
 
-and from the pass as a whole: the rest of the forward (embedding, LM head, loss; ×3 for their
-backward), the memory base (what is allocated now, the trainable weights' gradients, the optimizer's
-two moments per trainable weight if it has no state yet, the CUDA graphs' static buffers (a layer's
-input, output, output gradient and input gradient, [T, hidden] each, shared by the layers: measured on
-the H100 at 64K tokens, leaving them out under-predicted the recording step's peak by 1.4 GiB), and the
-larger of one layer's backward working set with nothing kept and the rest of the forward's working
-set), and the device ↔ pinned
-host bandwidth (a timed copy of `COPY_BYTES` each way). The peak statistics are reset after each
-layer's timing and at the end, so the measuring's own allocations do not count as the training step's peak
-(summary.json reads the peak of building the model before: ``peak_memory_setup_bytes``).
+and from the pass as a whole, the memory base: what is allocated now, the trainable weights'
+gradients, the optimizer's two moments per trainable weight if it has no state yet, the CUDA graphs'
+static buffers (a layer's input, output, output gradient and input gradient, [T, hidden] each, shared
+by the layers: measured on the H100 at 64K tokens, leaving them out under-predicted the recording
+step's peak by 1.4 GiB), and the larger of one layer's backward working set with nothing kept and
+the rest of the forward's working set. The peak statistics are reset after each layer's timing and
+at the end, so the measuring's own allocations do not count as the training step's peak (summary.json
+reads the peak of building the model before: ``peak_memory_setup_bytes``).
 
-Everything device-specific goes through methods a test can replace (`StepProfiler.timed`,
-`bandwidth`, `free_bytes`, `free_host_bytes`, `memory_allocated`, `peak_allocated`): off CUDA the
+Then one more no-grad pass times the rest of the forward (embedding, LM head, loss): from its start
+to the first layer and from the last layer's end to its end, ×3 for their backward. Not the
+measuring pass: there the head's first calls compile and autotune, and the measuring's host work
+between the layers can leave the device idle (at 8K tokens on the H100 that pass predicted a 233 ms
+step at 2.2 s). Last, the device ↔ pinned host bandwidth (a timed copy of `COPY_BYTES` each way).
+
+Everything device-specific goes through methods a test can replace (`StepProfiler.timed`, `mark`,
+`between`, `bandwidth`, `free_bytes`, `free_host_bytes`, `memory_allocated`, `peak_allocated`): off CUDA the
 clock is the host's and the memory figures are 0, and `free_bytes` is None, so no plan is made there
 unless a test says otherwise.
 
@@ -105,17 +109,27 @@ class StepProfiler:
     def timed(self, fn: Callable[[], Any], device: torch.device, layer: int, what: str) -> Callable[[], float]:
         """Run ``fn`` now; returns a function that gives its seconds once the device is synchronised (`synchronize`).
 
-        ``layer`` and ``what`` (``forward``, ``backward``, ``recompute:<class>``, ``rest``) name the measurement."""
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            return lambda: start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+        ``layer`` and ``what`` (``forward``, ``backward``, ``recompute:<class>``) name the measurement."""
+        start = self.mark(device, f"{what} {layer}")
         fn()
-        seconds = time.perf_counter() - t0
-        return lambda: seconds
+        end = self.mark(device, f"{what} {layer} end")
+        return lambda: self.between(start, end)
+
+    def mark(self, device: torch.device, what: str) -> Any:
+        """A point in time, read with `between`: a recorded CUDA event on CUDA (no sync), else the host's clock.
+
+        ``what`` names the point (``pass``, ``layers``, ``head``, ``end``, or `timed`'s)."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def between(self, start: Any, end: Any) -> float:
+        """The seconds from mark ``start`` to mark ``end`` (CUDA events: once the device is synchronised)."""
+        if isinstance(start, torch.cuda.Event):
+            return start.elapsed_time(end) / 1e3
+        return end - start
 
     def synchronize(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -167,30 +181,26 @@ class StepProfiler:
         self.peak_allocated(device, reset=True)
         results: dict[int, dict[str, Any]] = {}
         forward_peak = [0]
-        marks: dict[str, Callable[[], float]] = {}
-        measuring: dict[int, Callable[[], float]] = {}  # each layer's measuring inside the pass
 
         def hook(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             index = layers.index(layer)
             forward_peak[0] = max(forward_peak[0], self.peak_allocated(device))
             kwargs = dict(kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states")
-            def run() -> None:
-                if index == 0:  # the kernels' first calls (autotuning, workspaces) are not the layers' times
-                    self._layer(layer, hidden, kwargs, kinds, device, index)
-                results[index] = self._layer(layer, hidden, kwargs, kinds, device, index)
-
-            measuring[index] = self.timed(run, device, index, "measuring")
+            if index == 0:  # the kernels' first calls (autotuning, workspaces) are not the layers' times
+                self._layer(layer, hidden, kwargs, kinds, device, index)
+            results[index] = self._layer(layer, hidden, kwargs, kinds, device, index)
             self.peak_allocated(device, reset=True)
 
         handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
         try:
             with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
-                marks["rest"] = self.timed(lambda: module.loss_terms(module.pad_for_graphs(batch), aux=False), device, -1, "rest")
+                module.loss_terms(module.pad_for_graphs(batch), aux=False)
         finally:
             for handle in handles:
                 handle.remove()
         forward_peak[0] = max(forward_peak[0], self.peak_allocated(device, reset=True))
+        rest = self._rest(module, batch, layers, context, device)
         bandwidth = self.bandwidth(device)
         self.synchronize(device)
         self.peak_allocated(device, reset=True)  # the measuring's own memory is not the training step's peak
@@ -207,15 +217,34 @@ class StepProfiler:
                     saved.append(SavedClass(kind, r["bytes"][kind], recompute_s=recompute))  # keep, offload or recompute
             profiles.append(LayerProfile(forward, backward, tuple(saved)))
             working = max(working, r["working_bytes"])
-        # the forward outside the layers (the pass's time less theirs and their measuring) ×3 for its backward
-        inside = sum(m() for m in measuring.values()) + sum(p.forward_s for p in profiles)
-        rest_s = max(0.0, marks["rest"]() - inside) * 3
+        rest_s = 3 * rest()  # ×3 for its backward
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         optimizers = getattr(getattr(module, "_trainer", None), "optimizers", None) or []
         moments = 0 if any(o.state for o in optimizers) else 2 * trainable  # allocated after the first step
         statics = 4 * max(r["input_bytes"] for r in results.values())  # `cuda_graphs._StaticInputs`: x, out, dout, dx
         base = allocated + trainable + moments + statics + max(working, forward_peak[0] - allocated)
         return Measurement(tuple(profiles), bandwidth, base, rest_s)
+
+    def _rest(self, module: Any, batch: Any, layers: list[torch.nn.Module], context: Any, device: torch.device) -> Callable[[], float]:
+        """The forward outside the decoder layers (embedding, LM head, loss), seconds once synchronised: one more
+        no-grad pass, timed from its start to the first layer and from the last layer's end to its end. Not the
+        measuring pass: the head's first calls compile and autotune there, and the measuring's host work between
+        the layers would count."""
+        marks: dict[str, Any] = {}
+
+        def mark(name: str) -> Callable[..., None]:
+            return lambda *_: marks.__setitem__(name, self.mark(device, name))
+
+        handles = [layers[0].register_forward_pre_hook(mark("layers")), layers[-1].register_forward_hook(mark("head"))]
+        try:
+            with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
+                mark("pass")()
+                module.loss_terms(module.pad_for_graphs(batch), aux=False)
+                mark("end")()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return lambda: self.between(marks["pass"], marks["layers"]) + self.between(marks["head"], marks["end"])
 
     def _layer(
         self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], kinds: tuple[str, ...], device: torch.device,

@@ -32,7 +32,9 @@ from lightning_ft.strategies.profiler import StepProfiler
 from lightning_ft.strategies.strategy import Execution, SingleDeviceStrategy
 
 #: seconds each measurement takes, by what it measures (`StepProfiler.timed`'s ``what``)
-TIMES = {"forward": 2e-3, "backward": 4e-3, "recompute:attention": 5e-3, "recompute:projections": 7e-3, "rest": 0.1}
+TIMES = {"forward": 2e-3, "backward": 4e-3, "recompute:attention": 5e-3, "recompute:projections": 7e-3}
+#: seconds between two marks (`StepProfiler.mark`, `between`): the forward before the first layer and after the last
+BETWEEN = {("pass", "layers"): 0.01, ("head", "end"): 0.03}
 
 
 LAYERS = 6  # the tiny Llama deepened: offloading saves memory from 4 layers on (two staging buffers)
@@ -61,6 +63,13 @@ class FakeProfiler(StepProfiler):
         fn()
         self.calls.append((layer, what))
         return lambda: TIMES.get(what, 0.0)
+
+    def mark(self, device, what):
+        self.calls.append(("mark", what))
+        return what
+
+    def between(self, start, end):
+        return BETWEEN[start, end]
 
     def bandwidth(self, device):
         return Bandwidth(50e9, 50e9)
@@ -94,8 +103,12 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
         assert saved["attention"].nbytes >= tokens * hidden * 4 and saved["projections"].nbytes > saved["attention"].nbytes
         assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(3e-3)
         assert saved["attention"].actions == saved["projections"].actions == ("keep", "offload", "recompute")
-    # the forward outside the layers (the pass less the layers' forwards and their measuring, 0 here), ×3 for its backward
-    assert measured.other_s == pytest.approx(3 * (TIMES["rest"] - layers * TIMES["forward"]))
+    # the forward outside the layers, timed in a pass after the measuring one (before the first layer, after the
+    # last), ×3 for its backward
+    marks = [i for i, (layer, _) in enumerate(profiler.calls) if layer == "mark"]
+    assert [profiler.calls[i][1] for i in marks] == ["pass", "layers", "head", "end"]
+    assert marks[0] > max(i for i, (layer, _) in enumerate(profiler.calls) if layer == layers - 1)
+    assert measured.other_s == pytest.approx(3 * sum(BETWEEN.values()))
     trainable = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.requires_grad)
     # the CPU's memory figures are 0: gradients and AdamW's two moments, the graphs' four static [T, hidden] buffers
     assert measured.base_bytes == 3 * trainable + 4 * tokens * hidden * 4
