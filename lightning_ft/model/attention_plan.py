@@ -248,10 +248,12 @@ def crossover(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if torch.cuda.is_current_stream_capturing():
         return NEVER
     timings = {}
+    generator = torch.Generator(q.device).manual_seed(0)  # its own: the run's generator draws nothing here
     with torch.no_grad():
         for length in CALIBRATION_LENGTHS:
-            qs, ks, vs = (torch.randn(length, *t.shape[1:], dtype=t.dtype, device=t.device) for t in (q, k, v))
-            grad = torch.randn_like(qs)
+            qs, ks, vs, grad = (
+                torch.randn(length, *t.shape[1:], dtype=t.dtype, device=t.device, generator=generator) for t in (q, k, v, q)
+            )
             offsets = torch.tensor([0, length], dtype=torch.int32, device=q.device)
             timings[length] = (
                 _time_ms(cudnn_causal_kernel(None), qs, ks, vs, grad),

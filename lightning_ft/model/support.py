@@ -128,9 +128,10 @@ def _probe(config: Any) -> ArchitectureSupport:
     from lightning_ft.data.packing import collate_packed
     from lightning_ft.model.attention import register_packed_attention
 
-    fork = torch.random.fork_rng(devices=[])
-    with fork, torch.no_grad(), torch.device("cpu"):
-        torch.manual_seed(0)
+    # the CPU's generator alone, seeded and restored: `torch.manual_seed` would also reseed every GPU's, which
+    # the fork does not restore (the run's seed would stop governing its draws there, e.g. LoRA's init and dropout)
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.device("cpu"):
+        torch.random.default_generator.manual_seed(0)
         try:
             stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
         except Exception as err:

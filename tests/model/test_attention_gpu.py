@@ -106,6 +106,10 @@ def test_auto_measures_its_crossover_once_per_shape_class_and_logs_it(monkeypatc
         assert attention_plan.crossover(q, k, k) == first == attention_plan.min_crossover()
     assert first in (*attention_plan.CALIBRATION_LENGTHS, attention_plan.NEVER)
     assert len([r for r in caplog.records if "attention auto (32 q / 8 kv heads of 128" in r.getMessage()]) == 1
+    monkeypatch.setattr(attention_plan, "_CROSSOVERS", {})
+    state = torch.cuda.get_rng_state()
+    attention_plan.crossover(q, k, k)
+    assert torch.equal(torch.cuda.get_rng_state(), state)  # its inputs come from its own generator, not the run's
     if torch.cuda.get_device_capability() >= (9, 0):  # measured on the H200: cuDNN wins from 8K tokens at the latest
         assert first <= 8192
 

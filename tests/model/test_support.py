@@ -30,6 +30,22 @@ def test_each_architecture_is_checked_on_a_tiny_copy(model_type, packing, plain_
         assert got is None if expected is None else got is not None and re.match(expected, got)
 
 
+def test_the_check_leaves_every_generator_as_it_was(monkeypatch):
+    """The tiny copy is drawn from the CPU's generator, restored after; no GPU's generator is reseeded (the run's
+    seed governs what is drawn there: LoRA's init, dropout)."""
+    from lightning_ft.model import support
+
+    monkeypatch.setattr(support, "_support", support._support.__wrapped__)  # no cached answer: the check runs
+    torch.manual_seed(5)
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", reseeded.append)
+    state, expected = torch.get_rng_state(), torch.rand(3)
+    torch.set_rng_state(state)
+    assert architecture_support(AutoConfig.for_model("llama")).packing is None
+    assert reseeded == [] and torch.equal(torch.rand(3), expected)
+
+
 def test_a_tiny_config_keeps_the_structure():
     big = AutoConfig.for_model("gemma3_text", sliding_window=4096, layer_types=["sliding_attention"] * 5 + ["full_attention"], num_hidden_layers=6)
     tiny = tiny_config(big)
