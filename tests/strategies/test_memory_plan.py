@@ -217,6 +217,7 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
     two ranks' batches; summary.json reports rank zero's plan."""
     import lightning as L
     import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     from lightning_ft.callbacks.summary import RunSummary
     from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
@@ -262,6 +263,7 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
         wrapped = counted(name, getattr(dist.distributed_c10d, name))
         for namespace in (dist, dist.distributed_c10d):
             monkeypatch.setattr(namespace, name, wrapped)
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))  # Lightning's launcher sets it in this process
     strategy = DDPStrategy(execution=Execution(cuda_graphs=True, **budget), start_method="fork")
     strategy.profiler = PerRank(scale=2**10)
     original, planning = strategy.plan_memory, []
