@@ -3,7 +3,8 @@ first training batch, planned within the budgets, applied, logged and reported i
 
 On the CPU there is no plan (no budget); these tests give the strategy a profiler that says the CPU has memory
 to plan and feeds fixed timings and bandwidths, while the bytes come from the real layers (the kept stores,
-the inputs). The GPU case measures for real.
+the inputs); under DDP (two forked gloo processes) each rank's profiler measures other bandwidths. The GPU case
+measures for real.
 
     python -m pytest -q tests/strategies/test_memory_plan.py            (CPU)
     python -m pytest -q -m gpu tests/strategies/test_memory_plan.py     (GPU)
@@ -44,9 +45,9 @@ class FakeProfiler(StepProfiler):
     """A CUDA-like profiler on the CPU: the budget's free memory, fixed times and bandwidths; the bytes are measured,
     then scaled by ``scale`` (the tiny model's KiB to a GPU's MiB, the plan's unit)."""
 
-    def __init__(self, free=8 * GIB, host=64 * GIB, scale=1):
+    def __init__(self, free=8 * GIB, host=64 * GIB, scale=1, gbps=50):
         super().__init__()
-        self.free, self.host, self.scale, self.calls = free, host, scale, []
+        self.free, self.host, self.scale, self.gbps, self.calls = free, host, scale, gbps, []
 
     def measure(self, *args, **kwargs):
         measured = super().measure(*args, **kwargs)
@@ -72,7 +73,7 @@ class FakeProfiler(StepProfiler):
         return BETWEEN[start, end]
 
     def bandwidth(self, device):
-        return Bandwidth(50e9, 50e9)
+        return Bandwidth(self.gbps * 1e9, self.gbps * 1e9)
 
 
 @pytest.fixture
@@ -213,6 +214,115 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     assert len(mine) == len(grads) == len(batches)
     for step, (got, want) in enumerate(zip(mine, grads)):
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
+
+
+#: the collectives of `torch.distributed` a process could sync with
+COLLECTIVES = ("broadcast", "broadcast_object_list", "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+               "reduce", "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "barrier",
+               "send", "recv", "isend", "irecv", "all_to_all_single")
+
+
+def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_path, deep, monkeypatch):
+    """Two gloo processes (strategy=ddp, forked), each measuring its own copy bandwidth: rank 0 50 GB/s (alone it
+    offloads the inputs and attention), rank 1 0.5 GB/s (alone it keeps the inputs and recomputes attention). Both
+    apply rank zero's plan, which reaches rank 1 in the one broadcast (no other collective while planning), and two
+    steps train with the losses and gradients of one process without a plan (plain checkpointing) accumulating the
+    two ranks' batches; summary.json reports rank zero's plan."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from lightning_ft.callbacks.summary import RunSummary
+    from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
+    from lightning_ft.strategies.ddp import DDPStrategy
+
+    gbps, budget = (50, 0.5), dict(memory_budget_gib=120 / 1024, host_budget_gib=None)
+
+    class PerRank(FakeProfiler):
+        def bandwidth(self, device):
+            self.gbps = gbps[dist.get_rank()]
+            return super().bandwidth(device)
+
+    module = _module("llama", "cpu", lora_kernel=True)
+    reference = _module("llama", "cpu", lora_kernel=True)
+    reference.model.load_state_dict(module.model.state_dict())
+    apply_cuda_graphs(module.model)
+    batches = [_batch(row, "cpu", seed=i) for i, row in enumerate("abab")]
+
+    class RankBatches(torch.utils.data.Sampler):  # rank r: batches r and r + 2 (one layout: graphs record at the second)
+        def __iter__(self):
+            return iter(range(dist.get_rank(), len(batches), 2))
+
+        def __len__(self):
+            return len(batches) // 2
+
+    first = lambda items: items[0]  # noqa: E731
+    ranked = torch.utils.data.DataLoader(batches, batch_size=1, sampler=RankBatches(), collate_fn=first)
+
+    collectives, depth = [], [0]  # the outermost calls (broadcast_object_list calls broadcast)
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                collectives.append(name)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name in COLLECTIVES:
+        wrapped = counted(name, getattr(dist.distributed_c10d, name))
+        for namespace in (dist, dist.distributed_c10d):
+            monkeypatch.setattr(namespace, name, wrapped)
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))  # Lightning's launcher sets it in this process
+    strategy = DDPStrategy(execution=Execution(cuda_graphs=True, **budget), start_method="fork")
+    strategy.profiler = PerRank(scale=2**10)
+    original, planning = strategy.plan_memory, []
+
+    def plan_memory(m, b):
+        start = len(collectives)
+        made = original(m, b)
+        planning.extend(collectives[start:])
+        return made
+
+    strategy.plan_memory = plan_memory
+    grads = []
+
+    class Grads(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
+
+    class Record(Grads):  # each rank's plan, what its layers apply, the collectives while planning, losses, gradients
+        def on_train_end(self, trainer, pl_module):
+            applied = getattr(graphed_layers(pl_module.model)[0], "_lightning_ft_cuda_graphs")
+            offload = sorted(applied.offload.layers) if applied.offload else []
+            torch.save({"plan": trainer.strategy.memory_plan, "applied": applied.plan, "offload": offload, "planning": planning,
+                        "losses": pl_module.step_losses, "grads": grads, "stats": cuda_graph_stats(pl_module.model)},
+                       tmp_path / f"rank{trainer.global_rank}.pt")
+
+    options = dict(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False)
+    L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, callbacks=[Record(), RunSummary(tmp_path)],
+              **options).fit(module, ranked)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    alone = [_strategy(FakeProfiler(scale=2**10, gbps=g), **budget).plan_memory(module, batches[r]) for r, g in enumerate(gbps)]
+    assert alone[0].layers_where("attention", "offload") and alone[1].layers_where("attention", "recompute") == set(range(LAYERS - 1))
+    assert alone[1].actions != alone[0].actions and not alone[1].layers_where("input", "offload")
+    for rank in ranks:
+        assert rank["plan"] == rank["applied"] == alone[0] and rank["offload"] == sorted(alone[0].layers_where("input", "offload"))
+        assert rank["planning"] == ["broadcast_object_list"]
+        assert rank["stats"]["replayed_layer_calls"] > 0 and rank["stats"]["offloaded_kept"] > 0, rank["stats"]
+    assert json.loads((tmp_path / "summary.json").read_text())["memory_plan"] == alone[0].summary()
+    grads.clear()
+    single = L.Trainer(devices=1, accumulate_grad_batches=2, callbacks=[Grads()], **options)
+    single.fit(reference, torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=first))
+    assert len(grads) == 2 and all(rank["losses"] == reference.step_losses for rank in ranks)
+    for step, want in enumerate(grads):
+        for rank in ranks:
+            got = rank["grads"][step]
+            assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
 
 
 def _slow_copies(monkeypatch, device: str) -> None:
