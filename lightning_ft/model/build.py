@@ -203,15 +203,23 @@ def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
     """Refuse a ``model.config`` key that is a near miss of a field of the model's config class (a typo:
     transformers stores any extra key as an attribute that nothing reads); log the other keys the class
     does not declare (a model may read them with a default, as Qwen3-MoE reads ``head_dim``), on rank 0 only.
+    An activation field (one whose default names a transformers activation, ``hidden_act``) must name one too:
+    transformers would fail only when it builds the layers, with a bare ``KeyError``.
 
     Raises:
-        ValueError: a key within a character or two of a declared field (``num_hidden_layer``).
+        ValueError: a key within a character or two of a declared field (``num_hidden_layer``); an activation
+            field set to a name transformers does not have (``hidden_act=gelu_typo``), with the closest names.
     """
     import difflib
 
+    from transformers.activations import ACT2FN
+
     cls = type(hf_config)
-    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
-    for key in overrides:
+    defaults = cls().to_dict()
+    known = set(defaults) | set(getattr(cls, "attribute_map", {}))
+    for key, value in overrides.items():
+        if isinstance(defaults.get(key), str) and defaults[key] in ACT2FN and isinstance(value, str):
+            check_choice(f"model.config.{key}", value, sorted(ACT2FN))
         if key in known or key == "model_type":
             continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)

@@ -108,6 +108,15 @@ def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog, mo
     assert caplog.messages == []
 
 
+def test_a_model_config_activation_that_transformers_lacks_is_refused_with_the_closest_names():
+    """transformers' ACT2FN raised a bare KeyError('gelu_typo') while building the layers, after the data loaded."""
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "hidden_act": "gelu_typo"}}
+    with pytest.raises(ValueError, match=r"^model.config.hidden_act=gelu_typo: expected one of .*silu.*; did you mean model.config.hidden_act=gelu"):
+        ModelBuilder(model=model, lora=LORA)(CPU)
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "hidden_act": "gelu"}}  # a name it has builds
+    assert ModelBuilder(model=model, lora=LORA)(CPU).model.config.hidden_act == "gelu"
+
+
 def _dequantise_mxfp4(blocks, scales):
     """The [E, C, N] weight that gpt-oss's ``<proj>_blocks`` [E, N, C/32, 16] / ``<proj>_scales`` [E, N, C/32] stand for."""
     return dequantize_mxfp4_reference(blocks, scales, torch.float32).transpose(1, 2)
