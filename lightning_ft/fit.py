@@ -42,6 +42,7 @@ from lightning_ft.model.quantization import QUANTIZATIONS
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
     check_new_run_dir,
+    check_resume_dir,
     check_resumed_config,
     checkpoint_dirs,
     exported,
@@ -88,7 +89,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             strategy options that need a GPU or each other (`Execution.check`) or a lightning_ft strategy
             (`make_strategy`),
             ``eval.generate`` without validation data or with ``strategy=fsdp2``, ``ckpt_path=last``
-            with no last checkpoint, a ``trainer.`` value of the wrong type or ``trainer.max_steps=0``,
+            with no last checkpoint or in a folder this run created (`check_resume_dir`), a ``trainer.`` value of
+            the wrong type or ``trainer.max_steps=0``,
             or a new run (no ``ckpt_path``) in a folder that holds a run already.
         FileNotFoundError: the tokenizer, a data file or ``ckpt_path`` cannot be found.
         ModuleNotFoundError: the logger's package is not installed (`check_logger_installed`).
@@ -134,6 +136,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     trainer_kwargs["strategy"] = make_strategy(strategy_name, execution, _processes(trainer_kwargs))
     # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
     written = OmegaConf.to_container(cfg, resolve=False)
+    if cfg.ckpt_path == "last":
+        check_resume_dir(run_dir)
     if cfg.ckpt_path:
         check_resumed_config(written, cfg.ckpt_path, run_dir)
         if cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).is_file():

@@ -245,6 +245,17 @@ def test_a_refused_run_prints_one_error_exits_1_and_removes_the_run_folder_it_cr
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/, and no empty outputs/<date>/ either
 
 
+def test_resuming_in_a_folder_that_did_not_exist_names_the_folder_and_leaves_nothing(tmp_path):
+    # a mistyped hydra.run.dir, or none at all: Hydra makes the folder, which holds no run to resume
+    for overrides in (["hydra.run.dir=runs/typo"], []):
+        proc = _fit(tmp_path, "ckpt_path=last", *overrides)
+        assert proc.returncode == 1 and not _hydra_wrapping(proc.stderr), proc.stderr
+        line = proc.stderr.splitlines()[-1]
+        assert line.startswith("error: ckpt_path=last: ") and " did not exist before this command, so it holds no run " \
+            "to resume; set hydra.run.dir=<the interrupted run's folder>" in line, line
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_run_leaves_an_existing_folder_and_writes_no_summary(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
