@@ -312,6 +312,28 @@ def test_a_plus_before_a_group_of_the_defaults_list_is_named():
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
 
 
+def test_a_key_whose_default_is_missing_gets_no_hint_when_set_and_is_found_when_misplaced():
+    # data.path is ??? in the schema, which OmegaConf's `in` counts as absent: a valid data.path=... beside a
+    # typo elsewhere got "data.path: no key 'path' in data; did you mean data.path"
+    from lightning_ft.config import override_hints, unknown_schema_keys
+
+    hints = override_hints(["data=jsonl", "data.path=train.jsonl", "lora.rnak=4"])
+    assert len(hints) == 2 and hints[0].startswith("lora.rnak: no key 'rnak' in lora; did you mean lora.rank?"), hints
+    assert override_hints(["model.path=x"])[0].startswith("model.path: no key 'path' in model; did you mean data.path? ")
+    assert unknown_schema_keys(_compose(["+model.path=x"])) == ["model.path (did you mean data.path?)"]
+
+
+def test_an_override_hydra_cannot_parse_is_named_with_how_to_quote_it():
+    from lightning_ft.config import override_hints
+
+    assert override_hints(["data.path=a=b", "lora.rank=4"])[:-1] == [
+        "data.path=a=b: Hydra cannot parse this override (mismatched input '=' expecting <EOF>); a value with = in it "
+        "goes in quotes: 'data.path=\"a=b\"'"]
+    assert override_hints(["lora.target_modules=[q_proj"])[0].startswith(
+        "lora.target_modules=[q_proj: Hydra cannot parse this override (no viable alternative at input '[q_proj')")
+    assert override_hints(['data.path="a=b"'])[:-1] == []  # quoted: parses
+
+
 def test_a_strategy_key_under_model_is_named_with_or_without_plus_and_in_a_yaml_file():
     from lightning_ft.config import MOVED_KEYS, override_hints, report_key_hints, unknown_schema_keys
 
