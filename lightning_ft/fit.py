@@ -38,6 +38,7 @@ from lightning_ft.errors import (
 from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS
 from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
 from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
+from lightning_ft.model.lora import adapter_folder
 from lightning_ft.model.quantization import QUANTIZATIONS
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
@@ -189,6 +190,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
             ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
             ``optimizer.lr`` that is negative or not a number, or
             ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
+        FileNotFoundError: a ``lora.init_from`` folder without a PEFT adapter (`adapter_folder`).
     """
     from lightning_ft.kernels._utils import interpreter_requested
 
@@ -198,6 +200,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
     if cfg.lora.enabled and not cfg.lora.init_from and cfg.lora.alpha <= 0:
         raise ValueError(f"lora.alpha={cfg.lora.alpha}: must be positive (the LoRA update is scaled by alpha / rank)")
+    if cfg.lora.enabled and cfg.lora.init_from:
+        adapter_folder(cfg.lora.init_from)
     if cfg.lora.enabled and not 0 <= cfg.lora.dropout < 1:
         raise ValueError(f"lora.dropout={cfg.lora.dropout}: expected a probability in [0, 1)")
     lr = cfg.optimizer.get("lr") if cfg.optimizer else None

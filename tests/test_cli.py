@@ -256,6 +256,15 @@ def test_resuming_in_a_folder_that_did_not_exist_names_the_folder_and_leaves_not
         assert list(tmp_path.iterdir()) == []
 
 
+def test_a_lora_init_from_without_an_adapter_is_refused_before_the_run_folder_is_used(tmp_path):
+    (tmp_path / "notes").mkdir()  # a folder, but no PEFT adapter in it
+    proc = _fit(tmp_path, f"lora.init_from={tmp_path / 'notes'}")
+    assert proc.returncode == 1 and not _hydra_wrapping(proc.stderr), proc.stderr
+    assert proc.stderr.splitlines()[-1] == (f"error: lora.init_from='{tmp_path / 'notes'}': no adapter_config.json there; "
+                                            "expected a folder written by PEFT's save_pretrained (such as <run_dir>/adapter)")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]  # no outputs/<date>/<time>/ with a failed summary
+
+
 def test_a_refused_run_leaves_an_existing_folder_and_writes_no_summary(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
