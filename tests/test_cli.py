@@ -314,6 +314,15 @@ def test_optuna_search_without_its_plugin_says_what_to_install_before_hydra_runs
     assert any(r.startswith("hydra-optuna-sweeper") for r in extras["optuna"])
 
 
+def test_help_piped_into_a_reader_that_closes_early_ends_quietly():
+    """``fit --help | head -1``: the help is printed after the imports, into a pipe its reader has closed."""
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_ft", "fit", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+
+
 def test_a_plus_before_a_group_of_the_defaults_list_is_named():
     from lightning_ft.config import override_hints
 
