@@ -217,7 +217,19 @@ def default_allocator_settings(environ: MutableMapping[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Dispatch ``argv[0]`` (a command; ``fit`` when omitted) to its Hydra app with the other arguments."""
+    """Dispatch ``argv[0]`` (a command; ``fit`` when omitted) to its Hydra app with the other arguments.
+
+    Output piped into a reader that closes early (``fit --help | head``) ends the command quietly with status 1
+    (the way Python's documentation of SIGPIPE suggests), not with a `BrokenPipeError` traceback."""
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # Python flushes stdout at exit: into nothing, not the closed pipe
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _main(argv: list[str] | None) -> None:
     default_allocator_settings(os.environ)
     import hydra
 

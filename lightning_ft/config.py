@@ -287,6 +287,9 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
         if item.startswith("-") or "=" not in item:
             continue
         typed, value = item.split("=", 1)
+        if hint := parse_hint(item):
+            hints.append(hint)
+            continue
         key = typed.lstrip("+~")
         if key.startswith("hydra"):
             continue
@@ -313,6 +316,21 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
     return hints
 
 
+def parse_hint(item: str) -> str | None:
+    """For a command-line override that Hydra's grammar rejects (its error does not say which one): one line
+    naming it, Hydra's reason and, for a value with ``=`` in it, how to quote it; None for an override that parses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        OverridesParser.create().parse_overrides([item])
+    except OverrideParseException as err:
+        key, value = item.split("=", 1)
+        quote = f"; a value with = in it goes in quotes: '{key}=\"{value}\"'" if "=" in value else ""
+        return f"{item}: Hydra cannot parse this override ({str(err).splitlines()[0]}){quote}"
+    return None
+
+
 def key_hint(key: str, schema: Any) -> str | None:
     """For a dotted ``key`` missing from ``schema`` (a structured config, `command_schema`): one line with the
     closest keys where it goes astray and all the keys there; None for a key in the schema or under a
@@ -326,7 +344,7 @@ def key_hint(key: str, schema: Any) -> str | None:
     for part in key.split("."):
         if not isinstance(node, DictConfig) or not _is_schema_node(node):
             return None
-        if part not in node:
+        if part not in node.keys():  # not `in node`: OmegaConf says False for a key whose value is ??? (data.path)
             close = _close_keys(path, part, node, schema)
             where = ".".join(path) or "the top level"
             suggestion = f"did you mean {', '.join(close)}? " if close else ""
@@ -343,10 +361,10 @@ def _close_keys(path: list[str], part: str, node: Any, schema: Any) -> list[str]
     import difflib
 
     close = [".".join([*path, c]) for c in difflib.get_close_matches(part, [str(k) for k in node.keys()], n=3)]
-    if path and part in schema:
+    if path and part in schema.keys():
         close.append(part)
     groups = [g for g in schema.keys() if g != (path or [None])[0] and _is_schema_node(schema._get_node(g))]
-    return close + [f"{g}.{part}" for g in groups if part in schema._get_node(g)]
+    return close + [f"{g}.{part}" for g in groups if part in schema._get_node(g).keys()]
 
 
 def moved_key_hint(key: str) -> str | None:

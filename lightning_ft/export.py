@@ -69,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """Run the command; returns its exit status (an `ExportError` prints one line and returns 1).
+    """Run the command; returns its exit status (an `ExportError` prints one line and returns 1; Ctrl-C one line
+    and 130).
 
     Logs this module's lines (what is loaded) and every library's warnings; the model build's INFO lines
     (attention, kernels, parameter counts: a training run's report) only with ``--verbose``. Prints each folder
@@ -92,6 +93,10 @@ def main(argv: list[str]) -> int:
     except (ExportError, FileNotFoundError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # one line, as fit prints; exit status 128 + SIGINT, as a shell gives
+        print(f"{PROG}: interrupted: stopped by Ctrl-C (SIGINT); an export folder is written whole or not at all, so "
+              "none was left half-written: run the command again", file=sys.stderr)
+        return 130
     finally:
         for name, level in quieted.items():
             logging.getLogger(name).setLevel(level)

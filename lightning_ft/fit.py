@@ -38,10 +38,12 @@ from lightning_ft.errors import (
 from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS
 from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
 from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
+from lightning_ft.model.lora import adapter_folder
 from lightning_ft.model.quantization import QUANTIZATIONS
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
     check_new_run_dir,
+    check_resume_dir,
     check_resumed_config,
     checkpoint_dirs,
     exported,
@@ -88,7 +90,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             strategy options that need a GPU or each other (`Execution.check`) or a lightning_ft strategy
             (`make_strategy`),
             ``eval.generate`` without validation data or with ``strategy=fsdp2``, ``ckpt_path=last``
-            with no last checkpoint, a ``trainer.`` value of the wrong type or ``trainer.max_steps=0``,
+            with no last checkpoint or in a folder this run created (`check_resume_dir`), a ``trainer.`` value of
+            the wrong type or ``trainer.max_steps=0``,
             or a new run (no ``ckpt_path``) in a folder that holds a run already.
         FileNotFoundError: the tokenizer, a data file or ``ckpt_path`` cannot be found.
         ModuleNotFoundError: the logger's package is not installed (`check_logger_installed`).
@@ -134,6 +137,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     trainer_kwargs["strategy"] = make_strategy(strategy_name, execution, _processes(trainer_kwargs))
     # compared unresolved: paths derived from ${run_dir} stay equal when a run resumes elsewhere
     written = OmegaConf.to_container(cfg, resolve=False)
+    if cfg.ckpt_path == "last":
+        check_resume_dir(run_dir)
     if cfg.ckpt_path:
         check_resumed_config(written, cfg.ckpt_path, run_dir)
         if cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).is_file():
@@ -185,6 +190,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
             ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
             ``optimizer.lr`` that is negative or not a number, or
             ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
+        FileNotFoundError: a ``lora.init_from`` folder without a PEFT adapter (`adapter_folder`).
     """
     from lightning_ft.kernels._utils import interpreter_requested
 
@@ -194,6 +200,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
     if cfg.lora.enabled and not cfg.lora.init_from and cfg.lora.alpha <= 0:
         raise ValueError(f"lora.alpha={cfg.lora.alpha}: must be positive (the LoRA update is scaled by alpha / rank)")
+    if cfg.lora.enabled and cfg.lora.init_from:
+        adapter_folder(cfg.lora.init_from)
     if cfg.lora.enabled and not 0 <= cfg.lora.dropout < 1:
         raise ValueError(f"lora.dropout={cfg.lora.dropout}: expected a probability in [0, 1)")
     lr = cfg.optimizer.get("lr") if cfg.optimizer else None

@@ -97,6 +97,21 @@ def remove_unused_run_dir() -> Path | None:
     return run_dir
 
 
+def check_resume_dir(run_dir: Path) -> None:
+    """For ``ckpt_path=last``: refuse a run folder that Hydra created for this very run (`NewRunDir`): a
+    mistyped ``hydra.run.dir`` or none at all (a new ``outputs/<date>/<time>/``) holds no run to resume.
+
+    Raises:
+        ValueError: naming the folder and how to point at the interrupted run's.
+    """
+    if _created is not None and _created[0] == run_dir.absolute():
+        raise ValueError(
+            f"ckpt_path=last: {run_dir} did not exist before this command, so it holds no run to resume; set "
+            "hydra.run.dir=<the interrupted run's folder> (the `interrupted:` line printed the command), or "
+            "ckpt_path=<a .ckpt file> to start a new run from that checkpoint"
+        )
+
+
 def first_process() -> bool:
     """Whether this is the job's first process (not a DDP rank Lightning started, on any node)."""
     return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"

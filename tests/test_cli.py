@@ -245,6 +245,26 @@ def test_a_refused_run_prints_one_error_exits_1_and_removes_the_run_folder_it_cr
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/, and no empty outputs/<date>/ either
 
 
+def test_resuming_in_a_folder_that_did_not_exist_names_the_folder_and_leaves_nothing(tmp_path):
+    # a mistyped hydra.run.dir, or none at all: Hydra makes the folder, which holds no run to resume
+    for overrides in (["hydra.run.dir=runs/typo"], []):
+        proc = _fit(tmp_path, "ckpt_path=last", *overrides)
+        assert proc.returncode == 1 and not _hydra_wrapping(proc.stderr), proc.stderr
+        line = proc.stderr.splitlines()[-1]
+        assert line.startswith("error: ckpt_path=last: ") and " did not exist before this command, so it holds no run " \
+            "to resume; set hydra.run.dir=<the interrupted run's folder>" in line, line
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lora_init_from_without_an_adapter_is_refused_before_the_run_folder_is_used(tmp_path):
+    (tmp_path / "notes").mkdir()  # a folder, but no PEFT adapter in it
+    proc = _fit(tmp_path, f"lora.init_from={tmp_path / 'notes'}")
+    assert proc.returncode == 1 and not _hydra_wrapping(proc.stderr), proc.stderr
+    assert proc.stderr.splitlines()[-1] == (f"error: lora.init_from='{tmp_path / 'notes'}': no adapter_config.json there; "
+                                            "expected a folder written by PEFT's save_pretrained (such as <run_dir>/adapter)")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]  # no outputs/<date>/<time>/ with a failed summary
+
+
 def test_a_refused_run_leaves_an_existing_folder_and_writes_no_summary(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
@@ -294,11 +314,42 @@ def test_optuna_search_without_its_plugin_says_what_to_install_before_hydra_runs
     assert any(r.startswith("hydra-optuna-sweeper") for r in extras["optuna"])
 
 
+def test_help_piped_into_a_reader_that_closes_early_ends_quietly():
+    """``fit --help | head -1``: the help is printed after the imports, into a pipe its reader has closed."""
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_ft", "fit", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+
+
 def test_a_plus_before_a_group_of_the_defaults_list_is_named():
     from lightning_ft.config import override_hints
 
     assert override_hints(["+hparams_search=optuna"])[0] == "+hparams_search=optuna: `hparams_search` is in `fit`'s defaults list: hparams_search=optuna, without the +"
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
+
+
+def test_a_key_whose_default_is_missing_gets_no_hint_when_set_and_is_found_when_misplaced():
+    # data.path is ??? in the schema, which OmegaConf's `in` counts as absent: a valid data.path=... beside a
+    # typo elsewhere got "data.path: no key 'path' in data; did you mean data.path"
+    from lightning_ft.config import override_hints, unknown_schema_keys
+
+    hints = override_hints(["data=jsonl", "data.path=train.jsonl", "lora.rnak=4"])
+    assert len(hints) == 2 and hints[0].startswith("lora.rnak: no key 'rnak' in lora; did you mean lora.rank?"), hints
+    assert override_hints(["model.path=x"])[0].startswith("model.path: no key 'path' in model; did you mean data.path? ")
+    assert unknown_schema_keys(_compose(["+model.path=x"])) == ["model.path (did you mean data.path?)"]
+
+
+def test_an_override_hydra_cannot_parse_is_named_with_how_to_quote_it():
+    from lightning_ft.config import override_hints
+
+    assert override_hints(["data.path=a=b", "lora.rank=4"])[:-1] == [
+        "data.path=a=b: Hydra cannot parse this override (mismatched input '=' expecting <EOF>); a value with = in it "
+        "goes in quotes: 'data.path=\"a=b\"'"]
+    assert override_hints(["lora.target_modules=[q_proj"])[0].startswith(
+        "lora.target_modules=[q_proj: Hydra cannot parse this override (no viable alternative at input '[q_proj')")
+    assert override_hints(['data.path="a=b"'])[:-1] == []  # quoted: parses
 
 
 def test_a_strategy_key_under_model_is_named_with_or_without_plus_and_in_a_yaml_file():

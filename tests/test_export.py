@@ -109,6 +109,19 @@ def test_export_picks_the_checkpoint_asked_for(run, tmp_path, capsys):
     assert "the run stopped before its first checkpoint" in capsys.readouterr().err
 
 
+def test_ctrl_c_during_an_export_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
+    import lightning_ft.export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lightning_ft.export, "export", interrupted)
+    assert export_main([str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("python -m lightning_ft export: interrupted: stopped by Ctrl-C (SIGINT); ") and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
 def test_inference_settings_fall_back_to_eager_attention_where_sdpa_is_not_supported():
     """gpt-oss (attention sinks) has no SDPA attention in transformers: export sets eager there, SDPA elsewhere."""
     import types

@@ -174,6 +174,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_a_failed_summary_and_a_re
     proc = run_cli(run_dir, *FAST, "model=pretrained", f"model.name_or_path={empty}", "model.tokenizer=builtin",
                    "model.dtype=float32", ok=False)
     assert f"model.name_or_path='{empty}': no config.json in that folder" in proc.stderr and "Traceback" not in proc.stderr
+    assert "result: failed after 0 steps" in proc.stdout + proc.stderr  # not "result: 0 steps", as of a finished run
     failed = summary(run_dir)
     assert failed["status"] == "failed" and failed["steps"] == 0  # an error, not a stop by signal or check
     run_cli(run_dir, *FAST, "trainer.max_steps=2")  # nothing to resume there: a new run is not refused

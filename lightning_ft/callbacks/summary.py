@@ -98,15 +98,18 @@ def plot_loss_curve(
 def result_line(summary: dict[str, Any]) -> str:
     """The run's outcome in one line for the terminal, from a ``summary.json`` dict: first and last training
     loss, the last validation loss, tokens trained and tokens/s, and the data's packing efficiency (tokens of
-    the packed documents over the packed rows' capacity, ``data.max_tokens`` each; ``PackingStats``)."""
-    parts = [f"{summary['steps']} steps"]
+    the packed documents over the packed rows' capacity, ``data.max_tokens`` each; ``PackingStats``). A run
+    that did not complete says so first (``failed after 0 steps``); the packing efficiency is left out when no
+    row was packed (the data did not load)."""
+    status = summary["status"]
+    parts = [f"{summary['steps']} steps" if status == "completed" else f"{status} after {summary['steps']} steps"]
     if summary["final_loss"] is not None:
         parts.append(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f}")
     if summary["val_loss"] is not None:
         parts.append(f"val loss {summary['val_loss']:.3f}")
     if summary["train_tokens"]:
         parts.append(f"{summary['train_tokens']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s")
-    if summary["data"]:
+    if summary["data"] and summary["data"]["packed_rows"]:
         parts.append(f"packing efficiency {100 * summary['data']['packing_efficiency']:.1f}% (tokens / rows × data.max_tokens)")
     return "; ".join(parts)
 

@@ -326,9 +326,11 @@ class PackedDataModule(L.LightningDataModule):
         stats.examples = len(examples)
         docs: list[Document] = []
         first_no_target: tuple[str, list[int]] | None = None
+        cut_off = 0  # examples whose targets were all past data.max_tokens: truncation, not the template, left none
         for ex in examples:
             ids, labels = tokenize_example(ex, self.tokenizer, self.train_on_prompt)
-            if len(ids) > self.max_tokens:
+            truncated = len(ids) > self.max_tokens
+            if truncated:
                 if self.overflow == "drop":
                     stats.dropped_too_long += 1
                     continue
@@ -336,6 +338,7 @@ class PackedDataModule(L.LightningDataModule):
                 ids, labels = ids[: self.max_tokens], labels[: self.max_tokens]
             if _count_targets(labels) == 0:
                 stats.dropped_no_targets += 1
+                cut_off += truncated
                 first_no_target = first_no_target or (ex.source, ids)
                 continue
             docs.append((ids, labels))
@@ -350,15 +353,15 @@ class PackedDataModule(L.LightningDataModule):
             where, ids = first_no_target
             text = self.tokenizer.decode(ids)
             shown = repr(text[:300]) + ("..." if len(text) > 300 else "")
-            truncated = (
-                f"; {stats.truncated} examples were truncated to data.max_tokens={self.max_tokens}, which cuts replies off"
-                if stats.truncated else ""
+            template = "check that the tokenizer's chat template renders the assistant replies (or set data.train_on_prompt=true)"
+            fix = (  # the likelier cause first: truncation that left most of them without their reply
+                f"{cut_off} of them lost their reply to truncation at data.max_tokens={self.max_tokens}: raise "
+                f"data.max_tokens; else {template}" if 2 * cut_off >= stats.dropped_no_targets else template[0].upper() + template[1:]
             )
             raise ValueError(
                 f"{source}: {stats.dropped_no_targets} of {len(examples)} examples have no target token after prompt "
                 f"masking, more than data.max_no_target_fraction={self.max_no_target_fraction} of them; the first is "
-                f"{where}, rendered as {shown}. Check that the tokenizer's chat template renders the assistant replies "
-                f"(or set data.train_on_prompt=true){truncated}"
+                f"{where}, rendered as {shown}. {fix}"
             )
         if not docs:
             raise ValueError(

@@ -140,6 +140,7 @@ def load_causal_lm(
     else:
         raise ValueError("set model.name_or_path, or model.init=random with model.config.model_type")
     _check_config_keys(hf_config, overrides)
+    _check_head_shape(hf_config, overrides)
     if hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
         raise ValueError(
             f"model {name_or_path or hf_config.model_type!r}: a {hf_config.model_type!r} config is not a causal LM "
@@ -203,21 +204,61 @@ def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
     """Refuse a ``model.config`` key that is a near miss of a field of the model's config class (a typo:
     transformers stores any extra key as an attribute that nothing reads); log the other keys the class
     does not declare (a model may read them with a default, as Qwen3-MoE reads ``head_dim``), on rank 0 only.
+    An activation field (one whose default names a transformers activation, ``hidden_act``) must name one too:
+    transformers would fail only when it builds the layers, with a bare ``KeyError``.
 
     Raises:
-        ValueError: a key within a character or two of a declared field (``num_hidden_layer``).
+        ValueError: a key within a character or two of a declared field (``num_hidden_layer``); an activation
+            field set to a name transformers does not have (``hidden_act=gelu_typo``), with the closest names.
     """
     import difflib
 
+    from transformers.activations import ACT2FN
+
     cls = type(hf_config)
-    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
-    for key in overrides:
+    defaults = cls().to_dict()
+    known = set(defaults) | set(getattr(cls, "attribute_map", {}))
+    for key, value in overrides.items():
+        if isinstance(defaults.get(key), str) and defaults[key] in ACT2FN and isinstance(value, str):
+            check_choice(f"model.config.{key}", value, sorted(ACT2FN))
         if key in known or key == "model_type":
             continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
         if close:
             raise ValueError(f"model.config.{key}: {cls.__name__} has no such field; did you mean model.config.{close[0]}?")
         rank_zero_info(f"model.config.{key}: not a declared field of {cls.__name__}; set on the config as given")
+
+
+def _check_head_shape(hf_config: Any, overrides: dict[str, Any]) -> None:
+    """Where ``model.config`` sets ``hidden_size``, ``num_attention_heads`` or ``num_key_value_heads``: refuse key/value
+    heads that do not divide the query heads (grouped-query attention shares each among a whole group) and, where the
+    config derives the head size (no ``head_dim`` of its own), a ``hidden_size`` that the heads do not divide or an
+    odd head size under RoPE (which rotates pairs of channels). Some configs refuse these themselves (Llama,
+    Mistral); others (Qwen2, Qwen3-MoE, Mixtral) build a model that fails in its first forward with a shape mismatch.
+
+    Raises:
+        ValueError: naming ``model.config.num_attention_heads``, the sizes and the fix.
+    """
+    if not {"hidden_size", "num_attention_heads", "num_key_value_heads"} & overrides.keys():
+        return
+    hidden, heads = getattr(hf_config, "hidden_size", None), getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return
+    if isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        raise ValueError(
+            f"model.config.num_attention_heads={heads} with num_key_value_heads={kv_heads}: each key/value head serves a "
+            "whole group of query heads, so num_key_value_heads must divide num_attention_heads"
+        )
+    if not isinstance(hidden, int) or getattr(hf_config, "head_dim", None) is not None:
+        return
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_theta", None)
+    if hidden % heads or (rope and hidden // heads % 2):
+        why = "does not divide it" if hidden % heads else f"gives each head {hidden // heads} channels, and RoPE needs an even number"
+        raise ValueError(
+            f"model.config.num_attention_heads={heads} with hidden_size={hidden}: {why}; pick a head count that gives an "
+            "even head size, or set model.config.head_dim"
+        )
 
 
 def _config_value_error(err: Exception, overrides: dict[str, Any], name_or_path: str | None) -> ValueError:

@@ -31,6 +31,22 @@ from lightning_ft.strategies import kept
 __all__ = ["active_module", "add_lora", "fused_lora_classes", "lora_linear_adapters"]
 
 
+def adapter_folder(init_from: str) -> Path:
+    """The folder of ``lora.init_from``, checked to hold a PEFT adapter (``adapter_config.json``); `fit` checks it
+    before the run folder is used, `add_lora` loads it.
+
+    Raises:
+        FileNotFoundError: naming ``lora.init_from`` when the folder has no ``adapter_config.json`` (or is missing).
+    """
+    folder = Path(init_from).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"lora.init_from={init_from!r}: no adapter_config.json there; expected a folder written by "
+            "PEFT's save_pretrained (such as <run_dir>/adapter)"
+        )
+    return folder
+
+
 def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     """Wrap ``model`` with PEFT LoRA adapters (or load an existing adapter to train further).
 
@@ -54,12 +70,7 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if lora.get("init_from"):
-        init_from = Path(lora["init_from"]).expanduser()
-        if not (init_from / "adapter_config.json").is_file():
-            raise FileNotFoundError(
-                f"lora.init_from={lora['init_from']!r}: no adapter_config.json there; expected a folder written by "
-                "PEFT's save_pretrained (such as <run_dir>/adapter)"
-            )
+        init_from = adapter_folder(lora["init_from"])
         model = PeftModel.from_pretrained(model, str(init_from), is_trainable=True)
         loaded = model.peft_config["default"]
         modules = loaded.target_modules  # a list, or one regular expression

@@ -17,13 +17,21 @@ def test_the_loss_curve_shows_validation_points_and_the_learning_rate_below(tmp_
 
 
 def test_the_result_line_leaves_out_what_the_run_did_not_measure():
-    s = {"steps": 0, "initial_loss": None, "final_loss": None, "val_loss": None, "train_tokens": None, "tokens_per_s": None,
-         "data": None}
+    s = {"status": "completed", "steps": 0, "initial_loss": None, "final_loss": None, "val_loss": None, "train_tokens": None,
+         "tokens_per_s": None, "data": None}
     assert result_line(s) == "0 steps"
     s |= {"steps": 3, "initial_loss": 7.0, "final_loss": 6.51234, "train_tokens": 12000, "tokens_per_s": 34567.8,
-          "data": {"packing_efficiency": 0.9744}}
+          "data": {"packed_rows": 40, "packing_efficiency": 0.9744}}
     assert result_line(s) == ("3 steps; loss 7.000 → 6.512; 12,000 tokens at 34,568 tokens/s; "
                               "packing efficiency 97.4% (tokens / rows × data.max_tokens)")
+    assert result_line(s | {"status": "stopped"}).startswith("stopped after 3 steps; loss 7.000 → 6.512; ")
+
+
+def test_the_result_line_of_a_run_that_failed_before_training_says_so_and_not_0_percent_packing():
+    # a data file that did not load: no step, no packed row (PackingStats' zeros)
+    s = {"status": "failed", "steps": 0, "initial_loss": None, "final_loss": None, "val_loss": None, "train_tokens": 0,
+         "tokens_per_s": None, "data": {"packed_rows": 0, "packing_efficiency": 0.0}}
+    assert result_line(s) == "failed after 0 steps"
 
 
 def _offload_stats(**timings):

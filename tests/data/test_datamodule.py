@@ -90,6 +90,13 @@ def test_too_many_examples_without_targets_stop_with_the_count_and_an_example(to
     assert _datamodule(broken, train_on_prompt=True).stats.dropped_no_targets == 0
 
 
+def test_examples_whose_replies_truncation_cut_off_name_data_max_tokens_first(tokenizer):
+    # the prompts are longer than 8 tokens: truncation keeps no reply token, the template is fine
+    with pytest.raises(ValueError, match=r"60 of 60 examples have no target token .*rendered as '.*'\. 60 of them lost "
+                                         r"their reply to truncation at data.max_tokens=8: raise data.max_tokens; else check"):
+        _datamodule(tokenizer, max_tokens=8)
+
+
 def test_validation_file_and_generation_examples(tokenizer, tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"question": f"Half of {2 * i}?", "answer": f"#### {i}"}) + "\n" for i in range(5)))

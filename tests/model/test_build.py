@@ -108,6 +108,36 @@ def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog, mo
     assert caplog.messages == []
 
 
+def test_a_model_config_activation_that_transformers_lacks_is_refused_with_the_closest_names():
+    """transformers' ACT2FN raised a bare KeyError('gelu_typo') while building the layers, after the data loaded."""
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "hidden_act": "gelu_typo"}}
+    with pytest.raises(ValueError, match=r"^model.config.hidden_act=gelu_typo: expected one of .*silu.*; did you mean model.config.hidden_act=gelu"):
+        ModelBuilder(model=model, lora=LORA)(CPU)
+    model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "hidden_act": "gelu"}}  # a name it has builds
+    assert ModelBuilder(model=model, lora=LORA)(CPU).model.config.hidden_act == "gelu"
+
+
+#: the tiny Qwen3-MoE without its head_dim: the config derives the head size, hidden_size / num_attention_heads
+_DERIVED_HEADS = {k: v for k, v in TINY_MODEL["config"].items() if k != "head_dim"}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [  # Qwen3-MoE checks none of these: 128 / 5 heads built 25-wide heads that failed in RoPE at the first step
+        ({"num_attention_heads": 5, "num_key_value_heads": 2}, r"^model.config.num_attention_heads=5 with num_key_value_heads=2: .*must divide"),
+        ({"num_attention_heads": 5}, r"^model.config.num_attention_heads=5 with hidden_size=32: does not divide it; "),
+        ({"hidden_size": 96, "num_attention_heads": 32},
+         r"^model.config.num_attention_heads=32 with hidden_size=96: gives each head 3 channels, and RoPE needs an even"),
+    ],
+)
+def test_model_config_head_counts_that_do_not_fit_are_refused_by_key(config, message):
+    model = {**TINY_MODEL, "config": {**_DERIVED_HEADS, **config}}
+    with pytest.raises(ValueError, match=message):
+        ModelBuilder(model=model, lora=LORA)(CPU)
+    fits = {**TINY_MODEL, "config": {**_DERIVED_HEADS, "num_attention_heads": 4, "num_key_value_heads": 2}}
+    assert ModelBuilder(model=fits, lora=LORA)(CPU).model.config.num_attention_heads == 4  # 8-wide heads, groups of 2
+
+
 def _dequantise_mxfp4(blocks, scales):
     """The [E, C, N] weight that gpt-oss's ``<proj>_blocks`` [E, N, C/32, 16] / ``<proj>_scales`` [E, N, C/32] stand for."""
     return dequantize_mxfp4_reference(blocks, scales, torch.float32).transpose(1, 2)
