@@ -11,8 +11,18 @@ format         row fields                                            becomes
 ``instruction`` ``instruction``, ``output`` (``input`` optional), or  user → assistant, one
                ``instruction`` + ``instances: [{input, output}]``    example per instance
 ``chat``       ``messages: [{role, content}, ...]``                  the messages as they are
+``prompt_completion`` ``prompt``, ``completion``: two strings, or    user → assistant, or the
+               two lists of ``{role, content}`` messages             messages, prompt + completion
 ``text``       ``text``                                              plain text
 =============  ====================================================  ==========================
+
+``prompt_completion`` is TRL's prompt-completion dataset type (also OpenAI's legacy fine-tuning
+file). Its *standard* rows (two strings) become a user turn and an assistant reply, exactly as
+``qa`` rows do: the chat template renders them, and the completion and its end-of-turn marker are
+the targets. (TRL's SFTTrainer instead joins the two strings as plain text, without a template.)
+Its *conversational* rows are ``prompt``: the messages before the reply (system, user, and earlier
+assistant turns) and ``completion``: the assistant message(s); only the completion is a target,
+not the assistant turns of the prompt.
 
 Rows come from a local ``.jsonl``/``.json``/``.parquet`` file (JSON parsed as written, see
 `read_rows`) or a Hugging Face ``datasets`` name (read with `datasets.load_dataset`), or from a
@@ -32,12 +42,13 @@ from lightning_ft.errors import check_choice
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("qa", "instruction", "chat", "text")
+FORMATS = ("qa", "instruction", "chat", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant")
 _REQUIRED = {
     "qa": ("question", "answer"),
     "instruction": ("instruction", "output | instances"),
     "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
 }
 
@@ -50,11 +61,14 @@ class Example:
         messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` or None.
         text: the document for the ``text`` format, or None.
         source: where it came from (``file:line``, or ``file row N`` without lines), used in error messages.
+        completion_turns: the number of last messages that are the targets (all assistant turns, the
+            completion of a ``prompt_completion`` row); None: every assistant turn is a target.
     """
 
     messages: tuple[dict[str, str], ...] | None = None
     text: str | None = None
     source: str = ""
+    completion_turns: int | None = None
 
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -232,6 +246,8 @@ def detect_format(row: dict[str, Any], source: str = "") -> str:
         return "instruction"
     if {"question", "answer"} <= fields:
         return "qa"
+    if {"prompt", "completion"} <= fields:
+        return "prompt_completion"
     if "text" in fields:
         return "text"
     expected = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in _REQUIRED.items())
@@ -278,17 +294,20 @@ def to_examples(
     check_choice("data.format", fmt, ("auto", *FORMATS))
     examples: list[Example] = []
     for i, row in enumerate(rows, start=1):
-        for messages in _row_to_conversations(row, fmt, where(i)):
+        for messages, completion_turns in _row_to_conversations(row, fmt, where(i)):
             if messages is None:
                 examples.append(Example(text=_string(row, "text", where(i)), source=where(i)))
                 continue
             if system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": system_prompt}, *messages]
-            examples.append(Example(messages=tuple(messages), source=where(i)))
+            examples.append(Example(messages=tuple(messages), source=where(i), completion_turns=completion_turns))
     return examples
 
 
-def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable[list[dict[str, str]] | None]:
+def _row_to_conversations(
+    row: dict[str, Any], fmt: str, where: str
+) -> Iterable[tuple[list[dict[str, str]] | None, int | None]]:
+    """``(messages, completion_turns)`` per example of ``row`` (see `Example`); ``(None, None)`` for text."""
     missing = [f for f in _REQUIRED[fmt] if "|" not in f and row.get(f) is None]
     if fmt == "instruction" and row.get("output") is None and row.get("instances") is None:
         missing.append("output (or instances)")
@@ -300,9 +319,11 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
             f"(the row has {has}{_close_keys(has, wanted)})"
         )
     if fmt == "text":
-        yield None
+        yield None, None
     elif fmt == "qa":
-        yield [_msg("user", _string(row, "question", where)), _msg("assistant", _string(row, "answer", where))]
+        yield [_msg("user", _string(row, "question", where)), _msg("assistant", _string(row, "answer", where))], None
+    elif fmt == "prompt_completion":
+        yield _prompt_completion(row, where)
     elif fmt == "instruction":
         instruction = _string(row, "instruction", where)
         instances = row.get("instances")
@@ -322,24 +343,46 @@ def _row_to_conversations(row: dict[str, Any], fmt: str, where: str) -> Iterable
             given = inst.get("input")
             given = "" if given is None else _string(inst, "input", inst_where)
             prompt = f"{instruction}\n\n{given}" if given else instruction
-            yield [_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))]
+            yield [_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))], None
     else:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-        out = []
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ValueError(f"{where}: messages[{j}] must be an object with 'role' and 'content', got a {type(m).__name__}")
-            if absent := [k for k in ("role", "content") if k not in m]:
-                raise ValueError(
-                    f"{where}: messages[{j}] has no {' or '.join(map(repr, absent))} "
-                    f"(it has {sorted(m)}{_close_keys(sorted(m), ['role', 'content'])})"
-                )
-            if m["role"] not in ROLES:
-                raise ValueError(f"{where}: messages[{j}] has the unknown role {m['role']!r}; expected one of {ROLES}")
-            out.append(_msg(m["role"], _string(m, "content", f"{where} messages[{j}]")))
-        yield out
+        yield _messages(row, "messages", where), None
+
+
+def _prompt_completion(row: dict[str, Any], where: str) -> tuple[list[dict[str, str]], int | None]:
+    """A ``prompt_completion`` row's conversation and the number of its last messages that are the completion
+    (None for two strings: a user turn and its reply, where the reply is the only assistant turn)."""
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [_msg("user", prompt), _msg("assistant", completion)], None
+    if isinstance(prompt, list) and isinstance(completion, list):
+        replies = _messages(row, "completion", where)
+        if others := [f"completion[{j}] has the role {m['role']!r}" for j, m in enumerate(replies) if m["role"] != "assistant"]:
+            raise ValueError(f"{where}: {others[0]}; the completion holds the assistant's reply (earlier turns go in 'prompt')")
+        return _messages(row, "prompt", where) + replies, len(replies)
+    if not isinstance(prompt, (str, list)):
+        raise ValueError(f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}")
+    wanted = "a string" if isinstance(prompt, str) else "a list of {role, content} messages"
+    raise ValueError(f"{where}: field 'completion' must be {wanted}, as 'prompt' is, got {type(completion).__name__}")
+
+
+def _messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, str]]:
+    """``row[key]``, a non-empty list of ``{role, content}`` messages, checked (each error names ``key[j]``)."""
+    messages = row[key]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: {key!r} must be a non-empty list of {{role, content}}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {key}[{j}] must be an object with 'role' and 'content', got a {type(m).__name__}")
+        if absent := [k for k in ("role", "content") if k not in m]:
+            raise ValueError(
+                f"{where}: {key}[{j}] has no {' or '.join(map(repr, absent))} "
+                f"(it has {sorted(m)}{_close_keys(sorted(m), ['role', 'content'])})"
+            )
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: {key}[{j}] has the unknown role {m['role']!r}; expected one of {ROLES}")
+        out.append(_msg(m["role"], _string(m, "content", f"{where} {key}[{j}]")))
+    return out
 
 
 def _msg(role: str, content: str) -> dict[str, str]:

@@ -7,7 +7,8 @@ by rendering growing prefixes of the conversation: for every assistant turn ``i`
     render(messages[:i+1])                              →  ... plus the reply and its end-of-turn
 
 so the target tokens are exactly the reply and the template's end-of-turn marker, whatever the
-template. Templates whose renders are not prefixes of each other (some strip earlier turns) get a
+template. An `Example` with ``completion_turns`` (a ``prompt_completion`` row) has targets only in
+its last ``completion_turns`` messages: the assistant turns of its prompt are context. Templates whose renders are not prefixes of each other (some strip earlier turns) get a
 clear error. Labels use ``-100`` for tokens that are not trained on (`IGNORE_INDEX`).
 
 ``model.tokenizer=builtin`` is a byte-level BPE tokenizer the project trains itself with the
@@ -127,7 +128,7 @@ def tokenize_example(
             )
         ids = tokenizer(example.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return ids, list(ids)
-    segments = _chat_segments(tokenizer, list(example.messages), example.source)
+    segments = _chat_segments(tokenizer, list(example.messages), example.source, example.completion_turns)
     encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     input_ids: list[int] = []
     labels: list[int] = []
@@ -137,7 +138,9 @@ def tokenize_example(
     return input_ids, labels
 
 
-def _chat_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict], source: str) -> list[tuple[str, bool]]:
+def _chat_segments(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], source: str, completion_turns: int | None = None
+) -> list[tuple[str, bool]]:
     from jinja2 import TemplateError
 
     def render(msgs: list[dict], generation_prompt: bool) -> str:
@@ -149,8 +152,9 @@ def _chat_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict], sou
 
     segments: list[tuple[str, bool]] = []
     done = ""
+    first_target = 0 if completion_turns is None else len(messages) - completion_turns
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first_target:
             continue
         prompt = render(messages[:i], True) if i else ""
         full = render(messages[: i + 1], False)
