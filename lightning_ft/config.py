@@ -65,7 +65,7 @@ class DataConfig:
     """``data=``: where the training rows come from and how they are packed."""
 
     path: str = MISSING  # .jsonl/.json/.parquet file, `datasets` name, or builtin:<task> (required: `???` in a YAML file would not override a default)
-    format: str = "auto"  # auto | qa | instruction | chat | text
+    format: str = "auto"  # auto | qa | instruction | chat | prompt_completion | text
     split: str = "train"
     max_tokens: int = 1024  # token budget of a packed micro-batch: memory grows with it
     train_on_prompt: bool = False

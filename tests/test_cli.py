@@ -132,6 +132,20 @@ def test_full_fine_tuning_and_chat_data(tmp_path):
     assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
 
 
+def test_fit_on_a_prompt_completion_file(tmp_path):
+    """TRL's prompt-completion rows (OpenAI's legacy fine-tuning file) train as they are, detected from the first row
+    (which tokens are targets: tests/data/test_tokenization.py)."""
+    rows = [{"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"} for i in range(10, 42)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_cli(tmp_path / "run", *FAST, "data=jsonl", f"data.path={data}", "data.num_examples=null", "trainer.max_steps=2")
+    out = proc.stderr + proc.stdout
+    assert f"data.format=auto: {data} looks like the 'prompt_completion' format" in out
+    assert "data: 32 examples" in out and "0 with no target tokens" in out
+    s = summary(tmp_path / "run")
+    assert s["steps"] == 2 and s["final_loss"] < s["initial_loss"]
+
+
 def test_optuna_search_space_names_real_keys(tmp_path):
     """configs/hparams_search/optuna.yaml searches keys of the fit config (composing it needs the optional plugin)."""
     from omegaconf import OmegaConf
@@ -178,7 +192,8 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("model.quantization=nf5", r"model.quantization=nf5: expected one of none, nf4, mxfp4; did you mean model.quantization=nf4\?"),
         ("model.dtype=bf16", r"model.dtype=bf16: expected one of float32, bfloat16, float16; did you mean model.dtype=bfloat16\?"),
         ("model.init=rand", r"model.init=rand: expected one of pretrained, random; did you mean model.init=random\?"),
-        ("data.format=alpaca", r"data.format=alpaca: expected one of auto, qa, instruction, chat, text$"),
+        ("data.format=alpaca", r"data.format=alpaca: expected one of auto, qa, instruction, chat, prompt_completion, text$"),
+        ("data.format=completion", r"data.format=completion: .*; did you mean data.format=prompt_completion\?"),
         ("data.overflow=dropp", r"data.overflow=dropp: .*did you mean data.overflow=drop\?"),
         ("train.on_nonfinite=ski", r"train.on_nonfinite=ski: expected one of stop, skip; did you mean train.on_nonfinite=skip\?"),
         ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\): use moe=native_torch"),

@@ -198,7 +198,7 @@ class PackedDataModule(L.LightningDataModule):
     Args:
         tokenizer: a Hugging Face tokenizer (see `lightning_ft.data.tokenization.load_tokenizer`).
         path: a local .jsonl/.json/.parquet file, a `datasets` name, or ``builtin:<task>``.
-        format: ``auto``, ``qa``, ``instruction``, ``chat`` or ``text``.
+        format: ``auto``, ``qa``, ``instruction``, ``chat``, ``prompt_completion`` or ``text``.
         max_tokens: the token budget of one packed micro-batch (T ≤ max_tokens).
         accumulate_grad_batches: micro-batches per optimizer step.
         train_on_prompt: train on prompt tokens too (default: only on responses).

@@ -357,10 +357,14 @@ def _prompt_completion(row: dict[str, Any], where: str) -> tuple[list[dict[str, 
     if isinstance(prompt, list) and isinstance(completion, list):
         replies = _messages(row, "completion", where)
         if others := [f"completion[{j}] has the role {m['role']!r}" for j, m in enumerate(replies) if m["role"] != "assistant"]:
-            raise ValueError(f"{where}: {others[0]}; the completion holds the assistant's reply (earlier turns go in 'prompt')")
+            raise ValueError(
+                f"{where}: {others[0]}; the completion holds the assistant's reply (earlier turns go in 'prompt')"
+            )
         return _messages(row, "prompt", where) + replies, len(replies)
     if not isinstance(prompt, (str, list)):
-        raise ValueError(f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}")
+        raise ValueError(
+            f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}"
+        )
     wanted = "a string" if isinstance(prompt, str) else "a list of {role, content} messages"
     raise ValueError(f"{where}: field 'completion' must be {wanted}, as 'prompt' is, got {type(completion).__name__}")
 

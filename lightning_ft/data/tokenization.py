@@ -8,8 +8,9 @@ by rendering growing prefixes of the conversation: for every assistant turn ``i`
 
 so the target tokens are exactly the reply and the template's end-of-turn marker, whatever the
 template. An `Example` with ``completion_turns`` (a ``prompt_completion`` row) has targets only in
-its last ``completion_turns`` messages: the assistant turns of its prompt are context. Templates whose renders are not prefixes of each other (some strip earlier turns) get a
-clear error. Labels use ``-100`` for tokens that are not trained on (`IGNORE_INDEX`).
+its last ``completion_turns`` messages: the assistant turns of its prompt are context. Templates
+whose renders are not prefixes of each other (some strip earlier turns) get a clear error. Labels
+use ``-100`` for tokens that are not trained on (`IGNORE_INDEX`).
 
 ``model.tokenizer=builtin`` is a byte-level BPE tokenizer the project trains itself with the
 `tokenizers` library on generated text (no download), cached under ``$LIGHTNING_FT_CACHE``

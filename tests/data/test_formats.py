@@ -16,10 +16,15 @@ def test_detects_each_format():
     assert detect_format({"instruction": "i", "instances": []}) == "instruction"
     assert detect_format({"messages": []}) == "chat"
     assert detect_format({"text": "t"}) == "text"
-    with pytest.raises(ValueError, match="cannot tell the data format.*prompt"):
+    assert detect_format({"prompt": "p", "completion": "c"}) == "prompt_completion"
+    assert detect_format({"prompt": [], "completion": [], "text": None}) == "prompt_completion"
+    with pytest.raises(ValueError, match="cannot tell the data format.*prompt_completion: prompt, completion"):
         detect_format({"prompt": "x"}, "f.jsonl row 1")
-    with pytest.raises(ValueError, match=r"data.format=qna: expected one of auto, qa, instruction, chat, text; did you mean data.format=qa\?"):
+    with pytest.raises(ValueError, match=r"data.format=qna: expected one of auto, qa, instruction, chat, prompt_completion, text; "
+                                         r"did you mean data.format=qa\?"):
         to_examples([{"question": "q", "answer": "a"}], "qna")
+    with pytest.raises(ValueError, match=r"data.format=prompt-completion: .*did you mean data.format=prompt_completion\?"):
+        to_examples([{"prompt": "p", "completion": "c"}], "prompt-completion")
 
 
 def test_qa_and_instruction_become_conversations():
@@ -28,6 +33,19 @@ def test_qa_and_instruction_become_conversations():
     ex = to_examples([{"instruction": "Add.", "instances": [{"input": "1 1", "output": "2"}, {"input": "", "output": "0"}]}])
     assert [m[0]["content"] for m in (e.messages for e in ex)] == ["Add.\n\n1 1", "Add."]
     assert [e.messages[1]["content"] for e in ex] == ["2", "0"]
+
+
+def test_prompt_completion_rows_become_conversations():
+    """Two strings: a user turn and its reply, as a ``qa`` row; two message lists: the prompt's messages then the
+    completion's, whose count marks the targets (the prompt's assistant turns are context)."""
+    (standard,) = to_examples([{"prompt": "2+2?", "completion": " 4"}], system_prompt="Be brief.")
+    (qa,) = to_examples([{"question": "2+2?", "answer": " 4"}], system_prompt="Be brief.")
+    assert standard == qa and standard.completion_turns is None
+    prompt = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2?"}]
+    completion = [{"role": "assistant", "content": "4"}]
+    (conv,) = to_examples([{"prompt": prompt, "completion": completion}], system_prompt="Be brief.")
+    assert conv.messages == ({"role": "system", "content": "Be brief."}, *prompt, *completion)
+    assert conv.completion_turns == 1
 
 
 def test_system_prompt_is_prepended_once():
@@ -86,6 +104,20 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
          r"train.jsonl:4: instances\[0\] needs an 'output' field \(it has \['input', 'ouptut'\]; did you mean 'output' for 'ouptut'\?\)"),
         ([{"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "user", "text": "x"}]}],
          r"train.jsonl:4: messages\[0\] has no 'content' \(it has \['role', 'text'\]\)"),
+        ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None}],
+         r"train.jsonl:4: the 'prompt_completion' format needs the fields \['prompt', 'completion'\]; missing or null: "
+         r"\['completion'\] \(the row has \['prompt'\]\)"),
+        ([{"prompt": "p", "completion": "c"}, {"question": "q", "answer": "a"}],  # a row of another format
+         r"train.jsonl:4: the 'prompt_completion' format needs .*missing or null: \['prompt', 'completion'\] "
+         r"\(the row has \['answer', 'question'\]\)"),
+        ([{"prompt": "p", "completion": "c"}, {"prompt": 7, "completion": "c"}],
+         r"train.jsonl:4: field 'prompt' must be a string or a list of \{role, content\} messages, got int"),
+        ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}],
+         r"train.jsonl:4: field 'completion' must be a string, as 'prompt' is, got list"),
+        ([{"prompt": [{"role": "user", "content": "p"}], "completion": [{"role": "user", "content": "c"}]}],
+         r"train.jsonl:1: completion\[0\] has the role 'user'; the completion holds the assistant's reply"),
+        ([{"prompt": [{"role": "user", "content": "p"}], "completion": [{"role": "assistant", "content": 4}]}],
+         r"train.jsonl:1 completion\[0\]: field 'content' must be a string, got int"),
         ([{"question": "q", "answr": "a"}],
          r"train.jsonl:1: cannot tell the data format from the fields \['answr', 'question'\]; .*; did you mean 'answer' for 'answr'\?"),
     ],

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_ft.data.formats import Example
+from lightning_ft.data.formats import Example, to_examples
 from lightning_ft.data.tokenization import IGNORE_INDEX, load_tokenizer, tokenize_example
 
 
@@ -27,6 +27,39 @@ def test_only_assistant_replies_are_targets():
     assert targets == "1 + 2 = 3<|im_end|>\n4<|im_end|>\n"
     ids2, labels2 = tokenize_example(Example(messages=messages), tok, train_on_prompt=True)
     assert ids2 == ids and labels2 == ids
+
+
+#: Llama-3's chat template (its header and end-of-turn tokens as text), for a template other than the builtin ChatML
+LLAMA3_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3_TEMPLATE])
+def test_prompt_completion_targets_exactly_the_completion(template):
+    """A string prompt/completion row is tokenized as the ``qa`` row of the same text (user turn, reply), with the
+    builtin ChatML template and a real one; a conversational row's targets are the completion's turns only."""
+    tok = load_tokenizer("builtin")
+    tok.chat_template = template or tok.chat_template
+    (standard,) = to_examples([{"prompt": "What is 2 + 2?", "completion": "4"}])
+    (qa,) = to_examples([{"question": "What is 2 + 2?", "answer": "4"}])
+    ids, labels = tokenize_example(standard, tok)
+    assert (ids, labels) == tokenize_example(qa, tok)
+    targets = [t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]
+    assert tok.decode(targets) == ("4<|im_end|>\n" if template is None else "4<|eot_id|>")
+    assert ids[-len(targets):] == targets  # one run of target tokens, at the end
+    prompt = [{"role": "system", "content": "sys"}, {"role": "user", "content": "What is 1 + 2?"},
+              {"role": "assistant", "content": "1 + 2 = 3"}, {"role": "user", "content": "And 2 + 2?"}]
+    completion = [{"role": "assistant", "content": "2 + 2"}, {"role": "assistant", "content": "= 4"}]
+    (conv,) = to_examples([{"prompt": prompt, "completion": completion}])
+    ids, labels = tokenize_example(conv, tok)
+    assert tok.decode(ids) == tok.apply_chat_template(prompt + completion, tokenize=False)
+    targets = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+    assert targets == ("2 + 2<|im_end|>\n= 4<|im_end|>\n" if template is None else "2 + 2<|eot_id|>= 4<|eot_id|>")
+    assert "1 + 2 = 3" not in targets  # the prompt's assistant turn is context
+    assert tokenize_example(conv, tok, train_on_prompt=True) == (ids, ids)
 
 
 def test_text_is_all_target_and_ends_with_eos():
