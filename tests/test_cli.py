@@ -138,12 +138,12 @@ def test_fit_on_a_prompt_completion_file(tmp_path):
     rows = [{"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"} for i in range(10, 42)]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = run_cli(tmp_path / "run", *FAST, "data=jsonl", f"data.path={data}", "data.num_examples=null", "trainer.max_steps=2")
+    proc = run_cli(tmp_path / "run", *FAST, "data=jsonl", f"data.path={data}", "data.num_examples=null", "trainer.max_steps=8")
     out = proc.stderr + proc.stdout
     assert f"data.format=auto: {data} looks like the 'prompt_completion' format" in out
     assert "data: 32 examples" in out and "0 with no target tokens" in out
     s = summary(tmp_path / "run")
-    assert s["steps"] == 2 and s["final_loss"] < s["initial_loss"]
+    assert s["steps"] == 8 and s["final_loss"] < s["initial_loss"]
 
 
 def test_optuna_search_space_names_real_keys(tmp_path):

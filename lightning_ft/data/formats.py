@@ -2,7 +2,8 @@
 
 Every supported row shape becomes an `Example`: either a conversation (a list of
 ``{"role", "content"}`` messages, rendered later with the tokenizer's chat template, where
-only the assistant turns are targets) or a plain ``text`` (every token is a target).
+only the assistant turns are targets) or a plain ``text`` (every token is a target, but those of
+a ``prompt`` before it).
 
 =============  ====================================================  ==========================
 format         row fields                                            becomes
@@ -11,18 +12,19 @@ format         row fields                                            becomes
 ``instruction`` ``instruction``, ``output`` (``input`` optional), or  user → assistant, one
                ``instruction`` + ``instances: [{input, output}]``    example per instance
 ``chat``       ``messages: [{role, content}, ...]``                  the messages as they are
-``prompt_completion`` ``prompt``, ``completion``: two strings, or    user → assistant, or the
-               two lists of ``{role, content}`` messages             messages, prompt + completion
+``prompt_completion`` ``prompt``, ``completion``: two strings, or    plain text, prompt then
+               two lists of ``{role, content}`` messages             completion; or the messages
 ``text``       ``text``                                              plain text
 =============  ====================================================  ==========================
 
 ``prompt_completion`` is TRL's prompt-completion dataset type (also OpenAI's legacy fine-tuning
-file). Its *standard* rows (two strings) become a user turn and an assistant reply, exactly as
-``qa`` rows do: the chat template renders them, and the completion and its end-of-turn marker are
-the targets. (TRL's SFTTrainer instead joins the two strings as plain text, without a template.)
-Its *conversational* rows are ``prompt``: the messages before the reply (system, user, and earlier
-assistant turns) and ``completion``: the assistant message(s); only the completion is a target,
-not the assistant turns of the prompt.
+file), with TRL's meaning. Its *standard* rows (two strings) are plain text: the prompt's tokens,
+then the completion's and the eos token, with no chat template (``{"prompt": "The sky is",
+"completion": " blue."}``); only the completion and the eos token are targets (`data.system_prompt`
+does not apply). For a prompt meant as a user turn, use ``qa`` (``question``, ``answer``) or the
+conversational rows. Those are ``prompt``: the messages before the reply (system, user, and earlier
+assistant turns) and ``completion``: the assistant message(s); the chat template renders them, and
+only the completion is a target, not the assistant turns of the prompt.
 
 Rows come from a local ``.jsonl``/``.json``/``.parquet`` file (JSON parsed as written, see
 `read_rows`) or a Hugging Face ``datasets`` name (read with `datasets.load_dataset`), or from a
@@ -59,7 +61,9 @@ class Example:
 
     Attributes:
         messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` or None.
-        text: the document for the ``text`` format, or None.
+        text: the document for the ``text`` format (the completion of a standard ``prompt_completion`` row), or None.
+        prompt: plain text before ``text`` that is context, not a target (a standard ``prompt_completion``
+            row's prompt), or None.
         source: where it came from (``file:line``, or ``file row N`` without lines), used in error messages.
         completion_turns: the number of last messages that are the targets (all assistant turns, the
             completion of a ``prompt_completion`` row); None: every assistant turn is a target.
@@ -69,6 +73,7 @@ class Example:
     text: str | None = None
     source: str = ""
     completion_turns: int | None = None
+    prompt: str | None = None
 
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -295,8 +300,11 @@ def to_examples(
     examples: list[Example] = []
     for i, row in enumerate(rows, start=1):
         for messages, completion_turns in _row_to_conversations(row, fmt, where(i)):
-            if messages is None:
-                examples.append(Example(text=_string(row, "text", where(i)), source=where(i)))
+            if messages is None:  # plain text
+                if fmt == "prompt_completion":
+                    examples.append(Example(text=row["completion"], prompt=row["prompt"], source=where(i)))
+                else:
+                    examples.append(Example(text=_string(row, "text", where(i)), source=where(i)))
                 continue
             if system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": system_prompt}, *messages]
@@ -307,7 +315,8 @@ def to_examples(
 def _row_to_conversations(
     row: dict[str, Any], fmt: str, where: str
 ) -> Iterable[tuple[list[dict[str, str]] | None, int | None]]:
-    """``(messages, completion_turns)`` per example of ``row`` (see `Example`); ``(None, None)`` for text."""
+    """``(messages, completion_turns)`` per example of ``row`` (see `Example`); ``(None, None)`` for plain text
+    (a ``text`` row, a standard ``prompt_completion`` row)."""
     missing = [f for f in _REQUIRED[fmt] if "|" not in f and row.get(f) is None]
     if fmt == "instruction" and row.get("output") is None and row.get("instances") is None:
         missing.append("output (or instances)")
@@ -348,12 +357,12 @@ def _row_to_conversations(
         yield _messages(row, "messages", where), None
 
 
-def _prompt_completion(row: dict[str, Any], where: str) -> tuple[list[dict[str, str]], int | None]:
-    """A ``prompt_completion`` row's conversation and the number of its last messages that are the completion
-    (None for two strings: a user turn and its reply, where the reply is the only assistant turn)."""
+def _prompt_completion(row: dict[str, Any], where: str) -> tuple[list[dict[str, str]] | None, int | None]:
+    """A conversational ``prompt_completion`` row's conversation and the number of its last messages that are the
+    completion; ``(None, None)`` for a standard row (two strings: plain text)."""
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
-        return [_msg("user", prompt), _msg("assistant", completion)], None
+        return None, None
     if isinstance(prompt, list) and isinstance(completion, list):
         replies = _messages(row, "completion", where)
         if others := [f"completion[{j}] has the role {m['role']!r}" for j, m in enumerate(replies) if m["role"] != "assistant"]:

@@ -114,7 +114,8 @@ def tokenize_example(
     """Tokenize one example into ``(input_ids, labels)`` of equal length.
 
     Labels equal the input ids on target tokens and `IGNORE_INDEX` elsewhere (labels are not
-    shifted: the loss shifts them). Plain text gets the eos token appended and is all target.
+    shifted: the loss shifts them). Plain text gets the eos token appended and is all target, but the tokens
+    of its ``prompt`` (tokenized on its own and put first), unless ``train_on_prompt``.
 
     Raises:
         ValueError: the chat template's renders are not prefixes of each other, or the template raises
@@ -128,7 +129,10 @@ def tokenize_example(
                 "use a tokenizer that has one (model.tokenizer=...)"
             )
         ids = tokenizer(example.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        return ids, list(ids)
+        if example.prompt is None:
+            return ids, list(ids)
+        context = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+        return context + ids, (list(context) if train_on_prompt else [IGNORE_INDEX] * len(context)) + ids
     segments = _chat_segments(tokenizer, list(example.messages), example.source, example.completion_turns)
     encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     input_ids: list[int] = []

@@ -35,12 +35,12 @@ def test_qa_and_instruction_become_conversations():
     assert [e.messages[1]["content"] for e in ex] == ["2", "0"]
 
 
-def test_prompt_completion_rows_become_conversations():
-    """Two strings: a user turn and its reply, as a ``qa`` row; two message lists: the prompt's messages then the
-    completion's, whose count marks the targets (the prompt's assistant turns are context)."""
+def test_prompt_completion_rows_become_text_or_conversations():
+    """Two strings: plain text, the prompt as context (no system prompt: no template renders it); two message lists:
+    the prompt's messages then the completion's, whose count marks the targets (the prompt's assistant turns are
+    context)."""
     (standard,) = to_examples([{"prompt": "2+2?", "completion": " 4"}], system_prompt="Be brief.")
-    (qa,) = to_examples([{"question": "2+2?", "answer": " 4"}], system_prompt="Be brief.")
-    assert standard == qa and standard.completion_turns is None
+    assert (standard.prompt, standard.text, standard.messages) == ("2+2?", " 4", None)
     prompt = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2?"}]
     completion = [{"role": "assistant", "content": "4"}]
     (conv,) = to_examples([{"prompt": prompt, "completion": completion}], system_prompt="Be brief.")

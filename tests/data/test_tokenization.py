@@ -39,17 +39,18 @@ LLAMA3_TEMPLATE = (
 
 @pytest.mark.parametrize("template", [None, LLAMA3_TEMPLATE])
 def test_prompt_completion_targets_exactly_the_completion(template):
-    """A string prompt/completion row is tokenized as the ``qa`` row of the same text (user turn, reply), with the
-    builtin ChatML template and a real one; a conversational row's targets are the completion's turns only."""
+    """A string prompt/completion row is plain text as TRL reads it: the prompt's tokens then the completion's and
+    eos, no chat template, the completion and eos the targets (all with train_on_prompt); a conversational row,
+    with the builtin ChatML template and a real one: the completion's turns only."""
     tok = load_tokenizer("builtin")
     tok.chat_template = template or tok.chat_template
-    (standard,) = to_examples([{"prompt": "What is 2 + 2?", "completion": "4"}])
-    (qa,) = to_examples([{"question": "What is 2 + 2?", "answer": "4"}])
+    (standard,) = to_examples([{"prompt": "The sky is", "completion": " blue."}])
     ids, labels = tokenize_example(standard, tok)
-    assert (ids, labels) == tokenize_example(qa, tok)
-    targets = [t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]
-    assert tok.decode(targets) == ("4<|im_end|>\n" if template is None else "4<|eot_id|>")
-    assert ids[-len(targets):] == targets  # one run of target tokens, at the end
+    prompt_ids = tok("The sky is", add_special_tokens=False)["input_ids"]
+    completion_ids = tok(" blue.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids == prompt_ids + completion_ids
+    assert labels == [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+    assert tokenize_example(standard, tok, train_on_prompt=True) == (ids, ids)
     prompt = [{"role": "system", "content": "sys"}, {"role": "user", "content": "What is 1 + 2?"},
               {"role": "assistant", "content": "1 + 2 = 3"}, {"role": "user", "content": "And 2 + 2?"}]
     completion = [{"role": "assistant", "content": "2 + 2"}, {"role": "assistant", "content": "= 4"}]
