@@ -3,7 +3,9 @@
 At the end of a sweep it reads every job folder under ``hydra.sweep.dir`` (the job's
 ``.hydra/hydra.yaml`` for its number and overrides, its ``summary.json`` for the results) and writes
 ``sweep_summary.md`` and ``sweep_summary.csv`` there, one row per job. Reading the folders rather
-than collecting results in memory makes it work with any launcher (jobs in other processes too).
+than collecting results in memory makes it work with any launcher (jobs in other processes too). A
+job refused before it wrote a ``summary.json`` (a bad override value) has the first line of its error
+as its status where the job ran in this process (Hydra's basic launcher, the Optuna sweeper).
 Registered in ``configs/fit.yaml`` under ``hydra.callbacks`` (Hydra's documented seam).
 """
 
@@ -27,8 +29,13 @@ log = logging.getLogger(__name__)
 COLUMNS = ("job", "overrides", "status", "steps", "final_loss", "val_loss", "val_exact_match", "run_dir")
 
 
-def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per job folder under ``sweep_dir`` (folders with ``.hydra/hydra.yaml``), by job number."""
+def sweep_rows(sweep_dir: Path, errors: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One row per job folder under ``sweep_dir`` (folders with ``.hydra/hydra.yaml``), by job number.
+
+    Args:
+        errors: per job folder (``str`` of its path), why the job failed: the status of a job without a summary.json.
+    """
+    errors = errors or {}
     rows = []
     for hydra_yaml in sweep_dir.glob("**/.hydra/hydra.yaml"):
         job_dir = hydra_yaml.parent.parent
@@ -38,7 +45,7 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         rows.append({
             "job": job.job.num,
             "overrides": " ".join(job.overrides.task),
-            "status": summary.get("status", "no summary.json"),
+            "status": summary.get("status") or (f"failed: {errors[str(job_dir)]}" if str(job_dir) in errors else "no summary.json"),
             "steps": summary.get("steps"),
             "final_loss": summary.get("final_loss"),
             "val_loss": summary.get("val_loss"),
@@ -67,21 +74,29 @@ class SweepSummary(Callback):
     Logs where the table is once: at the end of the sweep, or after a job that failed (Hydra's sweepers
     stop there, and the end of the sweep never comes); the writes after the other jobs log at DEBUG."""
 
+    def __init__(self) -> None:
+        self.errors: dict[str, str] = {}  # job folder -> the first line of its error
+
     @override
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
             failed = getattr(job_return, "status", None) == JobStatus.FAILED
+            job_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
+            if failed and job_dir is not None:  # Hydra keeps the exception (reading `return_value` would raise it)
+                error = getattr(job_return, "_return_value", None)
+                lines = str(error).strip().splitlines() if error is not None else []
+                first = lines[0].removeprefix("error: ") if lines else type(error).__name__
+                self.errors[str(Path(job_dir))] = first[:200]
             self._write(Path(config.hydra.sweep.dir), logging.INFO if failed else logging.DEBUG)
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._write(Path(config.hydra.sweep.dir), logging.INFO)
 
-    @staticmethod
-    def _write(sweep_dir: Path, level: int) -> None:
+    def _write(self, sweep_dir: Path, level: int) -> None:
         if os.environ.get("LOCAL_RANK", "0") != "0":
             return  # a rank Lightning started for a multi-device job runs the sweep in step; the first process writes
-        rows = sweep_rows(sweep_dir)
+        rows = sweep_rows(sweep_dir, self.errors)
         (sweep_dir / "sweep_summary.md").write_text(markdown_table(rows))
         with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)

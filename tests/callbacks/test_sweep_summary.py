@@ -35,3 +35,18 @@ def test_the_sweep_table_is_announced_once_at_the_end_or_after_a_failed_job(tmp_
         _job(tmp_path, 2, ["lora.rank=16"])
         callback.on_job_end(config, SimpleNamespace(status=JobStatus.FAILED))  # the sweep stops here
         assert caplog.messages == [f"sweep summary of 3 jobs: {tmp_path / 'sweep_summary.md'}"]
+
+
+def test_a_job_refused_before_its_summary_shows_its_error(tmp_path):
+    """A failed job without a summary.json (refused before training: a bad override) has its error's first line as
+    its status; a job without either keeps "no summary.json"."""
+    callback = SweepSummary()
+    for num in (0, 1):
+        _job(tmp_path, num, [f"lora.rank={num}"])
+    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)},
+                                         "runtime": {"output_dir": str(tmp_path / "0")}}})
+    refused = ValueError("error: lora.rank=0: expected a positive integer\n(the rest of the message)")
+    callback.on_job_end(config, SimpleNamespace(status=JobStatus.FAILED, _return_value=refused))
+    table = (tmp_path / "sweep_summary.md").read_text()
+    assert "| 0 | lora.rank=0 | failed: lora.rank=0: expected a positive integer |" in table
+    assert "| 1 | lora.rank=1 | no summary.json |" in table
