@@ -258,9 +258,11 @@ def detect_format(row: dict[str, Any], source: str = "") -> str:
     expected = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in _REQUIRED.items())
     known = sorted({name for names in _REQUIRED.values() for f in names for name in f.split(" | ")} | {"input", "instances"})
     found = sorted(fields)
-    raise ValueError(
-        f"{source}: cannot tell the data format from the fields {found}; expected one of: {expected}{_close_keys(found, known)}"
-    )
+    if "prompt" in fields and "completion" not in fields:  # TRL's prompt-only type (generation, preference data)
+        hint = "; a prompt without a completion has nothing to train on (supervised fine-tuning needs the reply)"
+    else:
+        hint = _close_keys(found, known)
+    raise ValueError(f"{source}: cannot tell the data format from the fields {found}; expected one of: {expected}{hint}")
 
 
 def _close_keys(given: Iterable[str], wanted: Iterable[str]) -> str:

@@ -18,6 +18,8 @@ def test_detects_each_format():
     assert detect_format({"text": "t"}) == "text"
     assert detect_format({"prompt": "p", "completion": "c"}) == "prompt_completion"
     assert detect_format({"prompt": [], "completion": [], "text": None}) == "prompt_completion"
+    with pytest.raises(ValueError, match=r"fields \['prompt'\];.*a prompt without a completion has nothing to train on"):
+        detect_format({"prompt": "p"})
     with pytest.raises(ValueError, match="cannot tell the data format.*prompt_completion: prompt, completion"):
         detect_format({"prompt": "x"}, "f.jsonl row 1")
     with pytest.raises(ValueError, match=r"data.format=qna: expected one of auto, qa, instruction, chat, prompt_completion, text; "
