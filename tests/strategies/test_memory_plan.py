@@ -432,3 +432,40 @@ def test_host_budget_option_errors_name_the_key():
         with pytest.raises(ValueError, match=r"strategy.host_budget_gib=.*: expected a number of GiB >= 0, auto, or null for no limit"):
             Execution(host_budget_gib=bad).check()
     assert host_budget_bytes(2, available=0) == 2 * GIB and host_budget_bytes("auto", available=8 * GIB, processes=2) == 3 * GIB
+
+
+def test_a_run_resumed_under_another_plan_trains_as_the_uninterrupted_one(tmp_path, deep):
+    """Two steps under one plan (64 MiB, scaled: the inputs offloaded), a checkpoint, then two steps resumed under
+    another (120 MiB: attention's outputs offloaded too, a new plan made at the resumed run's first batch) give the
+    gradients of four steps under the first plan, bit for bit (CPU). The batches are one batch repeated, so that
+    which batch a resumed epoch starts from does not matter here (tests/test_resume.py covers the data's order)."""
+    import lightning as L
+
+    loader = torch.utils.data.DataLoader([_batch("a", "cpu")] * 4, batch_size=1, collate_fn=lambda items: items[0])
+
+    def train(budget_mib, max_steps, ckpt_path=None):
+        module = _module("llama", "cpu", lora_kernel=True)
+        apply_cuda_graphs(module.model)
+        strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=budget_mib / 1024, host_budget_gib=None)
+        grads = []
+
+        class Grads(L.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
+
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+        return trainer, strategy.memory_plan, grads
+
+    _, plan, straight = train(64, 4)
+    trainer, first_plan, first = train(64, 2)
+    assert first_plan.actions == plan.actions
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    _, other_plan, resumed = train(120, 4, ckpt_path=tmp_path / "step2.ckpt")
+    assert other_plan.layers_where("attention", "offload") and not plan.layers_where("attention", "offload")
+    assert len(first + resumed) == len(straight) == 4
+    for step, (got, expected) in enumerate(zip(first + resumed, straight), start=1):
+        assert got.keys() == expected.keys() and got
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), (step, name)
