@@ -208,15 +208,33 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("lightning_ft.run_name", run_name, use_cache=True, replace=True)
 
 
-def config_groups(command: str) -> dict[str, list[str]]:
+def config_groups(command: str, search_dirs: tuple[Path, ...] = ()) -> dict[str, list[str]]:
     """The config groups ``command`` reads (its primary config's defaults list and its `ADDED_GROUPS`
-    group) and their options (the YAML file stems under `config_dir`), sorted."""
-    from omegaconf import DictConfig, OmegaConf
+    group) and their options (the YAML file stems under `config_dir` and under each of ``search_dirs``, a
+    user's ``hydra.searchpath`` folders: `searchpath_dirs`), sorted."""
+    from omegaconf import DictConfig
 
-    root = Path(config_dir())
+    roots = (Path(config_dir()), *search_dirs)
     defaults = _primary_config(command).get("defaults", [])
     read = {str(next(iter(entry))) for entry in defaults if isinstance(entry, DictConfig)} | {ADDED_GROUPS[command]}
-    return {name: sorted(f.stem for f in (root / name).glob("*.yaml")) for name in sorted(read) if (root / name).is_dir()}
+    options = {name: sorted({f.stem for root in roots for f in (root / name).glob("*.yaml")}) for name in sorted(read)}
+    return {name: found for name, found in options.items() if (Path(config_dir()) / name).is_dir() or found}
+
+
+def searchpath_dirs(overrides: list[str]) -> tuple[Path, ...]:
+    """The local folders of a ``hydra.searchpath=[file://DIR, ...]`` override (``pkg://`` entries are left out)."""
+    dirs: list[Path] = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.lstrip("+") != "hydra.searchpath":
+            continue
+        for entry in value.strip("[] ").split(","):
+            entry = entry.strip().strip("'\"")
+            if entry.startswith("file://"):
+                dirs.append(Path(entry.removeprefix("file://")))
+            elif entry and "://" not in entry:
+                dirs.append(Path(entry))
+    return tuple(dirs)
 
 
 def _primary_config(command: str) -> Any:
@@ -279,7 +297,7 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
 
     from omegaconf import OmegaConf
 
-    groups = config_groups(command)
+    groups = config_groups(command, searchpath_dirs(overrides))
     other_groups = {other: config_groups(other) for other in COMMAND_CONFIGS if other != command}
     schema = OmegaConf.structured(command_schema(command))
     hints = []

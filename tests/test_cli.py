@@ -345,6 +345,19 @@ def test_a_plus_before_a_group_of_the_defaults_list_is_named():
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
 
 
+def test_a_users_searchpath_options_are_options_in_the_hints(tmp_path):
+    """A user's own experiment through ``hydra.searchpath``: set, no hint; mistyped, the closest among theirs and ours."""
+    from lightning_ft.config import override_hints
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n")
+    searchpath = f"hydra.searchpath=[file://{tmp_path}]"
+    assert override_hints([searchpath, "+experiment=mine"])[:-1] == []
+    (hint,) = override_hints([searchpath, "+experiment=mien"])[:-1]
+    assert hint.startswith("+experiment=mien: not an option of the `experiment` group; did you mean mine? options: ")
+    assert "mine, mistral_7b" in hint and "gsm8k_tiny" in hint
+
+
 def test_a_key_whose_default_is_missing_gets_no_hint_when_set_and_is_found_when_misplaced():
     # data.path is ??? in the schema, which OmegaConf's `in` counts as absent: a valid data.path=... beside a
     # typo elsewhere got "data.path: no key 'path' in data; did you mean data.path"
