@@ -33,19 +33,21 @@ def sweep_rows(sweep_dir: Path, errors: dict[str, str] | None = None) -> list[di
     """One row per job folder under ``sweep_dir`` (folders with ``.hydra/hydra.yaml``), by job number.
 
     Args:
-        errors: per job folder (``str`` of its path), why the job failed: the status of a job without a summary.json.
+        errors: per job folder (``str`` of its absolute path), why the job failed: the status of a job without a
+            summary.json.
     """
     errors = errors or {}
     rows = []
     for hydra_yaml in sweep_dir.glob("**/.hydra/hydra.yaml"):
         job_dir = hydra_yaml.parent.parent
+        error = errors.get(str(job_dir.absolute()))
         job = OmegaConf.load(hydra_yaml).hydra
         summary_path = job_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         rows.append({
             "job": job.job.num,
             "overrides": " ".join(job.overrides.task),
-            "status": summary.get("status") or (f"failed: {errors[str(job_dir)]}" if str(job_dir) in errors else "no summary.json"),
+            "status": summary.get("status") or (f"failed: {error}" if error is not None else "no summary.json"),
             "steps": summary.get("steps"),
             "final_loss": summary.get("final_loss"),
             "val_loss": summary.get("val_loss"),
@@ -86,7 +88,7 @@ class SweepSummary(Callback):
                 error = getattr(job_return, "_return_value", None)
                 lines = str(error).strip().splitlines() if error is not None else []
                 first = lines[0].removeprefix("error: ") if lines else type(error).__name__
-                self.errors[str(Path(job_dir))] = first[:200]
+                self.errors[str(Path(job_dir).absolute())] = first[:200]
             self._write(Path(config.hydra.sweep.dir), logging.INFO if failed else logging.DEBUG)
 
     @override

@@ -18,10 +18,12 @@ format         row fields                                            becomes
 =============  ====================================================  ==========================
 
 ``prompt_completion`` is TRL's prompt-completion dataset type (also OpenAI's legacy fine-tuning
-file), with TRL's meaning. Its *standard* rows (two strings) are plain text: the prompt's tokens,
-then the completion's and the eos token, with no chat template (``{"prompt": "The sky is",
-"completion": " blue."}``); only the completion and the eos token are targets (`data.system_prompt`
-does not apply). For a prompt meant as a user turn, use ``qa`` (``question``, ``answer``) or the
+file), read as TRL's trainer reads it. Its *standard* rows (two strings) are plain text: the
+prompt's tokens, then the completion's and the eos token, with no chat template (``{"prompt": "The
+sky is", "completion": " blue."}``); only the completion and the eos token are targets
+(`data.system_prompt` does not apply). Unlike TRL, the two are tokenized each on its own (the
+completion starts where generation from the prompt would) and no BOS token is added, as for
+``text``. For a prompt meant as a user turn, use ``qa`` (``question``, ``answer``) or the
 conversational rows. Those are ``prompt``: the messages before the reply (system, user, and earlier
 assistant turns) and ``completion``: the assistant message(s); the chat template renders them, and
 only the completion is a target, not the assistant turns of the prompt.

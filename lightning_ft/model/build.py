@@ -231,18 +231,20 @@ def _check_config_keys(hf_config: Any, overrides: dict[str, Any]) -> None:
 
 def _check_head_shape(hf_config: Any, overrides: dict[str, Any]) -> None:
     """Where ``model.config`` sets ``hidden_size``, ``num_attention_heads`` or ``num_key_value_heads``: refuse key/value
-    heads that do not divide the query heads (grouped-query attention shares each among a whole group) and, where the
-    config derives the head size (no ``head_dim`` of its own), a ``hidden_size`` that the heads do not divide or an
-    odd head size under RoPE (which rotates pairs of channels). Some configs refuse these themselves (Llama,
-    Mistral); others (Qwen2, Qwen3-MoE, Mixtral) build a model that fails in its first forward with a shape mismatch.
+    heads that do not divide the query heads (grouped-query attention shares each among a whole
+    group), a derived head size (``hidden_size / num_attention_heads``: no ``head_dim``, or the one the config
+    computed from them, as Llama's and Mistral's store it) that the heads do not divide, and an odd head size under
+    RoPE (which rotates pairs of channels; transformers refuses an odd ``head_dim`` given as such). Configs such as
+    Qwen2, Qwen3-MoE, Mixtral, Llama and Mistral build a model with such heads that fails in its first forward with
+    a shape mismatch.
 
     Raises:
-        ValueError: naming ``model.config.num_attention_heads``, the sizes and the fix.
+        ValueError: naming the ``model.config`` key, the sizes and the fix.
     """
     if not {"hidden_size", "num_attention_heads", "num_key_value_heads"} & overrides.keys():
         return
     hidden, heads = getattr(hf_config, "hidden_size", None), getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    kv_heads, head_dim = getattr(hf_config, "num_key_value_heads", None), getattr(hf_config, "head_dim", None)
     if not isinstance(heads, int) or heads < 1:
         return
     if isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
@@ -250,10 +252,9 @@ def _check_head_shape(hf_config: Any, overrides: dict[str, Any]) -> None:
             f"model.config.num_attention_heads={heads} with num_key_value_heads={kv_heads}: each key/value head serves a "
             "whole group of query heads, so num_key_value_heads must divide num_attention_heads"
         )
-    if not isinstance(hidden, int) or getattr(hf_config, "head_dim", None) is not None:
-        return
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_theta", None)
-    if hidden % heads or (rope and hidden // heads % 2):
+    derived = isinstance(hidden, int) and "head_dim" not in overrides and head_dim in (None, hidden // heads)
+    if derived and (hidden % heads or (rope and hidden // heads % 2)):
         why = "does not divide it" if hidden % heads else f"gives each head {hidden // heads} channels, and RoPE needs an even number"
         raise ValueError(
             f"model.config.num_attention_heads={heads} with hidden_size={hidden}: {why}; pick a head count that gives an "

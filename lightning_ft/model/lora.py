@@ -28,7 +28,7 @@ from lightning_ft.kernels.qlora import qlora_linear
 from lightning_ft.model.quantization import quant4bit_weight
 from lightning_ft.strategies import kept
 
-__all__ = ["active_module", "add_lora", "fused_lora_classes", "lora_linear_adapters"]
+__all__ = ["active_module", "adapter_folder", "add_lora", "fused_lora_classes", "lora_linear_adapters"]
 
 
 def adapter_folder(init_from: str) -> Path:

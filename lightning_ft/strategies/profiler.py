@@ -25,8 +25,7 @@ reads the peak of building the model before: ``peak_memory_setup_bytes``).
 Then one more no-grad pass times the rest of the forward (embedding, LM head, loss): from its start
 to the first layer and from the last layer's end to its end, ×3 for their backward. Not the
 measuring pass: there the head's first calls compile and autotune, and the measuring's host work
-between the layers can leave the device idle (at 8K tokens on the H100 that pass predicted a 233 ms
-step at 2.2 s). Last, the device ↔ pinned host bandwidth (a timed copy of `COPY_BYTES` each way).
+between the layers can leave the device idle. Last, the device ↔ pinned host bandwidth (a timed copy of `COPY_BYTES` each way).
 
 Everything device-specific goes through methods a test can replace (`StepProfiler.timed`, `mark`,
 `between`, `bandwidth`, `free_bytes`, `free_host_bytes`, `memory_allocated`, `peak_allocated`): off CUDA the
@@ -175,6 +174,9 @@ class StepProfiler:
             layers: the decoder layers (`lightning_ft.strategies.cuda_graphs.graphed_layers`).
             kinds: the saved classes that may be kept (`lightning_ft.strategies.kept.KINDS` the options allow).
             context: a context manager factory for the forward (the precision plugin's autocast), or None.
+
+        Raises:
+            RuntimeError: the forward did not run every layer, or not the first and last as modules (their hooks).
         """
         device = batch.input_ids.device
         allocated = self.memory_allocated(device)
@@ -244,6 +246,8 @@ class StepProfiler:
         finally:
             for handle in handles:
                 handle.remove()
+        if "layers" not in marks or "head" not in marks:
+            raise RuntimeError("memory plan: the forward did not call the first and last decoder layers as modules (their hooks did not run)")
         return lambda: self.between(marks["pass"], marks["layers"]) + self.between(marks["head"], marks["end"])
 
     def _layer(

@@ -1,6 +1,7 @@
 """`SweepSummary`: the sweep's table after every job, and one line saying where it is."""
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 from hydra.core.utils import JobStatus
@@ -37,16 +38,18 @@ def test_the_sweep_table_is_announced_once_at_the_end_or_after_a_failed_job(tmp_
         assert caplog.messages == [f"sweep summary of 3 jobs: {tmp_path / 'sweep_summary.md'}"]
 
 
-def test_a_job_refused_before_its_summary_shows_its_error(tmp_path):
+def test_a_job_refused_before_its_summary_shows_its_error(tmp_path, monkeypatch):
     """A failed job without a summary.json (refused before training: a bad override) has its error's first line as
-    its status; a job without either keeps "no summary.json"."""
+    its status; a job without either keeps "no summary.json". The sweep folder is relative, as the default is, and
+    Hydra gives the job's folder as an absolute path."""
+    monkeypatch.chdir(tmp_path)
     callback = SweepSummary()
     for num in (0, 1):
-        _job(tmp_path, num, [f"lora.rank={num}"])
-    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)},
-                                         "runtime": {"output_dir": str(tmp_path / "0")}}})
+        _job(Path("sweep"), num, [f"lora.rank={num}"])
+    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": "sweep"},
+                                         "runtime": {"output_dir": str(tmp_path / "sweep" / "0")}}})
     refused = ValueError("error: lora.rank=0: expected a positive integer\n(the rest of the message)")
     callback.on_job_end(config, SimpleNamespace(status=JobStatus.FAILED, _return_value=refused))
-    table = (tmp_path / "sweep_summary.md").read_text()
+    table = (tmp_path / "sweep" / "sweep_summary.md").read_text()
     assert "| 0 | lora.rank=0 | failed: lora.rank=0: expected a positive integer |" in table
     assert "| 1 | lora.rank=1 | no summary.json |" in table

@@ -109,7 +109,7 @@ def test_a_model_config_key_that_is_a_near_miss_of_a_field_is_refused(caplog, mo
 
 
 def test_a_model_config_activation_that_transformers_lacks_is_refused_with_the_closest_names():
-    """transformers' ACT2FN raised a bare KeyError('gelu_typo') while building the layers, after the data loaded."""
+    """An activation transformers' ACT2FN lacks is refused by key, with the closest names, before the model is built."""
     model = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "hidden_act": "gelu_typo"}}
     with pytest.raises(ValueError, match=r"^model.config.hidden_act=gelu_typo: expected one of .*silu.*; did you mean model.config.hidden_act=gelu"):
         ModelBuilder(model=model, lora=LORA)(CPU)
@@ -123,7 +123,7 @@ _DERIVED_HEADS = {k: v for k, v in TINY_MODEL["config"].items() if k != "head_di
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [  # Qwen3-MoE checks none of these: 128 / 5 heads built 25-wide heads that failed in RoPE at the first step
+    [  # Qwen3-MoE's config checks none of these
         ({"num_attention_heads": 5, "num_key_value_heads": 2}, r"^model.config.num_attention_heads=5 with num_key_value_heads=2: .*must divide"),
         ({"num_attention_heads": 5}, r"^model.config.num_attention_heads=5 with hidden_size=32: does not divide it; "),
         ({"hidden_size": 96, "num_attention_heads": 32},
@@ -136,6 +136,15 @@ def test_model_config_head_counts_that_do_not_fit_are_refused_by_key(config, mes
         ModelBuilder(model=model, lora=LORA)(CPU)
     fits = {**TINY_MODEL, "config": {**_DERIVED_HEADS, "num_attention_heads": 4, "num_key_value_heads": 2}}
     assert ModelBuilder(model=fits, lora=LORA)(CPU).model.config.num_attention_heads == 4  # 8-wide heads, groups of 2
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_head_sizes_a_config_stores_derived_are_checked_too(model_type):
+    """Llama's and Mistral's configs store the head size they derive (hidden_size / num_attention_heads): an odd one
+    is refused as for configs without one."""
+    base = {"model_type": model_type, "vocab_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, "num_key_value_heads": 4}
+    with pytest.raises(ValueError, match=r"^model.config.num_attention_heads=32 with hidden_size=96: gives each head 3 channels"):
+        ModelBuilder(model={**TINY_MODEL, "config": {**base, "hidden_size": 96, "num_attention_heads": 32}}, lora=LORA)(CPU)
 
 
 def _dequantise_mxfp4(blocks, scales):
