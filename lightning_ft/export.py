@@ -73,11 +73,12 @@ def main(argv: list[str]) -> int:
     and 130).
 
     Logs this module's lines (what is loaded) and every library's warnings; the model build's INFO lines
-    (attention, kernels, parameter counts: a training run's report) only with ``--verbose``. Prints each folder
-    written on stdout."""
+    (attention, kernels, parameter counts: a training run's report) and transformers' progress bars for the
+    weights it writes only with ``--verbose``. Prints each folder written on stdout."""
     import warnings
 
     import lightning  # noqa: F401  adds its own console handler (removed below: with the root's, each line would print twice)
+    from transformers.utils import logging as hf_logging
 
     args = parser().parse_args(argv)
     logging.getLogger("lightning").handlers.clear()
@@ -87,6 +88,9 @@ def main(argv: list[str]) -> int:
     quieted = {} if args.verbose else {name: logging.getLogger(name).level for name in ("lightning.fabric", "lightning.pytorch")}
     for name in quieted:
         logging.getLogger(name).setLevel(logging.WARNING)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not args.verbose:  # transformers' "Writing model shards" bars, one per folder
+        hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
     try:
         written = export(args.run_dir, merge=args.merge, output=args.output, checkpoint=args.checkpoint, force=args.force)
@@ -100,6 +104,8 @@ def main(argv: list[str]) -> int:
     finally:
         for name, level in quieted.items():
             logging.getLogger(name).setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0

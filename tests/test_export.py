@@ -47,7 +47,7 @@ def test_exported_adapter_and_merged_model_compute_the_trained_logits(run, capsy
     out = run / "export"
     # what was loaded and what was written, not the model build's report of a training run
     assert proc.stdout.splitlines() == [f"{name}: {out / name}" for name in ("adapter", "base", "merged")]
-    logged = [line for line in proc.stderr.splitlines() if line and "Writing model shards" not in line]  # the progress bars stay
+    logged = [line for line in proc.stderr.splitlines() if line]  # no progress bars either (they come with --verbose)
     assert logged == [f"export: a random qwen3_moe base (model.init=random, seed 42) with the trained weights of {run / 'checkpoints' / 'last.ckpt'}"]
     assert {"adapter", "base", "merged"} <= {p.name for p in out.iterdir()} and not list(run.glob(".export.*"))
     reference = torch.load(run / "logits.pt")
