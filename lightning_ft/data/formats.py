@@ -38,7 +38,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -303,24 +303,15 @@ def to_examples(
     check_choice("data.format", fmt, ("auto", *FORMATS))
     examples: list[Example] = []
     for i, row in enumerate(rows, start=1):
-        for messages, completion_turns in _row_to_conversations(row, fmt, where(i)):
-            if messages is None:  # plain text
-                if fmt == "prompt_completion":
-                    examples.append(Example(text=row["completion"], prompt=row["prompt"], source=where(i)))
-                else:
-                    examples.append(Example(text=_string(row, "text", where(i)), source=where(i)))
-                continue
-            if system_prompt and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": system_prompt}, *messages]
-            examples.append(Example(messages=tuple(messages), source=where(i), completion_turns=completion_turns))
+        for example in _row_examples(row, fmt, where(i)):
+            if system_prompt and example.messages is not None and example.messages[0]["role"] != "system":
+                example = replace(example, messages=({"role": "system", "content": system_prompt}, *example.messages))
+            examples.append(example)
     return examples
 
 
-def _row_to_conversations(
-    row: dict[str, Any], fmt: str, where: str
-) -> Iterable[tuple[list[dict[str, str]] | None, int | None]]:
-    """``(messages, completion_turns)`` per example of ``row`` (see `Example`); ``(None, None)`` for plain text
-    (a ``text`` row, a standard ``prompt_completion`` row)."""
+def _row_examples(row: dict[str, Any], fmt: str, where: str) -> Iterable[Example]:
+    """The examples of ``row`` in format ``fmt`` (one, or one per instance of an ``instruction`` row)."""
     missing = [f for f in _REQUIRED[fmt] if "|" not in f and row.get(f) is None]
     if fmt == "instruction" and row.get("output") is None and row.get("instances") is None:
         missing.append("output (or instances)")
@@ -332,9 +323,10 @@ def _row_to_conversations(
             f"(the row has {has}{_close_keys(has, wanted)})"
         )
     if fmt == "text":
-        yield None, None
+        yield Example(text=_string(row, "text", where), source=where)
     elif fmt == "qa":
-        yield [_msg("user", _string(row, "question", where)), _msg("assistant", _string(row, "answer", where))], None
+        messages = (_msg("user", _string(row, "question", where)), _msg("assistant", _string(row, "answer", where)))
+        yield Example(messages=messages, source=where)
     elif fmt == "prompt_completion":
         yield _prompt_completion(row, where)
     elif fmt == "instruction":
@@ -356,24 +348,24 @@ def _row_to_conversations(
             given = inst.get("input")
             given = "" if given is None else _string(inst, "input", inst_where)
             prompt = f"{instruction}\n\n{given}" if given else instruction
-            yield [_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))], None
+            yield Example(messages=(_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))), source=where)
     else:
-        yield _messages(row, "messages", where), None
+        yield Example(messages=tuple(_messages(row, "messages", where)), source=where)
 
 
-def _prompt_completion(row: dict[str, Any], where: str) -> tuple[list[dict[str, str]] | None, int | None]:
-    """A conversational ``prompt_completion`` row's conversation and the number of its last messages that are the
-    completion; ``(None, None)`` for a standard row (two strings: plain text)."""
+def _prompt_completion(row: dict[str, Any], where: str) -> Example:
+    """A ``prompt_completion`` row's example: plain text with the prompt as context (two strings), or the
+    conversation whose last messages, the completion, are the targets (two message lists)."""
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
-        return None, None
+        return Example(text=completion, prompt=prompt, source=where)
     if isinstance(prompt, list) and isinstance(completion, list):
         replies = _messages(row, "completion", where)
         if others := [f"completion[{j}] has the role {m['role']!r}" for j, m in enumerate(replies) if m["role"] != "assistant"]:
             raise ValueError(
                 f"{where}: {others[0]}; the completion holds the assistant's reply (earlier turns go in 'prompt')"
             )
-        return _messages(row, "prompt", where) + replies, len(replies)
+        return Example(messages=tuple(_messages(row, "prompt", where) + replies), source=where, completion_turns=len(replies))
     if not isinstance(prompt, (str, list)):
         raise ValueError(
             f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}"
