@@ -25,7 +25,8 @@ reads the peak of building the model before: ``peak_memory_setup_bytes``).
 Then one more no-grad pass times the rest of the forward (embedding, LM head, loss): from its start
 to the first layer and from the last layer's end to its end, ×3 for their backward. Not the
 measuring pass: there the head's first calls compile and autotune, and the measuring's host work
-between the layers can leave the device idle. Last, the device ↔ pinned host bandwidth (a timed copy of `COPY_BYTES` each way).
+between the layers can leave the device idle. Last, the device ↔ pinned host bandwidth (a timed copy
+of `COPY_BYTES` each way).
 
 Everything device-specific goes through methods a test can replace (`StepProfiler.timed`, `mark`,
 `between`, `bandwidth`, `free_bytes`, `free_host_bytes`, `memory_allocated`, `peak_allocated`): off CUDA the
@@ -194,13 +195,7 @@ class StepProfiler:
             results[index] = self._layer(layer, hidden, kwargs, kinds, device, index)
             self.peak_allocated(device, reset=True)
 
-        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
-        try:
-            with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
-                module.loss_terms(module.pad_for_graphs(batch), aux=False)
-        finally:
-            for handle in handles:
-                handle.remove()
+        self._forward(module, batch, context, [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers])
         forward_peak[0] = max(forward_peak[0], self.peak_allocated(device, reset=True))
         rest = self._rest(module, batch, layers, context, device)
         bandwidth = self.bandwidth(device)
@@ -237,18 +232,23 @@ class StepProfiler:
         def mark(name: str) -> Callable[..., None]:
             return lambda *_: marks.__setitem__(name, self.mark(device, name))
 
-        handles = [layers[0].register_forward_pre_hook(mark("layers")), layers[-1].register_forward_hook(mark("head"))]
-        try:
-            with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
-                mark("pass")()
-                module.loss_terms(module.pad_for_graphs(batch), aux=False)
-                mark("end")()
-        finally:
-            for handle in handles:
-                handle.remove()
+        mark("pass")()
+        hooks = [layers[0].register_forward_pre_hook(mark("layers")), layers[-1].register_forward_hook(mark("head"))]
+        self._forward(module, batch, context, hooks)
+        mark("end")()
         if "layers" not in marks or "head" not in marks:
             raise RuntimeError("memory plan: the forward did not call the first and last decoder layers as modules (their hooks did not run)")
         return lambda: self.between(marks["pass"], marks["layers"]) + self.between(marks["head"], marks["end"])
+
+    @staticmethod
+    def _forward(module: Any, batch: Any, context: Any, handles: list[Any]) -> None:
+        """The training forward of ``batch`` under no_grad (and ``context``), then the hook ``handles`` removed."""
+        try:
+            with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
+                module.loss_terms(module.pad_for_graphs(batch), aux=False)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _layer(
         self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], kinds: tuple[str, ...], device: torch.device,
