@@ -14,6 +14,7 @@ import json
 import logging
 from dataclasses import replace
 
+import lightning as L
 import pytest
 import torch
 from test_cuda_graphs import (
@@ -74,6 +75,16 @@ class FakeProfiler(StepProfiler):
 
     def bandwidth(self, device):
         return Bandwidth(self.gbps * 1e9, self.gbps * 1e9)
+
+
+class Grads(L.Callback):
+    """Appends each optimizer step's gradients (cloned, by parameter name) to ``grads``."""
+
+    def __init__(self, grads: list):
+        self.grads = grads
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
 
 
 @pytest.fixture
@@ -163,8 +174,6 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     under the plan with the gradients of the module without one, and summary.json reports the plan. 64 MiB
     (scaled): the inputs are offloaded, the rest recomputed; 120 MiB: attention's outputs (17 MiB a layer) too, in
     most layers (two staging sets and what the last layer keeps: quicker than recomputing them)."""
-    import lightning as L
-
     from lightning_ft.callbacks.summary import RunSummary
 
     module = _module("llama", "cpu", lora_kernel=True)
@@ -178,13 +187,9 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     strategy.plan_memory = lambda m, b: planned.append(b) or original(m, b)
     grads = []
 
-    class Grads(L.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
-
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=len(batches), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Grads(), RunSummary(tmp_path)])
+                        callbacks=[Grads(grads), RunSummary(tmp_path)])
     loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=lambda items: items[0])
     with caplog.at_level(logging.INFO):
         trainer.fit(module, train_dataloaders=loader)
@@ -207,7 +212,7 @@ def test_fit_plans_at_the_first_batch_and_summary_json_has_the_prediction_beside
     assert "copy times not measured (off CUDA)" in caplog.text
     # the same steps without a plan (plain checkpointing, transformers'): the same gradients at every step
     reference_trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), logger=False, enable_checkpointing=False,
-                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
+                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads(grads)])
     mine = grads[:]
     grads.clear()
     reference_trainer.fit(reference, train_dataloaders=loader)
@@ -228,7 +233,6 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
     apply rank zero's plan, which reaches rank 1 in the one broadcast (no other collective while planning), and two
     steps train with the losses and gradients of one process without a plan (plain checkpointing) accumulating the
     two ranks' batches; summary.json reports rank zero's plan."""
-    import lightning as L
     import torch.distributed as dist
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
@@ -290,10 +294,6 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
     strategy.plan_memory = plan_memory
     grads = []
 
-    class Grads(L.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
-
     class Record(Grads):  # each rank's plan, what its layers apply, the collectives while planning, losses, gradients
         def on_train_end(self, trainer, pl_module):
             applied = getattr(graphed_layers(pl_module.model)[0], "_lightning_ft_cuda_graphs")
@@ -304,7 +304,7 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
 
     options = dict(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False)
-    L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, callbacks=[Record(), RunSummary(tmp_path)],
+    L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, callbacks=[Record(grads), RunSummary(tmp_path)],
               **options).fit(module, ranked)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     alone = [_strategy(FakeProfiler(scale=2**10, gbps=g), **budget).plan_memory(module, batches[r]) for r, g in enumerate(gbps)]
@@ -316,7 +316,7 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
         assert rank["stats"]["replayed_layer_calls"] > 0 and rank["stats"]["offloaded_kept"] > 0, rank["stats"]
     assert json.loads((tmp_path / "summary.json").read_text())["memory_plan"] == alone[0].summary()
     grads.clear()
-    single = L.Trainer(devices=1, accumulate_grad_batches=2, callbacks=[Grads()], **options)
+    single = L.Trainer(devices=1, accumulate_grad_batches=2, callbacks=[Grads(grads)], **options)
     single.fit(reference, torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=first))
     assert len(grads) == 2 and all(rank["losses"] == reference.step_losses for rank in ranks)
     for step, want in enumerate(grads):
@@ -440,8 +440,6 @@ def test_a_run_resumed_under_another_plan_trains_as_the_uninterrupted_one(tmp_pa
     another (120 MiB: attention's outputs offloaded too, a new plan made at the resumed run's first batch) give the
     gradients of four steps under the first plan, bit for bit (CPU). The batches are one batch repeated, so that
     which batch a resumed epoch starts from does not matter here (tests/test_resume.py covers the data's order)."""
-    import lightning as L
-
     loader = torch.utils.data.DataLoader([_batch("a", "cpu")] * 4, batch_size=1, collate_fn=lambda items: items[0])
 
     def train(budget_mib, max_steps, ckpt_path=None):
@@ -450,12 +448,8 @@ def test_a_run_resumed_under_another_plan_trains_as_the_uninterrupted_one(tmp_pa
         strategy = _strategy(FakeProfiler(scale=2**10), memory_budget_gib=budget_mib / 1024, host_budget_gib=None)
         grads = []
 
-        class Grads(L.Callback):
-            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-                grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
-
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads()])
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Grads(grads)])
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
         return trainer, strategy.memory_plan, grads
 
