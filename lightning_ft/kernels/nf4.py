@@ -18,6 +18,10 @@ and the result is bitwise bitsandbytes' ``dequantize_4bit`` (compared on the CPU
 interpreter, and on CUDA by the ``gpu`` tests). The fp32 -> bf16 rounding is done in integer arithmetic
 (round to nearest even, as torch and CUDA round): Triton's interpreter would otherwise truncate.
 
+`Nf4ExpertWeight` carries a 3-D MoE expert weight quantised the same way (the whole [E, rows, cols] tensor as
+one bitsandbytes weight) to the Triton grouped GEMM (`lightning_ft.kernels.moe.grouped_gemm`), whose B-tile loads
+(`nf4_tile`) decode it in registers with the same arithmetic, so it is never dense in memory.
+
 `dequantize_4bit` writes into a buffer reused across calls (one per device and dtype, grown to the
 largest weight): the QLoRA linear (`lightning_ft.kernels.qlora`) dequantises a layer's weight right
 before its GEMM, in the forward and again in the backward, so only one dense weight exists at a time.
@@ -37,7 +41,7 @@ import triton.language as tl
 
 from lightning_ft.kernels._utils import triton_can_run, warn_fallback
 
-__all__ = ["Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference"]
+__all__ = ["Nf4ExpertWeight", "Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference", "nf4_tile"]
 
 class Quant4bitWeight(NamedTuple):
     """A 4-bit weight in bitsandbytes' layout (tensors on the weight's device).
@@ -92,6 +96,91 @@ def dequantize_4bit_reference(weight: Quant4bitWeight, dtype: torch.dtype) -> to
     nibbles = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:n]
     values = weight.code[nibbles.long()] * absmax.repeat_interleave(weight.blocksize)[:n]
     return values.to(dtype).view(weight.shape)
+
+
+_CODE, _CODE2 = 16, 256  # entries of the 4-bit code and of the 8-bit absmax code
+_BLOCKSIZE: tl.constexpr = tl.constexpr(64)  # `Nf4ExpertWeight`'s blocks: elements per absmax
+_BLOCKSIZE2: tl.constexpr = tl.constexpr(256)  # absmax per fp32 absmax2 scale
+
+
+class Nf4ExpertWeight(NamedTuple):
+    """A 3-D expert weight in NF4 with double quantisation, as the Triton grouped GEMM reads it (in place of a dense
+    [E, rows, cols] tensor): bitsandbytes' ``quantize_4bit(w, blocksize=64, compress_statistics=True,
+    quant_type="nf4")`` of the whole stored tensor, so exactly QLoRA's layout and bytes: 4 bits a weight plus
+    8 bits per 64 weights plus 32 bits per 64·256, ~0.516 bytes a weight against bf16's 2. The stored tensor is
+    quantised row-major as bitsandbytes flattens it: element f (its flat index) in the high nibble of byte f // 2
+    when f is even, in block f // 64; blocks may straddle rows and experts, so any shape works.
+
+    Attributes:
+        packed: uint8 [ceil(n/2)] (n the stored weight's elements): bitsandbytes' packed data, flattened.
+        absmax: uint8 [ceil(n/64)]: each block's absmax as an index into the 8-bit code.
+        absmax2: fp32 [ceil(n/64/256)]: the scale of each 256 absmax.
+        tables: fp32 [16 + 256 + 1]: the NF4 code (``quant_state.code``), the 8-bit dynamic code of the
+            absmax (``state2.code``) and the absmax offset (``quant_state.offset``), one tensor for the kernel.
+        stored_shape: the stored weight's shape [E, rows, cols] (the parameter it replaces).
+        dtype: the compute dtype (what the dense weight would be: the model's dtype).
+        transposed: the logical tensor is the stored one's ``transpose(1, 2)``.
+    """
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    absmax2: torch.Tensor
+    tables: torch.Tensor
+    stored_shape: torch.Size
+    dtype: torch.dtype
+    transposed: bool = False
+
+    @classmethod
+    def from_quant_state(cls, packed: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> Nf4ExpertWeight:
+        """From bitsandbytes' ``quantize_4bit`` output for a 3-D weight (read by attribute: no import of bitsandbytes).
+
+        Raises:
+            ValueError: not a 3-D NF4 weight in blocks of 64 with double quantisation in blocks of 256.
+        """
+        weight = Quant4bitWeight.from_quant_state(packed, quant_state)
+        if (len(weight.shape), quant_state.quant_type, weight.blocksize, weight.absmax2 is None, weight.blocksize2) != (
+            3, "nf4", int(_BLOCKSIZE), False, int(_BLOCKSIZE2)
+        ):
+            raise ValueError(
+                "an NF4 expert weight is a 3-D NF4 weight in blocks of 64 with double quantisation (blocks of 256); got "
+                f"shape {weight.shape}, {quant_state.quant_type}, blocksize {weight.blocksize}, nested {weight.absmax2 is not None}"
+            )
+        tables = torch.cat([weight.code.float(), weight.code2.float(), weight.offset.float().reshape(1)])
+        return cls(weight.packed, weight.absmax, weight.absmax2.float(), tables, torch.Size(weight.shape), dtype)
+
+    def quant4bit(self) -> Quant4bitWeight:
+        """The stored weight as a `Quant4bitWeight` (views of the same tensors)."""
+        code, code2, offset = self.tables.split([_CODE, _CODE2, 1])
+        return Quant4bitWeight(
+            self.packed, self.absmax, code, tuple(self.stored_shape), int(_BLOCKSIZE), self.absmax2, code2, offset[0],
+            int(_BLOCKSIZE2),
+        )
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape: the stored one, or its last two dims swapped when transposed."""
+        experts, rows, cols = self.stored_shape
+        return torch.Size((experts, cols, rows) if self.transposed else (experts, rows, cols))
+
+    def strides(self) -> tuple[int, int, int]:
+        """The logical tensor's strides in the stored weight's flat element index (row-major, swapped when transposed)."""
+        _, rows, cols = self.stored_shape
+        return (rows * cols, 1, cols) if self.transposed else (rows * cols, cols, 1)
+
+    def transpose(self, dim0: int, dim1: int) -> Nf4ExpertWeight:
+        """The ``transpose(1, 2)`` view (no copy); only that, as a dense 3-D expert weight is transposed here.
+
+        Raises:
+            ValueError: other dims.
+        """
+        if {dim0 % 3, dim1 % 3} != {1, 2}:
+            raise ValueError(f"an NF4 expert weight transposes its last two dims only, not ({dim0}, {dim1})")
+        return self._replace(transposed=not self.transposed)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense logical weight in ``dtype`` (`dequantize_4bit_reference`; a transposed view when transposed)."""
+        dense = dequantize_4bit_reference(self.quant4bit(), self.dtype)
+        return dense.transpose(1, 2) if self.transposed else dense
 
 
 _BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -160,10 +249,35 @@ def _dequantize_4bit_kernel(
     low = tl.load(code_ptr + (byte & 15)) * absmax
     values = tl.reshape(tl.join(high, low), (2 * BLOCK,))  # [h0, l0, h1, l1, ...]
     elem_idx = pid * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        # round to nearest even in integer arithmetic, as torch and bitsandbytes' kernels round (the GPU's
-        # conversion would too; Triton's interpreter does not, so this keeps the CPU tests bitwise)
+    tl.store(out_ptr + elem_idx, _round_to(values, out_ptr.dtype.element_ty), mask=elem_idx < n)
+
+
+@triton.jit
+def _round_to(values, dtype: tl.constexpr):
+    """fp32 ``values`` in ``dtype``, rounded to nearest even. bf16 in integer arithmetic, as torch and bitsandbytes'
+    kernels round (the GPU's conversion would too; Triton's interpreter truncates, so this keeps the CPU tests bitwise)."""
+    if dtype == tl.bfloat16:
         bits = values.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        values = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    tl.store(out_ptr + elem_idx, values.to(out_ptr.dtype.element_ty), mask=elem_idx < n)
+        rounded = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        rounded = values.to(dtype)
+    return rounded
+
+
+@triton.jit
+def nf4_tile(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, index, mask, dtype: tl.constexpr):
+    """The values of an `Nf4ExpertWeight` at the flat element indices ``index`` (an int64 tensor of any shape:
+    the stored weight's row-major positions), in ``dtype``, 0 outside ``mask``; decoded in registers with the
+    arithmetic of `dequantize_4bit` (bitwise its values where compiled without floating-point contraction).
+
+    ``tables_ptr``: fp32 [16 + 256 + 1], the 4-bit code, the 8-bit absmax code and the absmax offset.
+    """
+    byte = tl.load(packed_ptr + index // 2, mask=mask, other=0).to(tl.int32)
+    nibble = tl.where((index & 1) == 0, byte >> 4, byte & 15)  # the high nibble holds the even element
+    block = index // _BLOCKSIZE
+    qabsmax = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(absmax2_ptr + block // _BLOCKSIZE2, mask=mask, other=0.0)
+    absmax = tl.load(tables_ptr + 16 + qabsmax) * scale + tl.load(tables_ptr + 16 + 256)
+    values = tl.load(tables_ptr + nibble) * absmax
+    return _round_to(tl.where(mask, values, 0.0), dtype)

@@ -30,8 +30,11 @@ import triton.language as tl
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, mxfp4_tile
+from lightning_ft.kernels.nf4 import Nf4ExpertWeight, nf4_tile
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_wgrad", "grouped_wgrad_reference"]
+
+_PACKED_WEIGHTS = (Mxfp4Weight, Nf4ExpertWeight)  # frozen 4-bit expert weights the B-tile loads decode
 
 
 def _clamped(configs, caps: dict[str, int]) -> list:
@@ -105,6 +108,7 @@ def _dot_operands(a, b, DOT_UPCAST: tl.constexpr):
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
     gathered_ptr, bias_ptr, w_scales_ptr,
+    w_absmax2_ptr, w_tables_ptr,
     N, C, R, E, scaling, alpha,
     stride_src_m, stride_src_c,
     stride_g_m, stride_g_c,
@@ -118,6 +122,7 @@ def _grouped_gemm_body(
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr,
+    NF4: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -130,7 +135,10 @@ def _grouped_gemm_body(
     gathered[p] (the column tiles of pid_n == 0: each row once). MXFP4: w is an MXFP4 weight (w_ptr its blocks
     [E, rows, bytes], w_scales_ptr its scales [E, rows, groups], both contiguous along their last dim; stride_w_e /
     stride_w_c the blocks' expert and row strides), quantised along C (MXFP4_ALONG_C: w[e, c, n] is stored row n)
-    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype.
+    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. NF4: w is an
+    `Nf4ExpertWeight` (w_ptr its packed bytes, w_scales_ptr its absmax codes, w_absmax2_ptr / w_tables_ptr its absmax
+    scales and code tables; stride_w_* the logical [E, C, N] strides in its flat element index); each B tile is
+    decoded in registers (`nf4_tile`) to src's dtype.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -179,6 +187,10 @@ def _grouped_gemm_body(
             else:
                 b = mxfp4_tile(w_base, ws_base, k[:, None], cols[None, :], stride_w_c, stride_ws_row, b_mask)
             b = b.to(src_ptr.dtype.element_ty)  # exact: e2m1 times a power of two
+        elif NF4:
+            index = expert * stride_w_e + k.to(tl.int64)[:, None] * stride_w_c + cols.to(tl.int64)[None, :] * stride_w_n
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            b = nf4_tile(w_ptr, w_scales_ptr, w_absmax2_ptr, w_tables_ptr, index, b_mask, src_ptr.dtype.element_ty)
         else:
             b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
         a, b = _dot_operands(a, b, DOT_UPCAST)
@@ -216,7 +228,7 @@ _GEMM_AUTOTUNE = dict(
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
-         "MXFP4_ALONG_C"],
+         "MXFP4_ALONG_C", "NF4"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -304,7 +316,7 @@ def _dot_options(dtype: torch.dtype) -> dict:
 
 def grouped_gemm(
     src: torch.Tensor,
-    w_ECN: torch.Tensor | Mxfp4Weight,
+    w_ECN: torch.Tensor | Mxfp4Weight | Nf4ExpertWeight,
     offsets_E: torch.Tensor,
     num_rows: int,
     *,
@@ -333,7 +345,9 @@ def grouped_gemm(
         src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given.
         w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy); or an
             `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
-            tile by tile in registers (its ``dtype`` is the compute dtype).
+            tile by tile in registers (its ``dtype`` is the compute dtype); or a
+            `lightning_ft.kernels.nf4.Nf4ExpertWeight` likewise (either orientation; the kernel is then compiled
+            without floating-point contraction, so its tiles are bitwise `Nf4ExpertWeight.dequantize`'s values).
         offsets_E: [E] int32 cumulative row ends; ``offsets_E[-1] == num_rows``.
         num_rows: S, the number of sorted rows (a host int from the tensors' shapes).
         src_idx_S: [S] int64 source row of each sorted row (the fused gather).
@@ -382,7 +396,14 @@ def grouped_gemm(
     w, w_scales = (w_ECN.blocks, w_ECN.scales) if mxfp4 else (w_ECN, w_ECN)
     if mxfp4 and (w.stride(-1) != 1 or w_scales.stride(-1) != 1):
         raise ValueError("grouped_gemm: an Mxfp4Weight's blocks and scales must be contiguous along their last dim")
-    lora_b = lora_b_ERN if has_lora else w
+    nf4 = isinstance(w_ECN, Nf4ExpertWeight)
+    if nf4:  # the absmax codes as [1, blocks]: the scale strides are MXFP4's, unused here
+        w, w_scales, w_absmax2, w_tables = w_ECN.packed, w_ECN.absmax[None], w_ECN.absmax2, w_ECN.tables
+        w_strides = w_ECN.strides()
+    else:
+        w_absmax2 = w_tables = src
+        w_strides = (w.stride(0), w.stride(1), 1) if mxfp4 else (w.stride(0), w.stride(1), w.stride(2))
+    lora_b = lora_b_ERN if has_lora else src[None]
     gathered = gathered_out if gathered_out is not None else src
     bias = bias_EN if bias_EN is not None else src
     if bias_EN is not None and bias_EN.shape != (num_experts, n_dim):
@@ -398,10 +419,11 @@ def grouped_gemm(
         src, src_idx_S if src_idx_S is not None else offsets_E, w, out,
         out_idx_S if out_idx_S is not None else offsets_E,
         row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered, bias, w_scales,
+        w_absmax2, w_tables,
         n_dim, c_dim, rank, num_experts, float(scaling), float(alpha),
         src.stride(0), src.stride(1),
         gathered.stride(0), gathered.stride(1),
-        *((w.stride(0), w.stride(1), 1) if mxfp4 else (w.stride(0), w.stride(1), w.stride(2))),
+        *w_strides,
         out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1),
         mid.stride(0), mid.stride(1),
@@ -411,6 +433,7 @@ def grouped_gemm(
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
         HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
         **_dot_options(src.dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed,
+        NF4=nf4, **({"enable_fp_fusion": False} if nf4 else {}),  # the absmax's multiply-add rounded twice, as dequantised
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
     return out
@@ -472,8 +495,9 @@ def grouped_gemm_reference(
     accumulate_into: torch.Tensor | None = None, alpha: float = 1.0, bias_EN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of `grouped_gemm` (same arguments but ``out`` and ``gathered_out``):
-    each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype (an `Mxfp4Weight` dequantised first)."""
-    if isinstance(w_ECN, Mxfp4Weight):
+    each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype (an `Mxfp4Weight` or
+    `Nf4ExpertWeight` dequantised first)."""
+    if isinstance(w_ECN, _PACKED_WEIGHTS):
         w_ECN = w_ECN.dequantize()
     ends = offsets_E.long().cpu()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -520,15 +544,15 @@ def _bias_grad(dy, offsets_E, num_rows, src_idx_S=None, row_scale_S=None):
 
 
 def _saved_weight(ctx, w_ENC) -> tuple:
-    """What to put in ``save_for_backward`` for the weight: itself, or None for an `Mxfp4Weight` (frozen buffers,
-    kept on ``ctx``: ``save_for_backward`` takes tensors only)."""
-    ctx.mxfp4_weight = w_ENC if isinstance(w_ENC, Mxfp4Weight) else None
-    return (None,) if ctx.mxfp4_weight is not None else (w_ENC,)
+    """What to put in ``save_for_backward`` for the weight: itself, or None for an `Mxfp4Weight` or `Nf4ExpertWeight`
+    (frozen buffers, kept on ``ctx``: ``save_for_backward`` takes tensors only)."""
+    ctx.packed_weight = w_ENC if isinstance(w_ENC, _PACKED_WEIGHTS) else None
+    return (None,) if ctx.packed_weight is not None else (w_ENC,)
 
 
 def _weight_of(ctx, saved):
     """The weight `_saved_weight` kept."""
-    return ctx.mxfp4_weight if ctx.mxfp4_weight is not None else saved
+    return ctx.packed_weight if ctx.packed_weight is not None else saved
 
 
 class _GatherGroupedLinear(torch.autograd.Function):
