@@ -11,7 +11,8 @@ place at the end; an existing export is replaced only with ``--force``):
 - ``merged/`` (``--merge``): the adapter merged into the base (PEFT's ``merge_and_unload``), in the
   base's dtype (a ``model.quantization=nf4`` base dequantised to ``model.dtype`` first, `dequantize_linears`:
   the LoRA update is added to the weights it was trained over, not rounded back into 4 bits; a ``model.quantization=mxfp4``
-  run's experts likewise, `lightning_ft.model.mxfp4.dequantize_experts`), as a plain Hugging Face folder: ``config.json``, safetensors shards, the tokenizer and
+  run's experts likewise, `lightning_ft.model.mxfp4.dequantize_experts`, and a ``nf4`` run's NF4 experts,
+  `lightning_ft.model.nf4_experts.dequantize_experts`), as a plain Hugging Face folder: ``config.json``, safetensors shards, the tokenizer and
   ``generation_config.json``; ``AutoModelForCausalLM.from_pretrained`` and vLLM load it as they load
   the base. A full fine-tuning run (``lora=none``) has no adapter: ``--merge`` writes its model.
 
@@ -310,7 +311,8 @@ def base_device(run_dir: Path, cfg: dict[str, Any]) -> str:
 def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: str) -> Any:
     """The run's model as ``fit`` builds it (`ModelBuilder`, same config and seed) with stock transformers
     modules: no kernel or MoE patch, no CUDA graphs or gradient checkpointing, transformers' SDPA attention;
-    ``model.quantization=mxfp4``'s experts dequantised (the values the run trained over).
+    ``model.quantization=mxfp4``'s experts dequantised (the values the run trained over), and ``nf4``'s where the
+    run kept them in NF4 (``moe.backend=triton``).
 
     Args:
         lora: with the run's PEFT LoRA layers (to load a ``.ckpt``), else the plain model.
@@ -329,7 +331,8 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         moe={"backend": "hf"},
         vocab_size=vocab_size,
         seed=cfg.get("seed"),
-        dense_experts=True,  # model.quantization=mxfp4: the stock experts read dense weights
+        dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
+        nf4_experts=cfg.get("moe", {}).get("backend") == "triton",  # nf4: the experts as the run quantised them
     )
     return builder(device=torch.device(device)).model
 

@@ -43,6 +43,7 @@ from lightning_ft.model.attention import register_packed_attention, resolve_atte
 from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
+from lightning_ft.model import nf4_experts
 from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
 from lightning_ft.model.patching import apply_kernels
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
@@ -185,6 +186,20 @@ def load_causal_lm(
 def _quantize_experts(model: torch.nn.Module, after: str) -> None:
     """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`), logged."""
     rank_zero_info(f"quantization: {quantize_experts(model)} expert weights quantised to MXFP4 after {after}")
+
+
+def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dtype: str) -> None:
+    """``model.quantization=nf4`` on an MoE model: its experts quantised to NF4 where ``keep`` says (None: where
+    ``moe_backend`` is ``triton``; `lightning_ft.model.nf4_experts`), the count and bytes logged; else left in
+    ``dtype``, logged where ``keep`` is None (a training run's choice)."""
+    if keep or (keep is None and moe_backend == "triton"):
+        if count := nf4_experts.quantize_experts(model):
+            held, dense = nf4_experts.experts_bytes(model)
+            rank_zero_info(f"quantization: {count} expert weights quantised to NF4: {held / 2**20:.1f} MiB "
+                           f"({dense / 2**20:.1f} MiB in model.dtype)")
+    elif keep is None and nf4_experts.experts_modules(model):
+        rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} "
+                       "reads dense weights (moe.backend=triton keeps them in NF4 too)")
 
 
 def _quant_method(hf_config: Any) -> str | None:
@@ -353,7 +368,11 @@ class ModelBuilder:
             a Trainer); default: `Execution`'s defaults (no CUDA graphs).
         dense_experts: dequantise ``model.quantization=mxfp4``'s experts right after loading, to the values trained
             over (`lightning_ft.model.mxfp4.dequantize_experts`), and skip the training checks: the stock model
-            of ``export``, not for training.
+            of ``export``, not for training. ``model.quantization=nf4``'s NF4 experts likewise
+            (`lightning_ft.model.nf4_experts.dequantize_experts`).
+        nf4_experts: with ``model.quantization=nf4``, quantise the MoE experts to NF4 too
+            (`lightning_ft.model.nf4_experts`); None: where ``moe.backend=triton`` (the backend that reads them; with
+            another the experts stay in ``model.dtype``, logged). ``export`` passes what the run's backend made.
 
     Raises:
         ValueError: ``model`` has a key the strategy owns now (`lightning_ft.config.MOVED_KEYS`), naming its new key.
@@ -369,6 +388,7 @@ class ModelBuilder:
         seed: int | None = None,
         execution: Execution | None = None,
         dense_experts: bool = False,
+        nf4_experts: bool | None = None,
     ):
         from lightning_ft.config import MOVED_KEYS
 
@@ -382,6 +402,7 @@ class ModelBuilder:
         self.seed = seed
         self.execution = execution if execution is not None else Execution()
         self.dense_experts = dense_experts
+        self.nf4_experts = nf4_experts
 
     def __call__(
         self, device: torch.device, precision: str | None = None, sharded: bool = False, execution: Execution | None = None
@@ -433,8 +454,12 @@ class ModelBuilder:
             quantization=cfg.get("quantization", "none"),
         )
         model.config.use_cache = False
+        if quantization == "nf4":
+            _nf4_experts(model, moe_backend, self.nf4_experts, cfg.get("dtype", "float32"))
         if self.dense_experts and (experts := dequantize_experts(model)):
             rank_zero_info(f"quantization: {experts} MXFP4 expert weights dequantised to model.dtype")
+        if self.dense_experts and (experts := nf4_experts.dequantize_experts(model)):
+            rank_zero_info(f"quantization: {experts} NF4 expert weights dequantised to model.dtype")
         if attention == "auto":  # which documents run cuDNN: measured before any step (CUDA graphs key rows by it)
             calibrate(model.config, device, dtype)
         support = architecture_support(model.config)

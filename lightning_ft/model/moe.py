@@ -90,6 +90,7 @@ from lightning_ft.kernels.moe import ClampedSwiGLU, ExpertBiases, ExpertLoRA, mo
 from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
 from lightning_ft.model.mxfp4 import mxfp4_weight
+from lightning_ft.model.nf4_experts import nf4_weight
 from lightning_ft.model.patching import moe_classes, moe_spec, restore_instance_attr
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
@@ -127,15 +128,20 @@ def _experts_layout(experts: torch.nn.Module) -> dict[str, bool]:
 def _expert_math(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, Callable, ExpertBiases]:
     """(w_gate_up_EFD, w_down_EDI, act_fn, biases) of an experts module as `moe_experts` takes them:
     a transposed layout's weights as transposed views (MXFP4 ones, ``model.quantization=mxfp4``, as the
-    `lightning_ft.kernels.mxfp4.Mxfp4Weight` of their buffers); gpt-oss's activation and biases."""
+    `lightning_ft.kernels.mxfp4.Mxfp4Weight` of their buffers; NF4 ones, ``model.quantization=nf4`` on the
+    triton backend, as the `lightning_ft.kernels.nf4.Nf4ExpertWeight` of theirs); gpt-oss's activation and biases."""
+
+    def stored(name):
+        return nf4_weight(experts, name) or getattr(experts, name)
+
     if _experts_layout(experts)["is_transposed"]:  # gpt-oss's
         return (
-            mxfp4_weight(experts, "gate_up_proj") or experts.gate_up_proj.transpose(1, 2),
-            mxfp4_weight(experts, "down_proj") or experts.down_proj.transpose(1, 2),
+            mxfp4_weight(experts, "gate_up_proj") or stored("gate_up_proj").transpose(1, 2),
+            mxfp4_weight(experts, "down_proj") or stored("down_proj").transpose(1, 2),
             ClampedSwiGLU(alpha=experts.alpha, limit=experts.limit),
             ExpertBiases(experts.gate_up_proj_bias, experts.down_proj_bias),
         )  # fmt: skip
-    return experts.gate_up_proj, experts.down_proj, experts.act_fn, ExpertBiases()
+    return stored("gate_up_proj"), stored("down_proj"), experts.act_fn, ExpertBiases()
 
 
 def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:

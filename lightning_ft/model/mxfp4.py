@@ -30,7 +30,7 @@ import torch
 
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
-__all__ = ["dequantize_experts", "experts_bytes", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
+__all__ = ["dequantize_experts", "experts_bytes", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -46,7 +46,14 @@ def _keep(experts: torch.nn.Module, name: str, blocks: torch.Tensor, scales: tor
     shape = (blocks.shape[0], blocks.shape[2] * 32, blocks.shape[1])  # the stored [E, C, N]
     experts.register_buffer(f"{name}_blocks", blocks.to(torch.uint8).contiguous())
     experts.register_buffer(f"{name}_scales", scales.to(torch.uint8).contiguous())
-    placeholder = torch.zeros((), dtype=dtype, device=blocks.device).expand(shape)
+    keep_placeholder(experts, name, shape, dtype, blocks.device)
+
+
+def keep_placeholder(experts: torch.nn.Module, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+    """Set ``experts.<name>`` to a frozen placeholder of a quantised weight: a zero-stride view of one element of the
+    dense ``shape`` and ``dtype`` (2 bytes in bf16), which PEFT's ``target_parameters`` reads (also for NF4 experts,
+    `lightning_ft.model.nf4_experts`)."""
+    placeholder = torch.zeros((), dtype=dtype, device=device).expand(shape)
     setattr(experts, name, torch.nn.Parameter(placeholder, requires_grad=False))
 
 

@@ -1,0 +1,108 @@
+"""``model.quantization=nf4`` with ``moe.backend=triton``: the frozen MoE experts in NF4 too (QLoRA for MoE).
+
+bitsandbytes quantises ``nn.Linear`` layers only, so an MoE model's fused 3-D expert weights (transformers 5:
+``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I], or gpt-oss's transposed ones) would stay in 16 bits, and in
+a model like Qwen3-30B-A3B they are nearly all of the weights. Here each one is quantised as bitsandbytes
+quantises a linear layer's weight for QLoRA (``quantize_4bit(w, blocksize=64, compress_statistics=True,
+quant_type="nf4")`` over the whole stored tensor: `lightning_ft.kernels.nf4.Nf4ExpertWeight`, ~0.52 bytes a
+weight) and kept in four buffers of the experts module, ``<name>_nf4_packed`` / ``_absmax`` (uint8),
+``_absmax2`` / ``_tables`` (fp32). The parameter itself stays as a 2-byte placeholder of the dense shape and
+dtype (`lightning_ft.model.mxfp4.keep_placeholder`: PEFT's ``target_parameters`` reads it to build the experts'
+LoRA; nothing computes with it). The triton MoE backend decodes the weight tiles in registers in its grouped
+GEMMs (forward and input gradient; the frozen experts get no weight gradient); the other backends read dense
+weights, so with them the experts stay in ``model.dtype`` (logged once). ``export --merge`` writes dense experts
+(`dequantize_experts`: the values trained over), and the adapter is PEFT's as always.
+
+Each weight is quantised on its own device, one at a time (its 16-bit copy freed as its NF4 one is made). A
+checkpoint loads in 16 bits first (the experts are quantised after loading, as MXFP4's are).
+
+Sources: QLoRA, Dettmers et al. 2023 (arXiv:2305.14314); bitsandbytes 0.50 ``functional.quantize_4bit``.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from lightning_ft.kernels.nf4 import Nf4ExpertWeight
+from lightning_ft.model.mxfp4 import keep_placeholder
+from lightning_ft.model.patching import moe_classes
+
+__all__ = ["dequantize_experts", "experts_bytes", "experts_modules", "nf4_weight", "quantize_experts"]
+
+_PROJECTIONS = ("gate_up_proj", "down_proj")
+_PARTS = ("packed", "absmax", "absmax2", "tables")
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts module of each sparse MoE block the MoE patch serves (`lightning_ft.model.patching.moe_classes`),
+    under PEFT's LoRA wrappers where the model has them."""
+    blocks = moe_classes("sparse_block")
+    found = [m.experts for m in model.modules() if isinstance(m, blocks)]
+    found = [e.get_base_layer() if isinstance(e, BaseTunerLayer) else e for e in found]
+    return [e for e in found if all(getattr(getattr(e, name, None), "ndim", 0) == 3 for name in _PROJECTIONS)]
+
+
+def quantize_experts(model: torch.nn.Module) -> int:
+    """Quantise every 3-D expert weight of ``model``'s sparse MoE blocks to NF4 in place, one at a time, on its
+    device; returns how many (0: a dense model). Needs bitsandbytes (`lightning_ft.model.quantization` imports it)."""
+    from lightning_ft.model.quantization import _bitsandbytes
+
+    bnb = _bitsandbytes()
+    count = 0
+    for experts in experts_modules(model):
+        for name in _PROJECTIONS:
+            if hasattr(experts, f"{name}_nf4_packed"):
+                continue
+            weight = getattr(experts, name).detach()
+            packed, state = bnb.functional.quantize_4bit(
+                weight.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
+            )
+            quantised = Nf4ExpertWeight.from_quant_state(packed, state, weight.dtype)
+            shape, dtype, device = weight.shape, weight.dtype, weight.device
+            del weight, packed, state
+            for part in _PARTS:
+                experts.register_buffer(f"{name}_nf4_{part}", getattr(quantised, part).contiguous())
+            keep_placeholder(experts, name, shape, dtype, device)
+            count += 1
+    return count
+
+
+def nf4_weight(experts: torch.nn.Module, name: str) -> Nf4ExpertWeight | None:
+    """``experts.<name>`` as the `Nf4ExpertWeight` of its stored shape the backends read, or None where it is dense.
+    Its compute dtype is the placeholder's (the model's dtype)."""
+    if not hasattr(experts, f"{name}_nf4_packed"):
+        return None
+    placeholder = getattr(experts, name)
+    parts = (getattr(experts, f"{name}_nf4_{part}") for part in _PARTS)
+    return Nf4ExpertWeight(*parts, placeholder.shape, placeholder.dtype)
+
+
+def experts_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes the NF4 expert weights hold, bytes they would hold dense in their compute dtype); (0, 0) for none."""
+    held = dense = 0
+    for experts in experts_modules(model):
+        for name in _PROJECTIONS:
+            if (weight := nf4_weight(experts, name)) is not None:
+                held += sum(getattr(weight, part).untyped_storage().nbytes() for part in _PARTS)
+                held += getattr(experts, name).untyped_storage().nbytes()  # the placeholder's element
+                dense += weight.stored_shape.numel() * weight.dtype.itemsize
+    return held, dense
+
+
+def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Replace every NF4 expert weight by its dense parameter (`Nf4ExpertWeight.dequantize`, in ``dtype`` or the
+    placeholder's: the values the triton backend computed with), frozen as it was, and drop the buffers:
+    ``save_pretrained`` then writes plain experts. Returns how many (0: none)."""
+    count = 0
+    for experts in experts_modules(model):
+        for name in _PROJECTIONS:
+            weight = nf4_weight(experts, name)
+            if weight is None:
+                continue
+            dense = weight._replace(dtype=dtype or weight.dtype).dequantize()
+            for part in _PARTS:
+                delattr(experts, f"{name}_nf4_{part}")
+            setattr(experts, name, torch.nn.Parameter(dense, requires_grad=False))
+            count += 1
+    return count
