@@ -1,9 +1,13 @@
-"""4-bit dequantisation (kernels/nf4.py) against bitsandbytes, and the QLoRA linear (kernels/qlora.py) against its reference."""
+"""4-bit dequantisation (kernels/nf4.py) against bitsandbytes, the QLoRA linear (kernels/qlora.py) against its
+reference, and NF4 expert weights decoded in the Triton grouped GEMM against the dense GEMM."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from lightning_ft.kernels.nf4 import Quant4bitWeight, dequantize_4bit, dequantize_4bit_reference
+from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from lightning_ft.kernels.nf4 import Nf4ExpertWeight, Quant4bitWeight, dequantize_4bit, dequantize_4bit_reference, nf4_tile
 from lightning_ft.kernels.qlora import qlora_linear, qlora_linear_reference
 
 BF = pytest.importorskip("bitsandbytes.functional", reason='bitsandbytes is the reference: pip install -e ".[qlora]"')
@@ -106,3 +110,82 @@ def test_qlora_linear_makes_no_host_sync_on_cuda():
             qlora_linear(x, weight, None, lora_A, lora_B, 2.0).sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@triton.jit
+def _decode_kernel(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out[f] = the NF4 expert weight's element f, by `nf4_tile` over a 1-D run of flat indices."""
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = index < n
+    values = nf4_tile(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, index, mask, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + index, values, mask=mask)
+
+
+def _expert_weight(shape, dtype, device, seed=0):
+    return Nf4ExpertWeight.from_quant_state(*_quantize(shape, "nf4", True, dtype, device, seed), dtype)
+
+
+# an odd element count with blocks straddling rows and experts; more than 256 blocks (two absmax2 scales)
+@pytest.mark.parametrize("shape", [(3, 7, 37), (5, 70, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_expert_weight_tile_decode_is_bitwise_the_reference_and_bitsandbytes(device, shape, dtype):
+    packed, state = _quantize(shape, "nf4", True, dtype, device)
+    weight = Nf4ExpertWeight.from_quant_state(packed, state, dtype)
+    n = weight.stored_shape.numel()
+    out = torch.empty(n, device=device, dtype=dtype)
+    _decode_kernel[(triton.cdiv(n, 256),)](
+        weight.packed, weight.absmax, weight.absmax2, weight.tables, out, n, BLOCK=256, enable_fp_fusion=False
+    )
+    reference = dequantize_4bit_reference(weight.quant4bit(), dtype)
+    assert torch.equal(weight.dequantize(), reference) and torch.equal(reference, _bnb_dequantize(packed, state))
+    assert torch.equal(out.view(shape), reference)
+
+
+def test_expert_weight_views_bytes_and_errors():
+    """[E, N, C] stored, its transpose a view with swapped strides; QLoRA's bytes: n/2 + n/64 (+ 4 per 256 blocks
+    + the 273 table entries); other quantisations are refused."""
+    weight = _expert_weight((4, 48, 64), torch.bfloat16, "cpu")
+    n = 4 * 48 * 64
+    assert weight.shape == (4, 48, 64) and weight.strides() == (48 * 64, 64, 1)
+    flipped = weight.transpose(1, 2)
+    assert flipped.shape == (4, 64, 48) and flipped.strides() == (48 * 64, 1, 64)
+    assert torch.equal(flipped.dequantize(), weight.dequantize().transpose(1, 2))
+    assert (weight.packed.numel(), weight.absmax.numel(), weight.absmax2.numel(), weight.tables.numel()) == (n // 2, n // 64, 1, 273)
+    with pytest.raises(ValueError, match="last two dims"):
+        weight.transpose(0, 1)
+    for shape, nested, quant_type in [((48, 64), True, "nf4"), ((4, 48, 64), False, "nf4"), ((4, 48, 64), True, "fp4")]:
+        with pytest.raises(ValueError, match="3-D NF4 weight in blocks of 64 with double quantisation"):
+            Nf4ExpertWeight.from_quant_state(*_quantize(shape, quant_type, nested, torch.float32, "cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("contract_stored_rows", [False, True], ids=["forward", "input_grad"])
+def test_grouped_gemm_reads_nf4_expert_weights(device, dtype, contract_stored_rows):
+    """The Triton grouped GEMM on an `Nf4ExpertWeight` (x·Wᵀ, contracting the stored weight's last dim, as the
+    forward reads it; dy·W, contracting its rows, as the input gradient reads it) equals the same kernel on the
+    dequantised dense weight (bitwise under the interpreter: the tiles decode to the dense values; on CUDA each is
+    autotuned apart, so the summation order may differ) and the plain-torch reference (fp32: 1e-5; bf16: the
+    bf16 output's rounding); gather, scatter, routing weights, LoRA, bias; group sizes 9, 0, 14, 3 (expert 1 has no
+    rows, none a multiple of 16)."""
+    torch.manual_seed(0)
+    counts = torch.tensor([9, 0, 14, 3])
+    rows, experts, rank = int(counts.sum()), 4, 3
+    stored = _expert_weight((experts, 37, 70), dtype, device)  # [E, N, C]: C = 70 straddles the 64-blocks
+    w_ECN = stored if contract_stored_rows else stored.transpose(1, 2)
+    _, c_dim, n_dim = w_ECN.shape
+    offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
+    src = torch.randn(7, c_dim, device=device).to(dtype)
+    kwargs = dict(
+        src_idx_S=torch.randint(0, 7, (rows,), device=device), out_idx_S=torch.randperm(rows, device=device),
+        row_scale_S=torch.rand(rows, device=device).to(dtype), lora_mid_SR=torch.randn(rows, rank, device=device).to(dtype),
+        lora_b_ERN=torch.randn(experts, rank, n_dim, device=device).to(dtype), scaling=0.5,
+        bias_EN=torch.randn(experts, n_dim, device=device),
+    )
+    out = grouped_gemm(src, w_ECN, offsets, rows, **kwargs)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    twin = grouped_gemm(src, w_ECN.dequantize(), offsets, rows, **kwargs)
+    if device.type == "cpu":
+        assert torch.equal(out, twin)
+    else:
+        torch.testing.assert_close(out.float(), twin.float(), **tolerance)
+    torch.testing.assert_close(out.float(), grouped_gemm_reference(src, w_ECN, offsets, rows, **kwargs).float(), **tolerance)
