@@ -195,8 +195,8 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
     if keep or (keep is None and moe_backend == "triton"):
         if count := nf4_experts.quantize_experts(model):
             held, dense = nf4_experts.experts_bytes(model)
-            rank_zero_info(f"quantization: {count} expert weights quantised to NF4: {held / 2**20:.1f} MiB "
-                           f"({dense / 2**20:.1f} MiB in model.dtype)")
+            rank_zero_info(f"quantization: {count} expert weights quantised to NF4: {held / 2**20:.2f} MiB "
+                           f"({dense / 2**20:.2f} MiB in model.dtype)")
     elif keep is None and nf4_experts.experts_modules(model):
         rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} "
                        "reads dense weights (moe.backend=triton keeps them in NF4 too)")

@@ -1,0 +1,121 @@
+"""model.quantization=nf4 on an MoE model (model/nf4_experts.py): the frozen experts in NF4 on the triton MoE backend."""
+
+import pytest
+import torch
+
+from lightning_ft.kernels.moe import moe_experts, sort_by_expert
+from lightning_ft.model.build import ModelBuilder
+from lightning_ft.model.nf4_experts import dequantize_experts, experts_bytes, nf4_weight
+from tiny_model import TINY_MODEL
+
+bnb = pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
+
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "o_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+EXPERT_WEIGHTS = 4  # gate_up and down in each of 2 layers
+LOGGER = "lightning.pytorch.utilities.rank_zero"
+
+
+def _build(quantization="nf4", backend="triton", dtype="float32"):
+    model = {**TINY_MODEL, "quantization": quantization, "dtype": dtype, "attention": "sdpa"}
+    return ModelBuilder(model, LORA, moe={"backend": backend}, seed=0)(torch.device("cpu")).model
+
+
+def _experts(model, layer=0):
+    return model.get_base_model().model.layers[layer].mlp.experts.base_layer.base_layer
+
+
+def test_random_init_keeps_the_experts_as_bitsandbytes_quantises_them_in_qloras_bytes(caplog):
+    """Each expert weight is bitsandbytes' NF4 + double quantisation of the dense one (the same random init), the
+    parameter a 2-byte placeholder of its shape (PEFT reads it); bf16: (1/2 + 1/64) bytes a weight and a few
+    tables against 2."""
+    dense = _experts(_build("none", dtype="bfloat16"))
+    with caplog.at_level("INFO", logger=LOGGER):
+        model = _build(dtype="bfloat16")
+    assert f"quantization: {EXPERT_WEIGHTS} expert weights quantised to NF4: 0.01 MiB (0.04 MiB in model.dtype)" in caplog.messages
+    experts = _experts(model)
+    for name, shape in (("gate_up_proj", (4, 48, 32)), ("down_proj", (4, 32, 24))):
+        placeholder = getattr(experts, name)
+        assert placeholder.shape == shape and placeholder.untyped_storage().nbytes() == 2 and not placeholder.requires_grad
+        packed, state = bnb.functional.quantize_4bit(
+            getattr(dense, name).detach(), blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
+        weight = nf4_weight(experts, name)
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight.packed, packed.view(-1)), name
+        assert torch.equal(weight.absmax, state.absmax) and torch.equal(weight.absmax2, state.state2.absmax), name
+    held, dense_bytes = experts_bytes(model)
+    weights = 2 * (4 * 48 * 32 + 4 * 32 * 24)
+    assert dense_bytes == 2 * weights and held == weights // 2 + weights // 64 + EXPERT_WEIGHTS * (4 + 273 * 4 + 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_and_lora_gradients_equal_the_dequantised_twin(dtype):
+    """The model with NF4 experts and the same model with them dequantised to dense weights (both on the triton
+    backend) give the same logits and LoRA gradients, bitwise (the tiles decode to the dense values); the expert
+    LoRA's B is made non-zero so that every factor gets a gradient."""
+    runs = []
+    for dense in (False, True):
+        model = _build(dtype=dtype)
+        assert (dequantize_experts(model) if dense else nf4_weight(_experts(model, 1), "down_proj") is not None)
+        torch.manual_seed(1)
+        for name, param in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                param.data.normal_(0, 0.1)
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+        logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (logits, grads), (twin_logits, twin_grads) = runs
+    assert torch.equal(logits, twin_logits)
+    assert grads.keys() == twin_grads.keys() and sum("experts" in name for name in grads) == 2 * EXPERT_WEIGHTS
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().max() > 0 and torch.equal(grad, twin_grads[name]), name
+
+
+def test_other_backends_keep_the_experts_dense_and_refuse_nf4_weights(caplog):
+    """moe.backend other than triton: the linear layers in NF4, the experts in model.dtype (logged once); the
+    experts function refuses NF4 weights outside the triton backend."""
+    with caplog.at_level("INFO", logger=LOGGER):
+        model = _build(backend="native_torch")
+    assert caplog.messages.count("quantization: the MoE experts stay in float32: moe.backend=native_torch reads dense "
+                                 "weights (moe.backend=triton keeps them in NF4 too)") == 1
+    experts = _experts(model)
+    assert nf4_weight(experts, "gate_up_proj") is None and experts.gate_up_proj.untyped_storage().nbytes() == 4 * 48 * 32 * 4
+    weight = nf4_weight(_experts(_build()), "gate_up_proj")
+    x = torch.randn(3, 32)
+    topk = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    with pytest.raises(ValueError, match="NF4 expert weights run on the triton MoE backend only, not native_torch: set moe.backend=triton"):
+        moe_experts(x, torch.rand(3, 2), sort_by_expert(topk, 4), weight, torch.randn(4, 32, 24), torch.nn.functional.silu,
+                    backend="native_torch")
+
+
+@pytest.mark.slow
+def test_fit_on_nf4_experts_then_export_merge_reproduces_the_trained_logits(tmp_path):
+    """The CLI: the tiny default Qwen3-MoE, LoRA on attention and experts, the base in NF4 (linear layers through
+    kernels.lora, experts through the triton backend; Triton interpreted here): the loss falls, the adapter is plain
+    PEFT (no NF4 tensors); ``export --merge`` writes dense experts, and the merged model computes the trained
+    model's logits (fp32; the merge rounds, 1e-4)."""
+    from cli_helpers import FAST, run_cli, summary
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.export import main as export_main
+
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *FAST, "trainer.max_steps=3", "scheduler.num_warmup_steps=0", "lora=moe", "moe.backend=triton",
+                   "model.quantization=nf4", "kernels.lora=true",
+                   "+callbacks.logits._target_=cli_helpers.DumpLogits", f"+callbacks.logits.path={run_dir / 'logits.pt'}")
+    assert f"quantization: 8 expert weights quantised to NF4" in proc.stdout + proc.stderr
+    s = summary(run_dir)
+    assert s["steps"] == 3 and s["final_loss"] < s["initial_loss"]
+    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert any("experts" in key for key in adapter) and not any("_nf4_" in key for key in adapter)
+    assert export_main([str(run_dir), "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(run_dir / "export" / "merged"))
+    state = merged.state_dict()
+    assert not any("_nf4_" in key for key in state) and state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 256, 128)
+    assert not any(type(m).__name__ == "Linear4bit" for m in merged.modules())
+    reference = torch.load(run_dir / "logits.pt")  # the trained model's own logits (NF4 base, our kernels)
+    with torch.no_grad():
+        logits = merged.eval()(input_ids=reference["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
