@@ -199,7 +199,7 @@ def export(
 
 
 #: what the export reads of the run's config (dotted keys, resolved); other keys may hold interpolations only Hydra resolves
-RUN_KEYS = ("model", "lora", "seed", "trainer.accelerator", "callbacks.checkpoint.dirpath")
+RUN_KEYS = ("model", "lora", "seed", "trainer.accelerator", "callbacks.checkpoint.dirpath", "moe.backend")
 
 
 def run_config(run_dir: Path) -> dict[str, Any]:
@@ -332,7 +332,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         vocab_size=vocab_size,
         seed=cfg.get("seed"),
         dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
-        nf4_experts=cfg.get("moe", {}).get("backend") == "triton",  # nf4: the experts as the run quantised them
+        nf4_experts=cfg.get("moe.backend") == "triton",  # nf4: the experts as the run quantised them
     )
     return builder(device=torch.device(device)).model
 
