@@ -42,7 +42,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     attention: str = "auto"  # auto | varlen | flex | sdpa packed attention (auto: varlen on CUDA in bf16/fp16, else sdpa)
     trust_remote_code: bool = False
-    quantization: str = "none"  # none | nf4: the frozen linear layers in 4 bits (QLoRA; bitsandbytes' NF4 + double quantisation; pip install -e ".[qlora]") | mxfp4: gpt-oss's experts in MXFP4 (moe.backend=triton)
+    quantization: str = "none"  # none | nf4: the frozen linear layers in 4 bits (QLoRA; bitsandbytes' NF4 + double quantisation; pip install -e ".[qlora]"), MoE experts too with moe.backend=triton | mxfp4: gpt-oss's experts in MXFP4 (moe.backend=triton)
 
 
 @dataclass

@@ -14,6 +14,9 @@ and ``quantize_4bit(..., quant_type="nf4", compress_statistics=True)`` make them
 - a random-init model (benchmarks) is quantised right after its weights are drawn (`quantize_linears`),
   one layer at a time.
 
+An MoE model's fused 3-D expert weights, which bitsandbytes leaves alone, go to NF4 in the same layout with
+``moe.backend=triton`` (`lightning_ft.model.nf4_experts`).
+
 PEFT wraps these layers with its ``lora.bnb.Linear4bit`` and saves adapters in its own format, which load
 on the stock bitsandbytes-quantised model. The training forward dequantises with our kernel
 (`lightning_ft.kernels.nf4`, through `lightning_ft.model.lora` with ``kernels.lora``), which needs no
