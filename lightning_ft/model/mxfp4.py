@@ -30,7 +30,7 @@ import torch
 
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
-__all__ = ["dequantize_experts", "experts_bytes", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
+__all__ = ["dequantize_experts", "experts_bytes", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -47,6 +47,14 @@ def _keep(experts: torch.nn.Module, name: str, blocks: torch.Tensor, scales: tor
     experts.register_buffer(f"{name}_blocks", blocks.to(torch.uint8).contiguous())
     experts.register_buffer(f"{name}_scales", scales.to(torch.uint8).contiguous())
     keep_placeholder(experts, name, shape, dtype, blocks.device)
+
+
+def keep_dense(experts: torch.nn.Module, name: str, dense: torch.Tensor, parts: tuple[str, ...]) -> None:
+    """Set ``experts.<name>`` to the frozen parameter ``dense`` (made contiguous) in place of its placeholder, and drop
+    the quantised weight's buffers ``<name>_<part>``."""
+    for part in parts:
+        delattr(experts, f"{name}_{part}")
+    setattr(experts, name, torch.nn.Parameter(dense.contiguous(), requires_grad=False))
 
 
 def keep_placeholder(experts: torch.nn.Module, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
@@ -114,9 +122,7 @@ def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None)
             if weight is None:
                 continue
             dense = weight._replace(dtype=dtype or weight.dtype, transposed=True).dequantize()  # the stored [E, C, N]
-            delattr(experts, f"{name}_blocks")
-            delattr(experts, f"{name}_scales")
-            setattr(experts, name, torch.nn.Parameter(dense.contiguous(), requires_grad=False))
+            keep_dense(experts, name, dense, ("blocks", "scales"))
             count += 1
     return count
 

@@ -25,7 +25,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight
-from lightning_ft.model.mxfp4 import keep_placeholder
+from lightning_ft.model.mxfp4 import keep_dense, keep_placeholder
 from lightning_ft.model.patching import moe_classes
 
 __all__ = ["dequantize_experts", "experts_bytes", "experts_modules", "nf4_weight", "quantize_experts"]
@@ -100,9 +100,6 @@ def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None)
             weight = nf4_weight(experts, name)
             if weight is None:
                 continue
-            dense = weight._replace(dtype=dtype or weight.dtype).dequantize()
-            for part in _PARTS:
-                delattr(experts, f"{name}_nf4_{part}")
-            setattr(experts, name, torch.nn.Parameter(dense, requires_grad=False))
+            keep_dense(experts, name, weight._replace(dtype=dtype or weight.dtype).dequantize(), tuple(f"nf4_{p}" for p in _PARTS))
             count += 1
     return count

@@ -4,8 +4,8 @@ Triton grouped GEMM reading MXFP4 expert weights against the dequantise-then-den
 import pytest
 import torch
 
-from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4_reference, quantize_mxfp4
+from packed_weight_checks import assert_grouped_gemm_reads
 
 
 def _random_mxfp4(*shape, seed=0, scale_range=(0, 256)):
@@ -77,30 +77,12 @@ def test_grouped_gemm_reads_mxfp4_weights(device, dtype, quantised_along_c):
     on the dequantised dense weight (bitwise under the interpreter: the tiles dequantise exactly; on CUDA each
     is autotuned apart, so the summation order may differ) and the plain-torch reference; odd sizes, gather,
     scatter, routing weights, LoRA, bias; expert 1 has no rows."""
-    torch.manual_seed(0)
-    counts = torch.tensor([9, 0, 14, 3])
-    rows, experts, rank = int(counts.sum()), 4, 3
+    experts = 4
     c_dim, n_dim = (64, 37) if quantised_along_c else (37, 64)
     stored = (n_dim, c_dim) if quantised_along_c else (c_dim, n_dim)
     blocks, scales = _random_mxfp4(experts, stored[0], stored[1] // 32, scale_range=(122, 130))
     weight = Mxfp4Weight.from_checkpoint(blocks.to(device), scales.to(device), dtype)
     w_ECN = weight.transpose(1, 2) if quantised_along_c else weight
     assert w_ECN.shape == (experts, c_dim, n_dim)
-    dense = w_ECN.dequantize()
-    offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
-    src = torch.randn(7, c_dim, device=device).to(dtype)
-    kwargs = dict(
-        src_idx_S=torch.randint(0, 7, (rows,), device=device), out_idx_S=torch.randperm(rows, device=device),
-        row_scale_S=torch.rand(rows, device=device).to(dtype), lora_mid_SR=torch.randn(rows, rank, device=device).to(dtype),
-        lora_b_ERN=torch.randn(experts, rank, n_dim, device=device).to(dtype), scaling=0.5,
-        bias_EN=torch.randn(experts, n_dim, device=device),
-    )
-    out = grouped_gemm(src, w_ECN, offsets, rows, **kwargs)
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
-    twin = grouped_gemm(src, dense, offsets, rows, **kwargs)
-    if device.type == "cpu":
-        assert torch.equal(out, twin)
-    else:
-        torch.testing.assert_close(out.float(), twin.float(), **tolerance)
-    reference = grouped_gemm_reference(src, w_ECN, offsets, rows, **kwargs)
-    torch.testing.assert_close(out.float(), reference.float(), **tolerance)
+    assert_grouped_gemm_reads(w_ECN, device, dtype, tolerance)

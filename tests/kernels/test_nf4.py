@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight, Quant4bitWeight, dequantize_4bit, dequantize_4bit_reference, nf4_tile
 from lightning_ft.kernels.qlora import qlora_linear, qlora_linear_reference
+from packed_weight_checks import assert_grouped_gemm_reads
 
 BF = pytest.importorskip("bitsandbytes.functional", reason='bitsandbytes is the reference: pip install -e ".[qlora]"')
 
@@ -163,29 +163,8 @@ def test_expert_weight_views_bytes_and_errors():
 def test_grouped_gemm_reads_nf4_expert_weights(device, dtype, contract_stored_rows):
     """The Triton grouped GEMM on an `Nf4ExpertWeight` (x·Wᵀ, contracting the stored weight's last dim, as the
     forward reads it; dy·W, contracting its rows, as the input gradient reads it) equals the same kernel on the
-    dequantised dense weight (bitwise under the interpreter: the tiles decode to the dense values; on CUDA each is
-    autotuned apart, so the summation order may differ) and the plain-torch reference (fp32: 1e-5; bf16: the
-    bf16 output's rounding); gather, scatter, routing weights, LoRA, bias; group sizes 9, 0, 14, 3 (expert 1 has no
-    rows, none a multiple of 16)."""
-    torch.manual_seed(0)
-    counts = torch.tensor([9, 0, 14, 3])
-    rows, experts, rank = int(counts.sum()), 4, 3
-    stored = _expert_weight((experts, 37, 70), dtype, device)  # [E, N, C]: C = 70 straddles the 64-blocks
-    w_ECN = stored if contract_stored_rows else stored.transpose(1, 2)
-    _, c_dim, n_dim = w_ECN.shape
-    offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
-    src = torch.randn(7, c_dim, device=device).to(dtype)
-    kwargs = dict(
-        src_idx_S=torch.randint(0, 7, (rows,), device=device), out_idx_S=torch.randperm(rows, device=device),
-        row_scale_S=torch.rand(rows, device=device).to(dtype), lora_mid_SR=torch.randn(rows, rank, device=device).to(dtype),
-        lora_b_ERN=torch.randn(experts, rank, n_dim, device=device).to(dtype), scaling=0.5,
-        bias_EN=torch.randn(experts, n_dim, device=device),
-    )
-    out = grouped_gemm(src, w_ECN, offsets, rows, **kwargs)
+    dequantised dense weight and the plain-torch reference (`assert_grouped_gemm_reads`; fp32: 1e-5; bf16: the
+    bf16 output's rounding)."""
+    stored = _expert_weight((4, 37, 70), dtype, device)  # [E, N, C]: C = 70 straddles the 64-blocks
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
-    twin = grouped_gemm(src, w_ECN.dequantize(), offsets, rows, **kwargs)
-    if device.type == "cpu":
-        assert torch.equal(out, twin)
-    else:
-        torch.testing.assert_close(out.float(), twin.float(), **tolerance)
-    torch.testing.assert_close(out.float(), grouped_gemm_reference(src, w_ECN, offsets, rows, **kwargs).float(), **tolerance)
+    assert_grouped_gemm_reads(stored if contract_stored_rows else stored.transpose(1, 2), device, dtype, tolerance)
