@@ -332,7 +332,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         vocab_size=vocab_size,
         seed=cfg.get("seed"),
         dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
-        nf4_experts=cfg.get("moe.backend") == "triton",  # nf4: the experts as the run quantised them
+        experts_in_nf4=cfg.get("moe.backend") == "triton",  # nf4: the experts as the run quantised them
     )
     return builder(device=torch.device(device)).model
 

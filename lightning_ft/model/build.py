@@ -39,11 +39,11 @@ from huggingface_hub.errors import StrictDataclassError
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ft.errors import check_choice, check_local_path
+from lightning_ft.model import nf4_experts
 from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights
-from lightning_ft.model import nf4_experts
 from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
 from lightning_ft.model.patching import apply_kernels
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
@@ -370,7 +370,7 @@ class ModelBuilder:
             over (`lightning_ft.model.mxfp4.dequantize_experts`), and skip the training checks: the stock model
             of ``export``, not for training. ``model.quantization=nf4``'s NF4 experts likewise
             (`lightning_ft.model.nf4_experts.dequantize_experts`).
-        nf4_experts: with ``model.quantization=nf4``, quantise the MoE experts to NF4 too
+        experts_in_nf4: with ``model.quantization=nf4``, quantise the MoE experts to NF4 too
             (`lightning_ft.model.nf4_experts`); None: where ``moe.backend=triton`` (the backend that reads them; with
             another the experts stay in ``model.dtype``, logged). ``export`` passes what the run's backend made.
 
@@ -388,7 +388,7 @@ class ModelBuilder:
         seed: int | None = None,
         execution: Execution | None = None,
         dense_experts: bool = False,
-        nf4_experts: bool | None = None,
+        experts_in_nf4: bool | None = None,
     ):
         from lightning_ft.config import MOVED_KEYS
 
@@ -402,7 +402,7 @@ class ModelBuilder:
         self.seed = seed
         self.execution = execution if execution is not None else Execution()
         self.dense_experts = dense_experts
-        self.nf4_experts = nf4_experts
+        self.experts_in_nf4 = experts_in_nf4
 
     def __call__(
         self, device: torch.device, precision: str | None = None, sharded: bool = False, execution: Execution | None = None
@@ -455,7 +455,7 @@ class ModelBuilder:
         )
         model.config.use_cache = False
         if quantization == "nf4":
-            _nf4_experts(model, moe_backend, self.nf4_experts, cfg.get("dtype", "float32"))
+            _nf4_experts(model, moe_backend, self.experts_in_nf4, cfg.get("dtype", "float32"))
         if self.dense_experts and (experts := dequantize_experts(model)):
             rank_zero_info(f"quantization: {experts} MXFP4 expert weights dequantised to model.dtype")
         if self.dense_experts and (experts := nf4_experts.dequantize_experts(model)):
