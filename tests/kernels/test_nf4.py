@@ -141,6 +141,22 @@ def test_expert_weight_tile_decode_is_bitwise_the_reference_and_bitsandbytes(dev
     assert torch.equal(out.view(shape), reference)
 
 
+@pytest.mark.gpu
+def test_expert_weight_decode_matches_bitsandbytes_cuda_kernel_on_qwen3_30b_a3b_shapes():
+    """One layer's experts of Qwen3-30B-A3B (gate_up [128, 1536, 2048], down [128, 2048, 768]) in bf16, quantised by
+    bitsandbytes on the GPU: `nf4_tile` (compiled without floating-point contraction) is bitwise its CUDA dequantisation."""
+    for shape in [(128, 1536, 2048), (128, 2048, 768)]:
+        packed, state = _quantize(shape, "nf4", True, torch.bfloat16, "cuda")
+        weight = Nf4ExpertWeight.from_quant_state(packed, state, torch.bfloat16)
+        n = weight.stored_shape.numel()
+        out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        _decode_kernel[(triton.cdiv(n, 1024),)](
+            weight.packed, weight.absmax, weight.absmax2, weight.tables, out, n, BLOCK=1024, enable_fp_fusion=False
+        )
+        assert torch.equal(out.view(shape), BF.dequantize_4bit(packed, state)), shape
+        del packed, state, weight, out
+
+
 def test_expert_weight_views_bytes_and_errors():
     """[E, N, C] stored, its transpose a view with swapped strides; QLoRA's bytes: n/2 + n/64 (+ 4 per 256 blocks
     + the 273 table entries); other quantisations are refused."""
