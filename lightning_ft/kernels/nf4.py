@@ -98,7 +98,8 @@ def dequantize_4bit_reference(weight: Quant4bitWeight, dtype: torch.dtype) -> to
     return values.to(dtype).view(weight.shape)
 
 
-_CODE, _CODE2 = 16, 256  # entries of the 4-bit code and of the 8-bit absmax code
+_CODE: tl.constexpr = tl.constexpr(16)  # entries of the 4-bit code
+_CODE2: tl.constexpr = tl.constexpr(256)  # entries of the 8-bit absmax code
 _BLOCKSIZE: tl.constexpr = tl.constexpr(64)  # `Nf4ExpertWeight`'s blocks: elements per absmax
 _BLOCKSIZE2: tl.constexpr = tl.constexpr(256)  # absmax per fp32 absmax2 scale
 
@@ -150,7 +151,7 @@ class Nf4ExpertWeight(NamedTuple):
 
     def quant4bit(self) -> Quant4bitWeight:
         """The stored weight as a `Quant4bitWeight` (views of the same tensors)."""
-        code, code2, offset = self.tables.split([_CODE, _CODE2, 1])
+        code, code2, offset = self.tables.split([int(_CODE), int(_CODE2), 1])
         return Quant4bitWeight(
             self.packed, self.absmax, code, tuple(self.stored_shape), int(_BLOCKSIZE), self.absmax2, code2, offset[0],
             int(_BLOCKSIZE2),
@@ -278,6 +279,6 @@ def nf4_tile(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, index, mask, dtype
     block = index // _BLOCKSIZE
     qabsmax = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
     scale = tl.load(absmax2_ptr + block // _BLOCKSIZE2, mask=mask, other=0.0)
-    absmax = tl.load(tables_ptr + 16 + qabsmax) * scale + tl.load(tables_ptr + 16 + 256)
+    absmax = tl.load(tables_ptr + _CODE + qabsmax) * scale + tl.load(tables_ptr + _CODE + _CODE2)
     values = tl.load(tables_ptr + nibble) * absmax
     return _round_to(tl.where(mask, values, 0.0), dtype)
