@@ -27,6 +27,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 from lightning_ft.model.mxfp4 import keep_dense, keep_placeholder
 from lightning_ft.model.patching import moe_classes
+from lightning_ft.model.quantization import _bitsandbytes
 
 __all__ = ["dequantize_experts", "experts_bytes", "experts_modules", "nf4_weight", "quantize_experts"]
 
@@ -45,9 +46,11 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def quantize_experts(model: torch.nn.Module) -> int:
     """Quantise every 3-D expert weight of ``model``'s sparse MoE blocks to NF4 in place, one at a time, on its
-    device; returns how many (0: a dense model). Needs bitsandbytes (`lightning_ft.model.quantization` imports it)."""
-    from lightning_ft.model.quantization import _bitsandbytes
+    device; returns how many (0: a dense model).
 
+    Raises:
+        ImportError: bitsandbytes is not installed (naming the ``qlora`` extra).
+    """
     bnb = _bitsandbytes()
     count = 0
     for experts in experts_modules(model):
