@@ -16,7 +16,12 @@
 `lightning_ft.kernels.moe._common`; the plain-torch reference of the backend is ``native_torch``, those of
 the two launchers `grouped_gemm_reference` and `grouped_wgrad_reference`.
 
-Sources: the Triton matmul tutorial for tiling.
+fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): the same kernel reads e4m3
+weight tiles and quantises its input tiles to e4m3 in registers, one scale per row per K tile (see
+`grouped_gemm`); split LoRA and the thin launches stay in the activations' dtype.
+
+Sources: the Triton matmul tutorial for tiling; DeepSeek-V3 technical report (fine-grained fp8: 1×128
+activation tiles, scales applied to each tile's fp32 product) for the fp8 path.
 """
 
 from __future__ import annotations
@@ -52,10 +57,13 @@ def _cap(size: int) -> int:
 
 
 def _prune_gemm_configs(configs, named_args, **kwargs):
-    """Fit BLOCK_N / BLOCK_C to the problem; thin LoRA GEMMs (N = R) try only the first two configs; an fp8
-    ``tl.dot`` needs BLOCK_C >= 32."""
+    """Fit BLOCK_N / BLOCK_C to the problem; thin LoRA GEMMs (N = R) try only the first two configs; the configs
+    with BLOCK_C = 128 are the fp8 path's only (half the bytes per B tile), whose ``tl.dot`` needs BLOCK_C >= 32."""
     n_cap = _cap(named_args["N"])
-    c_cap = max(32, _cap(named_args["C"])) if kwargs.get("FP8") else _cap(named_args["C"])
+    if kwargs.get("FP8"):
+        c_cap = max(32, _cap(named_args["C"]))
+    else:
+        c_cap, configs = _cap(named_args["C"]), [c for c in configs if c.kwargs["BLOCK_C"] <= 64]
     return _clamped(configs[:2] if n_cap <= 32 else configs, {"BLOCK_N": n_cap, "BLOCK_C": c_cap})
 
 
@@ -241,7 +249,8 @@ def _grouped_gemm_body(
 _GEMM_AUTOTUNE = dict(
     configs=_configs(
         ("BLOCK_M", "BLOCK_N", "BLOCK_C"),
-        gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4)],
+        gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4),
+             (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)],  # the last two: fp8 only (`_prune_gemm_configs`)
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
