@@ -52,7 +52,8 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference",
+    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "fp8_input_grad", "fp8_linear", "fp8_rows_of",
+    "fp8_linear_reference",
     "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_expert_weight", "quantize_weight", "scaled_mm_supported",
 ]  # fmt: skip

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ft.kernels.fp8 import E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight
+from lightning_ft.kernels.fp8 import (
+    E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight,
+)
 
 __all__ = ["Fp8Linear", "check_fp8_device", "check_fp8_experts", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight"]
 

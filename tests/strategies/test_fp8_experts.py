@@ -12,6 +12,7 @@ measured), the loss within 0.5%, each LoRA gradient within 8% (3.4% measured at 
 up to ~18%, so the GPU test, which builds with both, compares against a model whose linear layers are in fp8 too.
 """
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,19 @@ def test_gpt_oss_experts_transposed_with_biases_in_fp8():
     assert lora.keys() == reference_lora.keys() and len(lora) == 4  # A and B of gate_up and down
     for name, grad in lora.items():
         assert _rel(grad, reference_lora[name]) < 0.10, name
+
+
+def test_the_builder_converts_the_experts_under_strategy_fp8_and_logs_it(monkeypatch, caplog):
+    """ModelBuilder with strategy.fp8 (its device check passed by hand: the CPU has no fp8 GEMMs): the linear
+    layers under LoRA and the experts under LoRA in fp8, each count logged."""
+    import lightning_ft.model.build as build
+
+    monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
+    caplog.set_level(logging.INFO)
+    model = _build(execution=Execution(fp8=True))
+    assert "fp8: 6 frozen LoRA base weights in e4m3" in caplog.text  # q/v/o of 2 layers
+    assert f"fp8: {EXPERT_WEIGHTS} frozen expert weights under LoRA in e4m3" in caplog.text
+    assert all(fp8_expert_weight(_experts(model, i), n) is not None for i in (0, 1) for n in ("gate_up_proj", "down_proj"))
 
 
 def test_fp8_experts_are_refused_off_the_triton_backend_and_under_cuda_graphs():

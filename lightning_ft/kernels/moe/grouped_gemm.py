@@ -429,7 +429,9 @@ def grouped_gemm(
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
     mxfp4, fp8 = isinstance(w_ECN, Mxfp4Weight), isinstance(w_ECN, Fp8ExpertWeight)
-    w, w_scales = (w_ECN.blocks, w_ECN.scales) if mxfp4 else (w_ECN.logical_values(), w_ECN.scales) if fp8 else (w_ECN, w_ECN)
+    w, w_scales = (w_ECN, w_ECN)
+    if mxfp4 or fp8:
+        w, w_scales = (w_ECN.blocks if mxfp4 else w_ECN.logical_values()), w_ECN.scales
     if mxfp4 and (w.stride(-1) != 1 or w_scales.stride(-1) != 1):
         raise ValueError("grouped_gemm: an Mxfp4Weight's blocks and scales must be contiguous along their last dim")
     lora_b = lora_b_ERN if has_lora else w
