@@ -38,11 +38,13 @@ Engine and torchao's float8 training; the ``_scaled_mm`` layout rules are PyTorc
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels._utils import num_warps_for
+from lightning_ft.kernels._utils import INTERPRETER, num_warps_for
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -50,9 +52,10 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "attach_fp8_rows", "fp8_input_grad", "fp8_linear", "fp8_rows_of", "fp8_linear_reference",
+    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "fp8_input_grad", "fp8_linear", "fp8_rows_of",
+    "fp8_linear_reference",
     "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
-    "quantize_weight", "scaled_mm_supported",
+    "quantize_expert_weight", "quantize_weight", "scaled_mm_supported",
 ]  # fmt: skip
 
 
@@ -120,6 +123,26 @@ def quantize_rows_tile(y):
     return e4m3_values(y, scale[:, None]), scale
 
 
+# Triton 3.9's CPU interpreter converts fp32 to e4m3 wrongly where rounding carries into the exponent
+# (31.6 became 16, not 32): there `e4m3_cast` rounds in fp32 first, and the conversion of the exact value is right.
+_ROUND_IN_FP32 = tl.constexpr(INTERPRETER)
+_RINT_MAGIC = 12582912.0  # 1.5 · 2²³: x + it - it is x rounded to the nearest integer, ties to even (|x| < 2²²)
+
+
+@triton.jit
+def e4m3_cast(values):
+    """Triton: fp32 ``values`` within ±448 (`e4m3_values`) as e4m3, rounded to nearest even (in registers).
+
+    Under the CPU interpreter the rounding is done in fp32 first (e4m3's spacing is 2^(e - 3) for a value of
+    exponent e >= -6, 2⁻⁹ below), so that the conversion only meets exact values: see ``_ROUND_IN_FP32``.
+    """
+    if _ROUND_IN_FP32:
+        exponent = tl.maximum(((values.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
+        spacing = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+        values = ((values / spacing + _RINT_MAGIC) - _RINT_MAGIC) * spacing
+    return values.to(tl.float8e4nv)
+
+
 @triton.jit
 def _scaled_block(X, C, cols, mask, HAS_COL_SCALE: tl.constexpr):
     """A block of a row (X points at the row) in fp32, times the column scales C when given."""
@@ -168,6 +191,54 @@ def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None)
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A frozen [N, K] weight in e4m3 with one fp32 scale per output channel (row): `quantize_rows`."""
     return quantize_rows(weight.detach())
+
+
+class Fp8ExpertWeight(NamedTuple):
+    """A frozen 3-D expert weight in e4m3 as the Triton grouped GEMM reads it (in place of a dense [E, N, C] tensor).
+
+    W[e] ≈ values[e] · scales[e][:, None]: one fp32 scale per output channel per expert (`quantize_expert_weight`),
+    as `quantize_weight` holds a linear layer's weight.
+
+    Attributes:
+        values: e4m3 [E, N, C] (N the output, C the input size of ``x W[e]ᵀ``), any strides.
+        scales: fp32 [E, N].
+        dtype: the compute dtype (what the dense weight would be: the model's dtype).
+        transposed: the logical tensor is [E, C, N] (a ``transpose(1, 2)`` of [E, N, C]): the scales then lie
+            along its last dim.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+    transposed: bool = False
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape: [E, N, C], or [E, C, N] when transposed."""
+        return self.logical_values().shape
+
+    def logical_values(self) -> torch.Tensor:
+        """``values`` in the logical layout (a transposed view when transposed, no copy)."""
+        return self.values.transpose(1, 2) if self.transposed else self.values
+
+    def transpose(self, dim0: int, dim1: int) -> Fp8ExpertWeight:
+        """The [E, C, N] <-> [E, N, C] view (no copy); only ``transpose(1, 2)``, as a dense 3-D weight is transposed here."""
+        if {dim0 % 3, dim1 % 3} != {1, 2}:
+            raise ValueError(f"an fp8 expert weight transposes its last two dims only, not ({dim0}, {dim1})")
+        return self._replace(transposed=not self.transposed)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense logical weight ``values · scales`` (in fp32, then cast to ``dtype``)."""
+        dense = (self.values.float() * self.scales[:, :, None]).to(self.dtype)
+        return dense.transpose(1, 2) if self.transposed else dense
+
+
+def quantize_expert_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen expert weight [E, N, C] (any strides) -> (values [E, N, C] e4m3 contiguous, scales [E, N] fp32):
+    `quantize_rows` of its E·N rows, scale = amax over C / 448 (an all-zero row: 1e-12 / 448)."""
+    experts, rows, cols = weight.shape
+    q, scale = quantize_rows(weight.detach().reshape(experts * rows, cols))
+    return q.view(experts, rows, cols), scale.view(experts, rows)
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

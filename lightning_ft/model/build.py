@@ -16,7 +16,8 @@
    ``grouped_mm``, the LoRA slots in the expert weights; then the router training checked
    (`lightning_ft.model.router.check_router_training`, a warning where the LM loss cannot train
    the router) and the load-balancing loss announced (``model.config.output_router_logits``);
-   with the strategy's ``fp8``, the frozen base weights of the LoRA layers in e4m3 (`lightning_ft.strategies.fp8`);
+   with the strategy's ``fp8``, the frozen base weights of the LoRA layers in e4m3 (`lightning_ft.strategies.fp8`),
+   the experts under LoRA too (``triton`` backend, `lightning_ft.model.moe.convert_experts_to_fp8`);
 5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
 6. with the strategy's ``cuda_graphs`` (`lightning_ft.strategies.strategy.Execution`), each decoder layer
    replayed from CUDA graphs (`lightning_ft.strategies.cuda_graphs`), checked against the config first,
@@ -43,7 +44,7 @@ from lightning_ft.model import nf4_experts
 from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
-from lightning_ft.model.moe import apply_moe, augment_expert_weights
+from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8
 from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
 from lightning_ft.model.patching import apply_kernels
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
@@ -56,7 +57,7 @@ from lightning_ft.model.router import (
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
-from lightning_ft.strategies.fp8 import check_fp8_device, convert_to_fp8
+from lightning_ft.strategies.fp8 import check_fp8_device, check_fp8_experts, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
@@ -438,7 +439,7 @@ class ModelBuilder:
         if not (self.dense_experts and quantization == "mxfp4"):
             check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs, moe_backend)
         if execution.fp8:
-            _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"))
+            _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"), moe_backend, execution.cuda_graphs)
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
@@ -499,6 +500,8 @@ class ModelBuilder:
                 _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
         if execution.fp8:
             rank_zero_info(f"fp8: {convert_to_fp8(model)} frozen LoRA base weights in e4m3, per-output-channel scales")
+            if experts := convert_experts_to_fp8(model, cuda_graphs):
+                rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, per-expert per-output-channel scales")
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         if note := check_router_training(model, train_router, hf.config):
             rank_zero_warn(note)
@@ -543,13 +546,17 @@ class ModelBuilder:
         return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None)
 
 
-def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str) -> None:
+def _check_fp8(
+    device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str, moe_backend: str, cuda_graphs: bool
+) -> None:
     """Refuse ``strategy.fp8=true`` where it cannot run, before any weight loads (`lightning_ft.strategies.fp8`).
 
     Raises:
         ValueError: a device without row-wise fp8 GEMMs (`check_fp8_device`), a sharded model (FSDP2
-            would shard the e4m3 bytes apart from their scales), no LoRA (nothing is frozen), or a 4-bit
-            base (``model.quantization=nf4``: its weights are not fp8's to convert).
+            would shard the e4m3 bytes apart from their scales), no LoRA (nothing is frozen), a 4-bit
+            base (``model.quantization=nf4``: its weights are not fp8's to convert), or LoRA on MoE experts
+            (``lora.target_parameters``) with a ``moe.backend`` other than ``triton`` or with CUDA graphs
+            (`check_fp8_experts`).
     """
     if quantization != "none":
         raise ValueError(f"strategy.fp8=true with model.quantization={quantization} is not supported: set one of them off")
@@ -559,4 +566,6 @@ def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quanti
         )
     if not lora.get("enabled", True):
         raise ValueError("strategy.fp8=true needs lora.enabled=true (fp8 holds the frozen base weights under the LoRA layers)")
+    if lora.get("target_parameters"):
+        check_fp8_experts(moe_backend, cuda_graphs)
     check_fp8_device(device)

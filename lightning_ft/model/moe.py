@@ -94,8 +94,9 @@ from lightning_ft.model.nf4_experts import nf4_weight
 from lightning_ft.model.patching import moe_classes, moe_spec, restore_instance_attr
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
+from lightning_ft.strategies.fp8 import check_fp8_experts, convert_expert_weight, fp8_expert_weight
 
-__all__ = ["apply_moe", "augment_expert_weights", "revert_moe"]
+__all__ = ["apply_moe", "augment_expert_weights", "convert_experts_to_fp8", "revert_moe"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,19 +130,23 @@ def _expert_math(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, 
     """(w_gate_up_EFD, w_down_EDI, act_fn, biases) of an experts module as `moe_experts` takes them:
     a transposed layout's weights as transposed views (MXFP4 ones, ``model.quantization=mxfp4``, as the
     `lightning_ft.kernels.mxfp4.Mxfp4Weight` of their buffers; NF4 ones, ``model.quantization=nf4`` on the
-    triton backend, as the `lightning_ft.kernels.nf4.Nf4ExpertWeight` of theirs); gpt-oss's activation and biases."""
+    triton backend, as the `lightning_ft.kernels.nf4.Nf4ExpertWeight` of theirs; fp8 ones (``strategy.fp8``) as
+    their `lightning_ft.kernels.fp8.Fp8ExpertWeight`); gpt-oss's activation and biases."""
+    transposed = _experts_layout(experts)["is_transposed"]  # gpt-oss's
 
-    def stored(name):
-        return nf4_weight(experts, name) or getattr(experts, name)
+    def weight(name):
+        for quantised in (mxfp4_weight(experts, name), fp8_expert_weight(experts, name)):  # in the math's layout
+            if quantised is not None:
+                return quantised
+        stored = nf4_weight(experts, name)  # in the stored layout, like the parameter
+        stored = stored if stored is not None else getattr(experts, name)
+        return stored.transpose(1, 2) if transposed else stored
 
-    if _experts_layout(experts)["is_transposed"]:  # gpt-oss's
-        return (
-            mxfp4_weight(experts, "gate_up_proj") or stored("gate_up_proj").transpose(1, 2),
-            mxfp4_weight(experts, "down_proj") or stored("down_proj").transpose(1, 2),
-            ClampedSwiGLU(alpha=experts.alpha, limit=experts.limit),
-            ExpertBiases(experts.gate_up_proj_bias, experts.down_proj_bias),
-        )  # fmt: skip
-    return stored("gate_up_proj"), stored("down_proj"), experts.act_fn, ExpertBiases()
+    gate_up, down = weight("gate_up_proj"), weight("down_proj")
+    if transposed:
+        return gate_up, down, ClampedSwiGLU(alpha=experts.alpha, limit=experts.limit), \
+            ExpertBiases(experts.gate_up_proj_bias, experts.down_proj_bias)
+    return gate_up, down, experts.act_fn, ExpertBiases()
 
 
 def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
@@ -229,6 +234,30 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
             rank = padded_rank(lora.lora_A.shape[0] // lora.num_experts, weight.dtype)
             if not weight.requires_grad and augment_expert_weight(weight, rank):
                 count += 1
+    return count
+
+
+def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) -> int:
+    """``strategy.fp8``: hold every frozen expert weight that carries PEFT's split LoRA in e4m3, in place
+    (`lightning_ft.strategies.fp8.convert_expert_weight`; the triton backend reads them). Experts without LoRA stay
+    as they are, as the linear layers without LoRA do. Call after `apply_moe`.
+
+    Returns:
+        The number of weights converted (weights already in fp8 are skipped).
+
+    Raises:
+        ValueError: such a weight in a block on another backend than ``triton`` (``moe.backend=hf`` included), or
+            with ``cuda_graphs`` (`lightning_ft.strategies.fp8.check_fp8_experts`).
+    """
+    count, sparse_blocks = 0, moe_classes("sparse_block")
+    for block in (m for m in model.modules() if isinstance(m, sparse_blocks)):
+        experts, loras = _experts_and_lora(block.experts)
+        names = [n for n in loras if not getattr(experts, n).requires_grad and not hasattr(experts, f"{n}_fp8")]
+        if names:
+            check_fp8_experts(getattr(block, _BACKEND_ATTR, "hf"), cuda_graphs)
+        for name in names:
+            convert_expert_weight(experts, name, transposed=_experts_layout(experts)["is_transposed"])
+            count += 1
     return count
 
 

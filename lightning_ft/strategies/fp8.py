@@ -17,6 +17,17 @@ that need no gradient, not buffers: DDP broadcasts every buffer from rank 0 befo
 (``broadcast_buffers``), which would send the whole base each step; frozen parameters it syncs
 once, when it wraps the model.
 
+MoE experts (`convert_expert_weight`, called for every frozen expert weight with PEFT's split LoRA by
+`lightning_ft.model.moe.convert_experts_to_fp8`): each 3-D weight, as the [E, N, C] the backends read, in
+e4m3 with one fp32 scale per output channel per expert, kept on the experts module as the frozen parameters
+``<name>_fp8`` (uint8 [E, N, C]) and ``<name>_fp8_scale`` (int32 bits of fp32 [E, N]); the dense parameter
+stays as a placeholder of its shape and dtype (a zero-stride view of one element, as PEFT reads them; nothing
+computes with it). The ``triton`` MoE backend reads them (`fp8_expert_weight`) in its grouped GEMM's fp8 path
+(`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`), the only backend that does; like MXFP4 experts they
+are not run under CUDA graphs yet (`check_fp8_experts`). ``export --merge`` builds
+the bf16 base again, so the adapter is merged into the weights the fp8 ones were quantised from, as for the
+linear layers.
+
 The products run through ``torch._scaled_mm`` on CUDA of compute capability 9.0+ (Hopper);
 `check_fp8_device` refuses anything else for a run, while the plain-torch reference of the same
 math runs anywhere (the tests use it on the CPU).
@@ -26,9 +37,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ft.kernels.fp8 import E4M3, fp8_linear, fp8_rows_of, quantize_weight
+from lightning_ft.kernels.fp8 import (
+    E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight,
+)
 
-__all__ = ["Fp8Linear", "check_fp8_device", "convert_to_fp8"]
+__all__ = ["Fp8Linear", "check_fp8_device", "check_fp8_experts", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight"]
 
 
 class Fp8Linear(torch.nn.Module):
@@ -88,6 +101,50 @@ def convert_to_fp8(model: torch.nn.Module) -> int:
             module.base_layer = Fp8Linear(base)
             count += 1
     return count
+
+
+def convert_expert_weight(experts: torch.nn.Module, name: str, transposed: bool) -> None:
+    """Hold the frozen 3-D weight ``experts.<name>`` in e4m3 (module docstring), in place; the dense weight is freed.
+
+    Args:
+        experts: the experts module (transformers' layout: ``gate_up_proj`` / ``down_proj``).
+        name: the parameter's name.
+        transposed: the parameter is stored [E, C, N] (gpt-oss's layout); quantised as its [E, N, C] transpose.
+    """
+    weight = getattr(experts, name)
+    shape, dtype = weight.shape, weight.dtype
+    values, scales = quantize_expert_weight(weight.transpose(1, 2) if transposed else weight)
+    del weight
+    setattr(experts, f"{name}_fp8", torch.nn.Parameter(values.view(torch.uint8), requires_grad=False))
+    setattr(experts, f"{name}_fp8_scale", torch.nn.Parameter(scales.view(torch.int32), requires_grad=False))
+    placeholder = torch.zeros((), dtype=dtype, device=values.device).expand(shape)
+    setattr(experts, name, torch.nn.Parameter(placeholder, requires_grad=False))
+
+
+def fp8_expert_weight(experts: torch.nn.Module, name: str) -> Fp8ExpertWeight | None:
+    """``experts.<name>`` as the [E, N, C] `Fp8ExpertWeight` the triton backend reads (`convert_expert_weight`), or
+    None where it is not in fp8. Its compute dtype is the placeholder's (the model's dtype)."""
+    values = getattr(experts, f"{name}_fp8", None)
+    if values is None:
+        return None
+    scales = getattr(experts, f"{name}_fp8_scale").view(torch.float32)
+    return Fp8ExpertWeight(values.view(E4M3), scales, getattr(experts, name).dtype)
+
+
+def check_fp8_experts(backend: str, cuda_graphs: bool) -> None:
+    """Refuse what fp8 experts cannot run with: a MoE backend other than ``triton``, or CUDA graphs.
+
+    Raises:
+        ValueError: naming the setting to change.
+    """
+    if backend != "triton":
+        raise ValueError(
+            f"strategy.fp8=true holds the MoE experts under LoRA in e4m3, which only moe.backend=triton reads "
+            f"(moe.backend={backend}): set moe.backend=triton"
+        )
+    if cuda_graphs:
+        raise ValueError("strategy.cuda_graphs=true is not supported with fp8 MoE experts (strategy.fp8=true with LoRA on "
+                         "the experts) yet: set strategy.cuda_graphs=false")
 
 
 def check_fp8_device(device: torch.device) -> None:

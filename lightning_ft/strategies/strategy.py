@@ -52,7 +52,8 @@ class Execution:
         host_budget_gib: the pinned host memory the plan may offload to, in GiB; ``auto``: the host's
             available memory less `HOST_MARGIN` of it, shared by the processes of the node; None: no limit.
         fp8: the frozen base weight of every LoRA linear layer in e4m3 with per-output-channel scales, its
-            products in fp8 on Hopper (`lightning_ft.strategies.fp8`).
+            products in fp8 on Hopper (`lightning_ft.strategies.fp8`); likewise the MoE experts under LoRA on the
+            ``triton`` MoE backend.
     """
 
     cuda_graphs: bool = False

@@ -24,6 +24,7 @@ from lightning_ft.kernels.moe.grouped_gemm import experts_triton
 from lightning_ft.kernels.moe.grouped_mm import _GROUPED_MM, experts_grouped_mm, grouped_mm_mode
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
+from lightning_ft.kernels.fp8 import Fp8ExpertWeight
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 
@@ -86,7 +87,8 @@ def moe_experts(
             transposed ``gate_up_proj`` as its ``transpose(1, 2)`` view).
         w_down_EDI: [E, D, I] down weights (likewise). Either weight may be a frozen
             `lightning_ft.kernels.mxfp4.Mxfp4Weight` or `lightning_ft.kernels.nf4.Nf4ExpertWeight` (``triton``
-            backend only: dequantised in its GEMMs' tile loads; its ``dtype`` is the compute dtype).
+            backend only: dequantised in its GEMMs' tile loads; its ``dtype`` is the compute dtype), or a frozen
+            `lightning_ft.kernels.fp8.Fp8ExpertWeight` (``triton`` only: its GEMMs' fp8 path).
         act_fn: the gate activation (transformers' ``experts.act_fn``), or a `ClampedSwiGLU`
             (gpt-oss: gate and up interleaved in the gate/up output).
         gate_up_lora / down_lora: PEFT's split LoRA of each projection, or None.
@@ -112,13 +114,15 @@ def moe_experts(
         [T, D] in ``x_TD``'s dtype; computed in the weights' dtype with autocast off.
 
     Raises:
-        ValueError: for an unknown backend, or MXFP4 / NF4 weights with a backend other than ``triton``.
+        ValueError: for an unknown backend, or MXFP4, NF4 or fp8 weights with a backend other than ``triton``.
         RuntimeError: ``triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose one of {BACKENDS}")
-    if backend != "triton" and any(isinstance(w, (Mxfp4Weight, Nf4ExpertWeight)) for w in (w_gate_up_EFD, w_down_EDI)):
-        raise ValueError(f"MXFP4 and NF4 expert weights run on the triton MoE backend only, not {backend}: set moe.backend=triton")
+    for w in (w_gate_up_EFD, w_down_EDI):
+        if backend != "triton" and isinstance(w, (Mxfp4Weight, Nf4ExpertWeight, Fp8ExpertWeight)):
+            kind = {Mxfp4Weight: "MXFP4", Nf4ExpertWeight: "NF4", Fp8ExpertWeight: "fp8"}[type(w)]
+            raise ValueError(f"{kind} expert weights run on the triton MoE backend only, not {backend}: set moe.backend=triton")
     if backend == "triton" and x_TD.device.type != "cuda" and not _INTERPRET:
         raise RuntimeError(
             f"the triton MoE backend got {x_TD.device.type} tensors; it runs on CUDA (or the CPU under "
