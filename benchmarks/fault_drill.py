@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -225,17 +224,6 @@ def drill(kills: int, seed: int, steps: int, work: Path, phases: tuple[str, ...]
     }
 
 
-def machine() -> str:
-    """The CPU's model name and the cores this process may use."""
-    name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=20)
@@ -256,7 +244,7 @@ def main() -> None:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    from lightning_ft.bench.table import DRILL, append_rows, command_text, git_commit, versions
+    from lightning_ft.bench.table import DRILL, append_rows, command_text, git_commit, machine, versions
 
     command = command_text(" ".join(["python", "benchmarks/fault_drill.py", *sys.argv[1:]]))
     result.update(date=date.strftime("%Y-%m-%d %H:%M"), commit=git_commit(ROOT), machine=machine(), command=command)

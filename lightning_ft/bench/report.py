@@ -8,8 +8,8 @@ shows the latest row of each (system, layers, seq_len, memory_matched): date ord
 peer that did not run in that run gives no ratio. The table's text is the leading comment of its
 preset (``configs/bench/<table>.yaml``); the plot (tokens/s and peak memory against the length)
 goes to ``<plots>/<table>.png``. The micro-benchmarks' table (``micro.csv``) follows, one section per
-script with the latest row of each (op, mode, shape, provider), then the fault drills (``drills.csv``),
-every row. The same table files give the same RESULTS.md and PNGs.
+script with the latest row of each (op, mode, shape, provider), then the fidelity checks (``fidelity.csv``) and the
+fault drills (``drills.csv``), every row. The same table files give the same RESULTS.md and PNGs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lightning_ft.bench.table import COLUMNS, DRILL, MICRO, MICRO_COMMANDS, read_rows
+from lightning_ft.bench.table import COLUMNS, DRILL, FIDELITY, MICRO, MICRO_COMMANDS, read_rows
 
 #: the order of the sections (tables not listed follow, by name)
 TABLE_ORDER = ("qwen3_moe", "qwen3_moe_long", "unsloth_qwen3_moe", "llama8b", "unsloth_llama8b")
@@ -275,10 +275,35 @@ def drill_section(rows: list[dict[str, Any]]) -> list[str]:
             "Measured with:", "", *[f"- `{c}` ({d}, {commit})" for c, d, commit in commands], ""]
 
 
+FIDELITY_TEXT = """\
+A setting that changes the arithmetic against a reference run from the same initial weights, seed and
+data: the largest relative difference of the two training-loss curves (each a trailing mean over
+*window* steps, compared every *every* steps) and of the final validation loss, against their bounds.
+See `benchmarks/fidelity.py`."""
+
+
+def fidelity_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The fidelity checks' section: every row of the fidelity table (``fidelity.csv``), in date order."""
+    head = ["check", "reference → candidate", "steps", "loss curves (at step; bound)", "final val loss (ref → cand)",
+            "val diff (bound)", "passed", "tokens/s (ref → cand)", "machine", "run (commit)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 2 or i > 7 else "---:" for i in range(len(head))) + "|"]
+    for r in sorted(rows, key=lambda r: r["date"]):
+        cells = [r["name"], f"`{r['reference']}` → `{r['candidate']}`", _num(r["steps"], "d"),
+                 f"{_num(r['max_curve_rel_diff'], '.2%')} ({_num(r['at_step'], 'd')}; {_num(r['curve_tol'], '.0%')})",
+                 f"{_num(r['val_loss_reference'], '.4f')} → {_num(r['val_loss_candidate'], '.4f')}",
+                 f"{_num(r['val_rel_diff'], '.2%')} ({_num(r['val_tol'], '.0%')})", "yes" if r["passed"] else "**no**",
+                 f"{_num(r['tokens_per_s_reference'], ',.0f')} → {_num(r['tokens_per_s_candidate'], ',.0f')}",
+                 r["machine"], f"{r['date'][:10]} ({r['commit']})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    commands = list(dict.fromkeys((r["command"], r["date"][:10], r["commit"]) for r in rows))
+    return ["# Fidelity", "", FIDELITY_TEXT, "", *lines, "", "Measured with:", "",
+            *[f"- `{c}` ({d}, {commit})" for c, d, commit in commands], ""]
+
+
 def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[dict[str, Any]] | None = None,
-           drills: list[dict[str, Any]] | None = None) -> str:
-    """RESULTS.md's text for the table's ``rows`` (then the ``micro`` and ``drills`` tables' rows); writes one plot per
-    table into ``plots_dir``."""
+           drills: list[dict[str, Any]] | None = None, fidelity: list[dict[str, Any]] | None = None) -> str:
+    """RESULTS.md's text for the table's ``rows`` (then the ``micro``, ``fidelity`` and ``drills`` tables' rows); writes
+    one plot per table into ``plots_dir``."""
     by_table: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         if r["table"]:
@@ -293,7 +318,8 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
     parts += [f"[results.csv](results.csv) holds {len(rows)} rows of {len({r['run'] for r in rows})} runs; "
               f"{history} older or unassigned rows are not shown here.", ""]
     micro = micro or []
-    links = order + [b for b in MICRO_SECTIONS if any(r["table"] == b for r in micro)] + (["fault-drills"] if drills else [])
+    links = order + [b for b in MICRO_SECTIONS if any(r["table"] == b for r in micro)] + (["fidelity"] if fidelity else []) \
+        + (["fault-drills"] if drills else [])
     parts += ["Tables: " + ", ".join(f"[{t}](#{t})" for t in links), ""] if links else []
     parts += equal_memory_section(rows)
     for table in order:
@@ -320,6 +346,8 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
     if micro:
         parts += ["# Micro-benchmarks", "", "Single ops and blocks, timed alone on the GPU, from [micro.csv](micro.csv).", ""]
         parts += micro_sections(micro)
+    if fidelity:
+        parts += fidelity_section(fidelity)
     if drills:
         parts += drill_section(drills)
     return "\n".join(parts).rstrip() + "\n"
@@ -337,7 +365,8 @@ def parser() -> argparse.ArgumentParser:
         description="Regenerate RESULTS.md and its plots from the bench results table (benchmarks/results.csv): one "
                     "section per table (bench preset) with the latest row of each (system, layers, seq_len), the ratios "
                     "against the peers of the same run, the settings, the commands that measured them and a plot; "
-                    "then the micro-benchmarks (benchmarks/micro.csv) by script and the fault drills (benchmarks/drills.csv).",
+                    "then the micro-benchmarks (benchmarks/micro.csv) by script, the fidelity checks (benchmarks/fidelity.csv) "
+                    "and the fault drills (benchmarks/drills.csv).",
     )
 
 
@@ -365,6 +394,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--micro", default=None,
                    help="the micro-benchmarks' table (default: micro.csv beside --table, when it exists)")
     p.add_argument("--drills", default=None, help="the fault drills' table (default: drills.csv beside --table, when it exists)")
+    p.add_argument("--fidelity", default=None, help="the fidelity checks' table (default: fidelity.csv beside --table, when it exists)")
     args = p.parse_args(argv)
     table, out = Path(args.table), Path(args.out)
     if not table.exists():
@@ -378,8 +408,9 @@ def main(argv: list[str]) -> int:
         p.error(str(err))
     micro = _side_table(p, args.micro, table.parent / "micro.csv", MICRO, "micro-benchmark")
     drills = _side_table(p, args.drills, table.parent / "drills.csv", DRILL, "fault drill")
+    fidelity = _side_table(p, args.fidelity, table.parent / "fidelity.csv", FIDELITY, "fidelity check")
     plots = Path(args.plots) if args.plots else out.parent / "plots"
-    text = render(rows, plots, out, micro, drills)
+    text = render(rows, plots, out, micro, drills, fidelity)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out} and {len({r['table'] for r in rows if r['table']})} plots in {plots}")

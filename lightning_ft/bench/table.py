@@ -7,6 +7,8 @@
   `micro_rows` turns a script's JSON result into rows).
 - `DRILL` (``benchmarks/drills.csv``): one row per run of the fault drill ``benchmarks/fault_drill.py``
   (``--record PATH``): runs killed with SIGKILL and resumed, against a run never killed.
+- `FIDELITY` (``benchmarks/fidelity.csv``): one row per run of ``benchmarks/fidelity.py`` (``--record PATH``): the
+  loss curves and final validation loss of a candidate setting (fp8, the 4-bit base...) against a reference run.
 
 ``python -m lightning_ft bench report`` regenerates ``benchmarks/RESULTS.md`` and its plots from them
 (`lightning_ft.bench.report`). The schemas live here and nowhere else: each `Schema` has its columns
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import platform
 import subprocess
 from dataclasses import dataclass
 from importlib import metadata
@@ -128,6 +132,36 @@ DRILL_COLUMNS: tuple[tuple[str, type, str], ...] = (
 )
 
 
+FIDELITY_COLUMNS: tuple[tuple[str, type, str], ...] = (
+    ("table", str, "fidelity"),
+    ("run", str, "the check's id (its UTC start time)"),
+    ("date", str, "the check's UTC start, YYYY-MM-DD HH:MM"),
+    ("commit", str, "git commit of the code checked (as in the step table)"),
+    ("machine", str, "the GPU's name (else the CPU's and its cores) the runs trained on"),
+    ("name", str, "what is checked: fp8 | qlora | ..."),
+    ("reference", str, "the reference run's overrides"),
+    ("candidate", str, "the candidate run's overrides"),
+    ("steps", int, "optimizer steps of each run"),
+    ("window", int, "steps in the trailing mean that smooths each loss curve"),
+    ("every", int, "the curves are compared at every this many steps"),
+    ("max_curve_rel_diff", float, "largest |candidate - reference| / reference of the smoothed training loss"),
+    ("at_step", int, "the step (1-based) of that largest difference"),
+    ("curve_tol", float, "the bound on max_curve_rel_diff"),
+    ("val_loss_reference", float, "the reference run's final validation loss"),
+    ("val_loss_candidate", float, "the candidate run's final validation loss"),
+    ("val_rel_diff", float, "|candidate - reference| / reference of the final validation loss"),
+    ("val_tol", float, "the bound on val_rel_diff"),
+    ("passed", int, "1: both differences within their bounds, else 0"),
+    ("tokens_per_s_reference", float, "the reference run's training tokens/s (summary.json)"),
+    ("tokens_per_s_candidate", float, "the candidate run's training tokens/s (summary.json)"),
+    ("wall_s", float, "the check's wall time (s)"),
+    ("command", str, "the check's command line (output paths left out)"),
+    ("torch", str, "version"),
+    ("transformers", str, "version"),
+    ("peft", str, "version"),
+    ("lightning", str, "version"),
+)
+
 @dataclass(frozen=True)
 class Schema:
     """A table's columns (name, type, meaning), the columns an appended row must fill, and its version."""
@@ -149,6 +183,7 @@ class Schema:
 STEP = Schema("step", SCHEMA_VERSION, COLUMNS, REQUIRED)
 MICRO = Schema("micro", 1, MICRO_COLUMNS, ("table", "run", "date", "commit", "gpu", "op", "mode", "shape", "provider"))
 DRILL = Schema("drill", 1, DRILL_COLUMNS, ("table", "run", "date", "commit", "machine", "kills", "resumed"))
+FIDELITY = Schema("fidelity", 1, FIDELITY_COLUMNS, ("table", "run", "date", "commit", "machine", "name", "steps", "passed"))
 #: the distributions whose versions are recorded, and their columns
 VERSIONED = {"torch": "torch", "triton": "triton", "transformers": "transformers", "peft": "peft", "lightning": "lightning",
              "liger-kernel": "liger_kernel", "unsloth": "unsloth", "unsloth-zoo": "unsloth_zoo"}
@@ -156,7 +191,7 @@ VERSIONED = {"torch": "torch", "triton": "triton", "transformers": "transformers
 _DIGITS = {"mfu": 4, "loss_last": 4, "tokens_per_s": 1, "tflops_per_s": 2, "peak_bf16_tflops": 1, "gbps": 1, "tflops": 2,
            "peak_mib": 1, "ms": 4}
 #: float columns written with 3 significant digits (differences that may be tiny, zero or inf)
-_SIGNIFICANT = ("max_loss_diff", "max_adapter_diff")
+_SIGNIFICANT = ("max_loss_diff", "max_adapter_diff", "max_curve_rel_diff", "val_rel_diff")
 
 
 class TableError(ValueError):
@@ -269,6 +304,17 @@ def _csv_text(lines: Iterable[Iterable[str]]) -> str:
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(lines)
     return out.getvalue()
+
+
+def machine() -> str:
+    """The CPU's model name and the cores this process may use (``/proc/cpuinfo``; else the platform's name)."""
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 def git_commit(cwd: str | Path | None = None) -> str:

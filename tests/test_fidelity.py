@@ -1,0 +1,81 @@
+"""benchmarks/fidelity.py: two runs from the same initial weights, their smoothed loss curves and final validation
+losses compared against bounds, recorded as a row that ``bench report`` shows."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: the runs' environment: the kernels' torch references on the CPU, not Triton's interpreter (the conftest turns it on)
+ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("fidelity", REPO / "benchmarks" / "fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_curves_are_smoothed_by_trailing_full_windows_and_compared_at_every_nth_step():
+    fidelity = _script()
+    assert fidelity.smoothed([4.0, 2.0, 3.0, None, 1.0, 5.0], 2) == [None, 3.0, 2.5, None, None, 3.0]
+    reference = [4.0, 4.0, 2.0, 2.0, 1.0, 1.0]
+    candidate = [4.0, 4.0, 2.0, 2.2, 1.0, 1.3]
+    # means of 2: reference [-, 4, 3, 2, 1.5, 1], candidate [-, 4, 3, 2.1, 1.6, 1.15]; every 2nd step: 2, 4, 6
+    diff, step = fidelity.curve_difference(reference, candidate, window=2, every=2)
+    assert step == 6 and diff == pytest.approx(0.15)
+    diff, step = fidelity.curve_difference(reference, candidate, window=2, every=1)
+    assert step == 6 and diff == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="trained 6 and 5 steps"):
+        fidelity.curve_difference(reference, candidate[:5], window=2, every=2)
+    with pytest.raises(ValueError, match="no step to compare"):
+        fidelity.curve_difference(reference, candidate, window=7, every=1)
+
+
+def test_fidelity_runs_both_sides_records_a_row_and_fails_past_its_bound(tmp_path):
+    """The default job twice (stock against fused kernels, which round differently), bound 0: the curves differ by a
+    rounding, so the check fails with status 1, and its row (passed 0) reaches RESULTS.md."""
+    from lightning_ft.bench.report import main
+    from lightning_ft.bench.table import FIDELITY, read_rows
+
+    out, record = tmp_path / "fidelity.json", tmp_path / "fidelity.csv"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--name", "kernels", "--reference", "kernels=none", "--candidate",
+         "kernels=all", "--window", "3", "--every", "2", "--curve-tol", "0", "--work", str(tmp_path / "runs"),
+         "--out", str(out), "--record", str(record), "--", "trainer.max_steps=8", "data.val_fraction=0.1",
+         "callbacks.progress_bar=null"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == 8 and result["at_step"] in (4, 6, 8) and result["passed"] == 0
+    assert 0 < result["max_curve_rel_diff"] < 1e-3  # the same math, rounded differently
+    assert result["val_loss_reference"] > 0 and result["val_rel_diff"] < 1e-3
+    for side in ("reference", "candidate"):
+        assert (tmp_path / "runs" / side / "summary.json").exists()
+    [row] = read_rows(record, FIDELITY)
+    assert (row["name"], row["reference"], row["candidate"], row["passed"]) == ("kernels", "kernels=none", "kernels=all", 0)
+    assert "--work" not in row["command"] and "--curve-tol 0" in row["command"]
+
+    results = tmp_path / "results.csv"
+    results.write_text("")  # an empty step table: the side tables beside it still render
+    main(["--table", str(results), "--out", str(tmp_path / "RESULTS.md"), "--fidelity", str(record)])
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "[fidelity](#fidelity)" in text and "# Fidelity" in text
+    assert "| kernels | `kernels=none` → `kernels=all` | 8 |" in text and "| **no** |" in text
+
+
+def test_fidelity_names_a_failed_run_and_its_log(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "model.attention=nope",
+         "--candidate", "trainer.max_steps=2", "--work", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV,
+    )
+    assert proc.returncode == 1
+    assert f"fidelity: fit model.attention=nope ended with status 1: see {tmp_path / 'reference.log'}" in proc.stderr
