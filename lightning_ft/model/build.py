@@ -40,6 +40,7 @@ from huggingface_hub.errors import StrictDataclassError
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ft.errors import check_choice, check_local_path
+from lightning_ft.kernels._utils import INTERPRETER
 from lightning_ft.model import nf4_experts
 from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.model.attention_plan import calibrate
@@ -57,7 +58,7 @@ from lightning_ft.model.router import (
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
-from lightning_ft.strategies.fp8 import check_fp8_device, check_fp8_experts, convert_to_fp8
+from lightning_ft.strategies.fp8 import check_fp8_device, convert_to_fp8, fp8_experts_blocker
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
@@ -201,6 +202,20 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
     elif keep is None and nf4_experts.experts_modules(model):
         rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} "
                        "reads dense weights (moe.backend=triton keeps them in NF4 too)")
+
+
+def _moe_backend(requested: str, device: torch.device, quantization: str, execution: Execution, lora: dict[str, Any]) -> str:
+    """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format only ``triton``
+    reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on the experts and no CUDA graphs
+    (`fp8_experts_blocker`), on a device Triton runs on. Otherwise as given (``auto`` then resolves by the hardware,
+    `lightning_ft.kernels.moe.select_backend`; nf4 keeps the experts in NF4 where ``triton`` is asked for by name,
+    which ``export`` reads back from the run's config)."""
+    fp8_experts = execution.fp8 and bool(lora.get("target_parameters")) and not fp8_experts_blocker("triton", execution.cuda_graphs)
+    held = "mxfp4" if quantization == "mxfp4" else "fp8" if fp8_experts else None
+    if requested != "auto" or held is None or not (device.type == "cuda" or (INTERPRETER and device.type == "cpu")):
+        return requested
+    rank_zero_info(f"moe: backend auto -> triton, the backend that reads {held} experts")
+    return "triton"
 
 
 def _quant_method(hf_config: Any) -> str | None:
@@ -431,15 +446,15 @@ class ModelBuilder:
         cfg = self.model_cfg
         dtype = DTYPES.get(cfg.get("dtype", "float32"))
         attention, why = resolve_attention_backend(cfg.get("attention", "auto"), device, dtype)
-        moe_backend = self.moe_cfg.get("backend", "hf")
         execution = execution if execution is not None else self.execution
         execution.check()
         lora_enabled = bool(self.lora_cfg.get("enabled", True))
         quantization = cfg.get("quantization", "none")
+        moe_backend = _moe_backend(self.moe_cfg.get("backend", "hf"), device, quantization, execution, self.lora_cfg)
         if not (self.dense_experts and quantization == "mxfp4"):
             check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs, moe_backend)
         if execution.fp8:
-            _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"), moe_backend, execution.cuda_graphs)
+            _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"))
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
@@ -500,8 +515,11 @@ class ModelBuilder:
                 _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
         if execution.fp8:
             rank_zero_info(f"fp8: {convert_to_fp8(model)} frozen LoRA base weights in e4m3, per-output-channel scales")
-            if experts := convert_experts_to_fp8(model, cuda_graphs):
+            experts, left = convert_experts_to_fp8(model, cuda_graphs)
+            if experts:
                 rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, per-expert per-output-channel scales")
+            if left:
+                rank_zero_info(f"fp8: the MoE experts stay in {cfg.get('dtype', 'float32')}: {left}")
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         if note := check_router_training(model, train_router, hf.config):
             rank_zero_warn(note)
@@ -546,17 +564,13 @@ class ModelBuilder:
         return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None)
 
 
-def _check_fp8(
-    device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str, moe_backend: str, cuda_graphs: bool
-) -> None:
+def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str) -> None:
     """Refuse ``strategy.fp8=true`` where it cannot run, before any weight loads (`lightning_ft.strategies.fp8`).
 
     Raises:
         ValueError: a device without row-wise fp8 GEMMs (`check_fp8_device`), a sharded model (FSDP2
             would shard the e4m3 bytes apart from their scales), no LoRA (nothing is frozen), a 4-bit
-            base (``model.quantization=nf4``: its weights are not fp8's to convert), or LoRA on MoE experts
-            (``lora.target_parameters``) with a ``moe.backend`` other than ``triton`` or with CUDA graphs
-            (`check_fp8_experts`).
+            base (``model.quantization=nf4``: its weights are not fp8's to convert).
     """
     if quantization != "none":
         raise ValueError(f"strategy.fp8=true with model.quantization={quantization} is not supported: set one of them off")
@@ -566,6 +580,4 @@ def _check_fp8(
         )
     if not lora.get("enabled", True):
         raise ValueError("strategy.fp8=true needs lora.enabled=true (fp8 holds the frozen base weights under the LoRA layers)")
-    if lora.get("target_parameters"):
-        check_fp8_experts(moe_backend, cuda_graphs)
     check_fp8_device(device)

@@ -94,7 +94,7 @@ from lightning_ft.model.nf4_experts import nf4_weight
 from lightning_ft.model.patching import moe_classes, moe_spec, restore_instance_attr
 from lightning_ft.strategies import kept
 from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
-from lightning_ft.strategies.fp8 import check_fp8_experts, convert_expert_weight, fp8_expert_weight
+from lightning_ft.strategies.fp8 import convert_expert_weight, fp8_expert_weight, fp8_experts_blocker
 
 __all__ = ["apply_moe", "augment_expert_weights", "convert_experts_to_fp8", "revert_moe"]
 
@@ -237,28 +237,27 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     return count
 
 
-def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) -> int:
+def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) -> tuple[int, str | None]:
     """``strategy.fp8``: hold every frozen expert weight that carries PEFT's split LoRA in e4m3, in place
     (`lightning_ft.strategies.fp8.convert_expert_weight`; the triton backend reads them). Experts without LoRA stay
     as they are, as the linear layers without LoRA do. Call after `apply_moe`.
 
     Returns:
-        The number of weights converted (weights already in fp8 are skipped).
-
-    Raises:
-        ValueError: such a weight in a block on another backend than ``triton`` (``moe.backend=hf`` included), or
-            with ``cuda_graphs`` (`lightning_ft.strategies.fp8.check_fp8_experts`).
+        (the number of weights converted (weights already in fp8 are skipped), why a block's were left in their dtype
+        where one was: its backend is not ``triton`` (``moe.backend=hf`` included) or ``cuda_graphs`` is on
+        (`lightning_ft.strategies.fp8.fp8_experts_blocker`), else None).
     """
-    count, sparse_blocks = 0, moe_classes("sparse_block")
+    count, left, sparse_blocks = 0, None, moe_classes("sparse_block")
     for block in (m for m in model.modules() if isinstance(m, sparse_blocks)):
         experts, loras = _experts_and_lora(block.experts)
         names = [n for n in loras if not getattr(experts, n).requires_grad and not hasattr(experts, f"{n}_fp8")]
-        if names:
-            check_fp8_experts(getattr(block, _BACKEND_ATTR, "hf"), cuda_graphs)
+        if names and (blocker := fp8_experts_blocker(getattr(block, _BACKEND_ATTR, "hf"), cuda_graphs)):
+            left = blocker
+            continue
         for name in names:
             convert_expert_weight(experts, name, transposed=_experts_layout(experts)["is_transposed"])
             count += 1
-    return count
+    return count, left
 
 
 def _sparse_moe_block_forward(

@@ -24,7 +24,7 @@ e4m3 with one fp32 scale per output channel per expert, kept on the experts modu
 stays as a placeholder of its shape and dtype (a zero-stride view of one element, as PEFT reads them; nothing
 computes with it). The ``triton`` MoE backend reads them (`fp8_expert_weight`) in its grouped GEMM's fp8 path
 (`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`), the only backend that does; like MXFP4 experts they
-are not run under CUDA graphs yet (`check_fp8_experts`). ``export --merge`` builds
+are not run under CUDA graphs yet: elsewhere the experts stay in bf16 (`fp8_experts_blocker` says why). ``export --merge`` builds
 the bf16 base again, so the adapter is merged into the weights the fp8 ones were quantised from, as for the
 linear layers.
 
@@ -41,7 +41,7 @@ from lightning_ft.kernels.fp8 import (
     E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight,
 )
 
-__all__ = ["Fp8Linear", "check_fp8_device", "check_fp8_experts", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight"]
+__all__ = ["Fp8Linear", "check_fp8_device", "fp8_experts_blocker", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight"]
 
 
 class Fp8Linear(torch.nn.Module):
@@ -131,20 +131,14 @@ def fp8_expert_weight(experts: torch.nn.Module, name: str) -> Fp8ExpertWeight | 
     return Fp8ExpertWeight(values.view(E4M3), scales, getattr(experts, name).dtype)
 
 
-def check_fp8_experts(backend: str, cuda_graphs: bool) -> None:
-    """Refuse what fp8 experts cannot run with: a MoE backend other than ``triton``, or CUDA graphs.
-
-    Raises:
-        ValueError: naming the setting to change.
-    """
+def fp8_experts_blocker(backend: str, cuda_graphs: bool) -> str | None:
+    """Why the MoE experts under LoRA cannot be held in fp8 with this ``moe.backend`` (resolved) and CUDA graphs
+    setting, naming the setting that would allow it; None where they can (``triton`` without CUDA graphs)."""
     if backend != "triton":
-        raise ValueError(
-            f"strategy.fp8=true holds the MoE experts under LoRA in e4m3, which only moe.backend=triton reads "
-            f"(moe.backend={backend}): set moe.backend=triton"
-        )
+        return f"only moe.backend=triton reads fp8 experts (moe.backend={backend}): set moe.backend=triton"
     if cuda_graphs:
-        raise ValueError("strategy.cuda_graphs=true is not supported with fp8 MoE experts (strategy.fp8=true with LoRA on "
-                         "the experts) yet: set strategy.cuda_graphs=false")
+        return "fp8 experts are not run under CUDA graphs yet: set strategy.cuda_graphs=false"
+    return None
 
 
 def check_fp8_device(device: torch.device) -> None:

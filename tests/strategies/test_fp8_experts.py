@@ -1,5 +1,5 @@
 """fp8 MoE experts (strategy.fp8 on the triton MoE backend): conversion, a training step against bf16, plain PEFT
-adapters, refusals.
+adapters, where the experts stay in bf16 and why, `moe.backend=auto`.
 
     python -m pytest -q tests/strategies/test_fp8_experts.py            (CPU, Triton interpreted)
     python -m pytest -q -m gpu tests/strategies/test_fp8_experts.py     (GPU, sm90+)
@@ -26,7 +26,7 @@ from lightning_ft.kernels.fp8 import Fp8ExpertWeight
 from lightning_ft.kernels.moe import moe_experts
 from lightning_ft.model.build import ModelBuilder
 from lightning_ft.model.moe import convert_experts_to_fp8
-from lightning_ft.strategies.fp8 import check_fp8_experts, convert_to_fp8, fp8_expert_weight
+from lightning_ft.strategies.fp8 import convert_to_fp8, fp8_expert_weight
 from lightning_ft.strategies.strategy import Execution
 
 LORA_MOE = {**LORA, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
@@ -74,8 +74,8 @@ def test_training_step_over_fp8_experts_matches_bf16_and_the_adapter_is_plain_pe
     model = _build()
     logits_ref, loss_ref, grads_ref = _step(model)
     gate_up = _experts(model).gate_up_proj.detach().clone()
-    assert convert_experts_to_fp8(model) == EXPERT_WEIGHTS
-    assert convert_experts_to_fp8(model) == 0  # nothing left
+    assert convert_experts_to_fp8(model) == (EXPERT_WEIGHTS, None)
+    assert convert_experts_to_fp8(model) == (0, None)  # nothing left
     experts = _experts(model)
     assert experts.gate_up_proj_fp8.dtype == torch.uint8 and experts.gate_up_proj_fp8.shape == (4, 48, 32)
     assert experts.gate_up_proj_fp8_scale.dtype == torch.int32 and experts.gate_up_proj_fp8_scale.shape == (4, 48)
@@ -118,7 +118,7 @@ def test_gpt_oss_experts_transposed_with_biases_in_fp8():
     block = model.get_base_model().model.layers[0].mlp
     reference, reference_lora = _block_step(block)
     stored = _experts(model).gate_up_proj.detach().clone()  # [E, C, N]
-    assert convert_experts_to_fp8(model) == EXPERT_WEIGHTS
+    assert convert_experts_to_fp8(model) == (EXPERT_WEIGHTS, None)
     weight = fp8_expert_weight(_experts(model), "gate_up_proj")
     assert weight.shape == (4, 64, 64) and _rel(weight.dequantize().float(), stored.transpose(1, 2).float()) < 0.05
     tensors, lora = _block_step(block)
@@ -141,17 +141,43 @@ def test_the_builder_converts_the_experts_under_strategy_fp8_and_logs_it(monkeyp
     assert all(fp8_expert_weight(_experts(model, i), n) is not None for i in (0, 1) for n in ("gate_up_proj", "down_proj"))
 
 
-def test_fp8_experts_are_refused_off_the_triton_backend_and_under_cuda_graphs():
-    with pytest.raises(ValueError, match=r"only moe.backend=triton reads \(moe.backend=hf\): set moe.backend=triton"):
-        convert_experts_to_fp8(_build(backend="hf"))
-    with pytest.raises(ValueError, match=r"moe.backend=native_torch\): set moe.backend=triton"):
-        convert_experts_to_fp8(_build(backend="native_torch"))
-    with pytest.raises(ValueError, match="cuda_graphs=true is not supported with fp8 MoE experts"):
-        convert_experts_to_fp8(_build(), cuda_graphs=True)
-    with pytest.raises(ValueError, match="set strategy.cuda_graphs=false"):
-        check_fp8_experts("triton", cuda_graphs=True)
-    with pytest.raises(ValueError, match=r"moe.backend=grouped_mm\): set moe.backend=triton"):  # before any weight loads
-        _build(backend="grouped_mm", execution=Execution(fp8=True))
+def test_fp8_experts_stay_in_bf16_off_the_triton_backend_and_under_cuda_graphs_saying_why(monkeypatch, caplog):
+    for backend in ("hf", "native_torch"):
+        model = _build(backend=backend)
+        assert convert_experts_to_fp8(model) == (0, f"only moe.backend=triton reads fp8 experts (moe.backend={backend}): "
+                                                    "set moe.backend=triton")
+        assert fp8_expert_weight(_experts(model), "gate_up_proj") is None
+    assert convert_experts_to_fp8(_build(), cuda_graphs=True) == (
+        0, "fp8 experts are not run under CUDA graphs yet: set strategy.cuda_graphs=false")
+    import lightning_ft.model.build as build
+
+    monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
+    caplog.set_level(logging.INFO)
+    model = _build(backend="native_torch", execution=Execution(fp8=True))  # the builder logs it and goes on
+    assert "fp8: 6 frozen LoRA base weights in e4m3" in caplog.text
+    assert "fp8: the MoE experts stay in bfloat16: only moe.backend=triton reads fp8 experts" in caplog.text
+    assert fp8_expert_weight(_experts(model), "down_proj") is None
+
+
+def test_moe_backend_auto_is_triton_where_the_experts_are_held_in_fp8(monkeypatch, caplog):
+    """``moe.backend=auto`` (the MoE experiments') takes the one backend that reads fp8 experts, logged; without LoRA on
+    the experts, or with CUDA graphs (experts kept in bf16), auto resolves by the hardware as before."""
+    import lightning_ft.model.build as build
+
+    monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
+    caplog.set_level(logging.INFO)
+    model = _build(backend="auto", execution=Execution(fp8=True))
+    assert "moe: backend auto -> triton, the backend that reads fp8 experts" in caplog.text
+    assert f"fp8: {EXPERT_WEIGHTS} frozen expert weights under LoRA in e4m3" in caplog.text
+    assert fp8_expert_weight(_experts(model, 1), "gate_up_proj") is not None
+    cpu = torch.device("cpu")
+    assert build._moe_backend("auto", cpu, "none", Execution(fp8=True, cuda_graphs=True), LORA_MOE) == "auto"
+    assert build._moe_backend("auto", cpu, "none", Execution(fp8=True), LORA) == "auto"  # no LoRA on the experts
+    assert build._moe_backend("auto", cpu, "mxfp4", Execution(), LORA_MOE) == "triton"
+    assert build._moe_backend("grouped_mm", cpu, "none", Execution(fp8=True), LORA_MOE) == "grouped_mm"  # as asked
+
+
+def test_fp8_expert_weights_are_refused_by_the_other_backends():
     model = _build()
     convert_experts_to_fp8(model)
     experts = _experts(model)
