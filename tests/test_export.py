@@ -171,3 +171,7 @@ def test_merge_of_a_qlora_run_is_a_dequantised_model_with_the_trained_logits(tmp
     assert "quantization_config" not in json.loads((out / "merged" / "config.json").read_text()) and merged.dtype == torch.float32
     assert not any(type(m).__name__ == "Linear4bit" for m in merged.modules())
     torch.testing.assert_close(_logits(merged, ids), dequantised, atol=ATOL, rtol=RTOL)
+    # from the saved adapter instead of the checkpoint (the base is then built without LoRA layers): the same model
+    assert export_main([str(run_dir), "--checkpoint", "adapter", "--merge", "--output", str(tmp_path / "from_adapter")]) == 0
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "from_adapter" / "merged"))
+    torch.testing.assert_close(_logits(again, ids), _logits(merged, ids))

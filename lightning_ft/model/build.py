@@ -451,7 +451,7 @@ class ModelBuilder:
         lora_enabled = bool(self.lora_cfg.get("enabled", True))
         quantization = cfg.get("quantization", "none")
         moe_backend = _moe_backend(self.moe_cfg.get("backend", "hf"), device, quantization, execution, self.lora_cfg)
-        if not (self.dense_experts and quantization == "mxfp4"):
+        if not self.dense_experts:  # export's stock model (no LoRA for an adapter's export) trains nothing
             check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs, moe_backend)
         if execution.fp8:
             _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"))
