@@ -146,10 +146,12 @@ def e4m3_cast(values):
     Under the CPU interpreter the rounding is done in fp32 first (e4m3's spacing is 2^(e - 3) for a value of
     exponent e >= -6, 2⁻⁹ below), so that the conversion only meets exact values: see ``_ROUND_IN_FP32``.
     """
-    if _ROUND_IN_FP32:
-        exponent = tl.maximum(((values.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
+    if _ROUND_IN_FP32:  # the magnitude rounded, its sign put back (a value rounding to zero keeps it: -0, as torch)
+        bits = values.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 255) - 127, -6)
         spacing = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
-        values = ((values / spacing + _RINT_MAGIC) - _RINT_MAGIC) * spacing
+        rounded = ((tl.abs(values) / spacing + _RINT_MAGIC) - _RINT_MAGIC) * spacing
+        values = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return values.to(tl.float8e4nv)
 
 
