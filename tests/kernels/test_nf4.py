@@ -107,16 +107,21 @@ def test_dequantize_matches_bitsandbytes_cuda_kernel_on_model_shapes():
 
 
 @pytest.mark.gpu
-def test_qlora_linear_makes_no_host_sync_on_cuda():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_qlora_linear_makes_no_host_sync_on_cuda(fp8):
     weight = Quant4bitWeight.from_quant_state(*_quantize((1024, 512), "nf4", True, torch.bfloat16, "cuda"))
+    if fp8 and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs sm90+ (row-wise torch._scaled_mm)")
+    scale = e4m3_scales_4bit(weight) if fp8 else None
     x = torch.randn(256, 512, device="cuda", requires_grad=True)
     lora_A = torch.randn(16, 512, device="cuda", requires_grad=True)
     lora_B = torch.randn(1024, 16, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        qlora_linear(x, weight, None, lora_A, lora_B, 2.0).sum().backward()  # warm-up: Triton compiles, the buffer grows
+        # warm-up: Triton compiles, the buffer grows
+        qlora_linear(x, weight, None, lora_A, lora_B, 2.0, fp8_scale=scale).sum().backward()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            qlora_linear(x, weight, None, lora_A, lora_B, 2.0).sum().backward()
+            qlora_linear(x, weight, None, lora_A, lora_B, 2.0, fp8_scale=scale).sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -226,13 +231,17 @@ def test_e4m3_dequantize_is_bitwise_quantize_rows_of_the_fp32_dequantisation(dev
     assert got.shape == shape and got.dtype == E4M3 and torch.equal(got.view(torch.uint8).cpu(), expected_q.cpu())
 
 
-def test_e4m3_dequantize_reference_path_and_argument_errors():
+def test_e4m3_dequantize_reference_path_and_argument_errors(monkeypatch):
     """Where Triton cannot run (the CPU without the interpreter) the torch reference gives the same bytes; e4m3 needs
     a 2-D weight and its [N] scales, other dtypes take none."""
+    import lightning_ft.kernels.nf4 as nf4
+
+    monkeypatch.setattr(nf4, "triton_can_run", lambda t: False)
     packed, state = _outlier_rows(*_quantize((6, 100), "nf4", True, torch.float32, "cpu"))
     weight = Quant4bitWeight.from_quant_state(packed, state)
     expected_q, expected_scale = _e4m3_reference(weight)
-    got = dequantize_4bit(weight, E4M3, fp8_scale=e4m3_scales_4bit(weight), reuse=False)
+    with pytest.warns(UserWarning, match="using the plain-torch reference"):
+        got = dequantize_4bit(weight, E4M3, fp8_scale=e4m3_scales_4bit(weight), reuse=False)
     assert torch.equal(got.view(torch.uint8), expected_q)
     with pytest.raises(ValueError, match=r"e4m3 takes a 2-D weight and its \[N\] fp32 fp8_scale"):
         dequantize_4bit(weight, E4M3)

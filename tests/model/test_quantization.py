@@ -206,41 +206,44 @@ def test_a_bf16_checkpoint_is_quantised_weight_by_weight_on_the_gpu(tmp_path):
     assert torch.cuda.max_memory_allocated() - start < 0.5 * bf16_bytes
 
 
-def _nf4_fp8(monkeypatch, lora=LORA, fp8=True, kernels=True):
-    """The bf16 nf4 model under bf16-mixed, with strategy.fp8 (the builder's device check passed by hand: the CPU has
-    no fp8 GEMMs, the products run their reference math)."""
+def _nf4_fp8(monkeypatch, lora=LORA, fp8=True, kernels=True, device="cpu"):
+    """The bf16 nf4 model under bf16-mixed, with strategy.fp8 (on the CPU the builder's device check is passed by
+    hand: the CPU has no fp8 GEMMs, the products run their reference math)."""
     import lightning_ft.model.build as build
 
-    monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
+    if device == "cpu":
+        monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
     model = {"init": "random", "config": CONFIG, "dtype": "bfloat16", "quantization": "nf4", "attention": "sdpa"}
     builder = ModelBuilder(model, lora, kernels={"lora": kernels}, seed=0, execution=Execution(fp8=fp8))
-    return builder(torch.device("cpu"), precision="bf16-mixed").model
+    with torch.device(device):
+        return builder(torch.device(device), precision="bf16-mixed").model
 
 
-def _nf4_step(model):
+def _nf4_step(model, device="cpu"):
     gen = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():
         if "lora_" in name:  # B non-zero: every LoRA weight gets a gradient
             p.data.copy_(torch.empty(p.shape).normal_(0, 0.1, generator=gen))
-    ids = torch.randint(0, 64, (2, 16), generator=gen)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    ids = torch.randint(0, 64, (2, 16), generator=gen).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_strategy_fp8_over_nf4_computes_the_4bit_bases_in_e4m3(monkeypatch, caplog):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strategy_fp8_over_nf4_computes_the_4bit_bases_in_e4m3(monkeypatch, caplog, device):
     """strategy.fp8 with model.quantization=nf4: every 4-bit base under LoRA keeps its 4 bits and gets its e4m3 row
     scales (frozen int32 bits, not trained, not saved in the adapter), logged; the fused forward computes in fp8. One
     step against the nf4 model without fp8 (same weights, bf16-mixed): loss within 2% (measured 3e-5), each LoRA
     gradient within 25% relative (Frobenius) and their mean within 10% (measured: 18% at most, for layer 0's A, whose
-    gradient passes through every layer's fp8 input gradient; 7% mean)."""
+    gradient passes through every layer's fp8 input gradient; 7% mean). On CUDA (sm90+) through torch._scaled_mm."""
     from lightning_ft.kernels.nf4 import e4m3_scales_4bit
     from lightning_ft.model.quantization import quant4bit_weight
     from lightning_ft.strategies.fp8 import fp8_scale_4bit
 
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
-        model = _nf4_fp8(monkeypatch)
+        model = _nf4_fp8(monkeypatch, device=device)
     assert f"fp8: {LINEARS} 4-bit base weights computed in e4m3 (NF4 storage, per-output-channel scales)" in caplog.messages
     assert not any("frozen LoRA base weights in e4m3" in m for m in caplog.messages)  # no nn.Linear under LoRA
     layers = _linear4bit(model)
@@ -253,9 +256,9 @@ def test_strategy_fp8_over_nf4_computes_the_4bit_bases_in_e4m3(monkeypatch, capl
 
     qlora = lora_module.qlora_linear
     monkeypatch.setattr(lora_module, "qlora_linear", lambda *a: fused.append(a[-1] is not None) or qlora(*a))
-    loss, grads = _nf4_step(model)
+    loss, grads = _nf4_step(model, device)
     assert fused == [True] * LINEARS  # every layer through the fused forward, in fp8
-    reference_loss, reference = _nf4_step(_nf4_fp8(monkeypatch, fp8=False))
+    reference_loss, reference = _nf4_step(_nf4_fp8(monkeypatch, fp8=False, device=device), device)
     assert grads.keys() == reference.keys() and len(grads) == 2 * LINEARS
     assert abs(loss - reference_loss) / reference_loss < 0.02
     errors = {n: ((g - reference[n]).norm() / reference[n].norm()).item() for n, g in grads.items()}
