@@ -80,8 +80,9 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 def quantize_rows_reference(
     x: torch.Tensor, col_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch `quantize_rows`: ``s = max(amax(|x·c|), 1e-12) / 448`` (`e4m3_row_scales`), ``q = clamp(x·c / s, ±448)``
-    cast to e4m3. ``row_scale``: [M] fp32 scales to use as s instead (a frozen weight's, computed once)."""
+    """Plain-torch `quantize_rows`: ``s = max(amax(|x·c|), 1e-12) / 448`` (`e4m3_row_scales`),
+    ``q = clamp(x·c / s, ±448)`` cast to e4m3. ``row_scale``: [M] fp32 scales to use as s instead (a frozen weight's,
+    computed once)."""
     x32 = x.float() if col_scale is None else x.float() * col_scale
     scale = e4m3_row_scales(x32) if row_scale is None else row_scale
     q = (x32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)

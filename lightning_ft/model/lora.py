@@ -8,7 +8,8 @@ forward the patch tables (`lightning_ft.model.patching`, kernel switch ``lora``)
 layers: the fused op whenever that adapter alone is active, enabled and not merged, PEFT's own
 forward otherwise, call by call. On a 4-bit base (PEFT's ``lora.bnb.Linear4bit`` around bitsandbytes'
 ``Linear4bit``, `lightning_ft.model.quantization`) the fused op is `lightning_ft.kernels.qlora.qlora_linear`
-(our dequantisation, then the same products; in e4m3 with fp8 products under ``strategy.fp8``). The LoRA parameters and the adapter file stay PEFT's.
+(our dequantisation, then the same products; in e4m3 with fp8 products under ``strategy.fp8``). The LoRA
+parameters and the adapter file stay PEFT's.
 
 Sources: PEFT 0.21 ``peft.tuners.lora.layer.Linear``, ``LoraConfig``, ``check_target_module_exists``.
 """

@@ -297,17 +297,19 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_qlora_linear_in_fp8_against_the_bf16_qlora_linear(device):
-    """bf16 autocast, Qwen-like operand scales: fp8 against the bf16 QLoRA linear on the same 4-bit weight. Output
-    and x's gradient within 8% relative (Frobenius; ~3.5% expected, `lightning_ft.kernels.fp8`). A's and B's
-    gradients do not pass through the base product in one layer (dA = dhᵀx, dB = s·dyᵀh): within 1% (bf16 rounding
-    of y's sums alone). On CUDA with K and N multiples of 16 the base products run through torch._scaled_mm."""
-    weight, x, lora_A, lora_B, bias, dy = _qlora_operands(device, shape=(256, 128), tokens=(4, 32))
+    """bf16 autocast: fp8 against the bf16 QLoRA linear on the same 4-bit weight, no bias and a small B (as early in
+    training: the base product dominates y and x's gradient). Output and x's gradient 1% to 8% relative (Frobenius;
+    measured 3.4% and 3.5% on the CPU, `lightning_ft.kernels.fp8`'s ~3.5%). A's and B's gradients do not pass through
+    the base product in one layer (dA = dhᵀx, dB = s·dyᵀh): the same. On CUDA (sm90+; K and N multiples of 16) the
+    base products run through torch._scaled_mm."""
+    weight, x, lora_A, lora_B, _, dy = _qlora_operands(device, shape=(256, 128), tokens=(4, 32))
+    lora_B = lora_B * 0.01
     scale = e4m3_scales_4bit(weight)
-    fp8 = _fwd_bwd(lambda x, a, b: qlora_linear(x, weight, bias, a, b, 0.5, fp8_scale=scale), x, lora_A, lora_B, dy, True)
-    bf16 = _fwd_bwd(lambda x, a, b: qlora_linear(x, weight, bias, a, b, 0.5), x, lora_A, lora_B, dy, True)
-    errors = [_rel(f, b) for f, b in zip(fp8, bf16)]
-    assert errors[0] < 0.08 and errors[1] < 0.08, errors
-    assert errors[2] < 0.01 and errors[3] < 0.01, errors
+    fp8 = _fwd_bwd(lambda x, a, b: qlora_linear(x, weight, None, a, b, 0.5, fp8_scale=scale), x, lora_A, lora_B, dy, True)
+    bf16 = _fwd_bwd(lambda x, a, b: qlora_linear(x, weight, None, a, b, 0.5), x, lora_A, lora_B, dy, True)
+    errors = [_rel(f, b) for f, b in zip(fp8[:2], bf16[:2])]
+    assert all(0.01 < e < 0.08 for e in errors), errors
+    assert torch.equal(fp8[2], bf16[2]) and torch.equal(fp8[3], bf16[3])
 
 
 def test_qlora_linear_in_fp8_takes_the_rows_a_kernel_attached_to_x(monkeypatch):

@@ -302,3 +302,16 @@ def test_strategy_fp8_over_nf4_refusals(monkeypatch):
     with pytest.raises(ValueError, match="compute capability 9.0 or newer .*found cpu"):
         ModelBuilder({"init": "random", "config": CONFIG, "quantization": "nf4"}, LORA, kernels={"lora": True},
                      execution=Execution(fp8=True))(torch.device("cpu"))
+
+
+def test_strategy_fp8_over_nf4_says_which_bases_keep_computing_in_model_dtype(monkeypatch, caplog):
+    """LoRA dropout: PEFT's forward serves those layers (the fused one does not), so their 4-bit bases get no e4m3
+    scales and compute in model.dtype, as logged."""
+    from lightning_ft.strategies.fp8 import fp8_scale_4bit
+
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        model = _nf4_fp8(monkeypatch, lora={**LORA, "dropout": 0.1})
+    assert "fp8: 0 4-bit base weights computed in e4m3 (NF4 storage, per-output-channel scales)" in caplog.messages
+    assert (f"fp8: {LINEARS} 4-bit base weights under LoRA compute in bfloat16: the fused LoRA forward does not serve "
+            "their adapters (LoRA dropout, DoRA or a LoRA bias)") in caplog.messages
+    assert not any(fp8_scale_4bit(layer) is not None for layer in _linear4bit(model).values())
