@@ -52,8 +52,8 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "fp8_input_grad", "fp8_linear", "fp8_rows_of",
-    "fp8_linear_reference",
+    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "e4m3_row_scales", "fp8_input_grad", "fp8_linear",
+    "fp8_linear_reference", "fp8_product", "fp8_rows_of",
     "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_expert_weight", "quantize_weight", "scaled_mm_supported",
 ]  # fmt: skip
@@ -77,12 +77,23 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     return quantize_rows_triton(x, col_scale) if x.is_cuda else quantize_rows_reference(x, col_scale)
 
 
-def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch `quantize_rows`: ``s = max(amax(|x·c|), 1e-12) / 448``, ``q = clamp(x·c / s, ±448)`` cast to e4m3."""
+def quantize_rows_reference(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch `quantize_rows`: ``s = max(amax(|x·c|), 1e-12) / 448`` (`e4m3_row_scales`),
+    ``q = clamp(x·c / s, ±448)`` cast to e4m3. ``row_scale``: [M] fp32 scales to use as s instead (a frozen weight's,
+    computed once)."""
     x32 = x.float() if col_scale is None else x.float() * col_scale
-    scale = x32.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR) / E4M3_MAX
+    scale = e4m3_row_scales(x32) if row_scale is None else row_scale
     q = (x32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
+
+
+def e4m3_row_scales(x: torch.Tensor) -> torch.Tensor:
+    """`quantize_rows`' scales of an fp32 [M, K] ``x``: [M] fp32 ``max(amax(|row|), 1e-12) / 448`` (exact maxima: no
+    [M, K] temporary for |x|)."""
+    low, high = torch.aminmax(x, dim=-1)
+    return torch.maximum(high, -low).clamp_min(_AMAX_FLOOR) / E4M3_MAX
 
 
 def fp8_rows_like(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +147,12 @@ def e4m3_cast(values):
     Under the CPU interpreter the rounding is done in fp32 first (e4m3's spacing is 2^(e - 3) for a value of
     exponent e >= -6, 2⁻⁹ below), so that the conversion only meets exact values: see ``_ROUND_IN_FP32``.
     """
-    if _ROUND_IN_FP32:
-        exponent = tl.maximum(((values.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
+    if _ROUND_IN_FP32:  # the magnitude rounded, its sign put back (a value rounding to zero keeps it: -0, as torch)
+        bits = values.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 255) - 127, -6)
         spacing = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
-        values = ((values / spacing + _RINT_MAGIC) - _RINT_MAGIC) * spacing
+        rounded = ((tl.abs(values) / spacing + _RINT_MAGIC) - _RINT_MAGIC) * spacing
+        values = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return values.to(tl.float8e4nv)
 
 
@@ -265,10 +278,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale, bias, out_dtype, use_scaled_mm, x_rows):
-        xq, x_scale = x_rows if x_rows is not None else quantize_rows(x)
-        y = _mm_rowwise(xq, x_scale, weight, weight_scale, use_scaled_mm).to(out_dtype)
-        if bias is not None:
-            y = y + bias.to(out_dtype)
+        y = fp8_product(x, weight, weight_scale, bias, out_dtype, x_rows, use_scaled_mm)
         ctx.save_for_backward(weight, weight_scale)
         ctx.x_dtype, ctx.use_scaled_mm = x.dtype, use_scaled_mm
         return y
@@ -286,6 +296,33 @@ def _scaled_mm_runs(device: torch.device, weight: torch.Tensor) -> bool:
     """Whether `fp8_linear` with this [N, K] weight runs ``_scaled_mm`` on ``device`` (else the reference)."""
     n, k = weight.shape
     return scaled_mm_supported(device) and n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
+
+
+def fp8_product(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_scaled_mm: bool | None = None,
+) -> torch.Tensor:
+    """`fp8_linear`'s forward product without autograd: ``(xq Wqᵀ) · sx · sw + b`` in ``out_dtype``.
+
+    Args:
+        x: [M, K] (quantised per row unless ``x_rows`` holds its rows); weight: [N, K] e4m3; weight_scale: [N] fp32;
+            bias: [N] or None (added in ``out_dtype``).
+        x_rows: (q [M, K] e4m3, scale [M] fp32), `quantize_rows` of x, or None.
+        use_scaled_mm: ``_scaled_mm`` (True) or the fp32 reference (False); None: as `fp8_linear` decides.
+
+    Returns:
+        [M, N] in ``out_dtype``.
+    """
+    if use_scaled_mm is None:
+        use_scaled_mm = _scaled_mm_runs(x.device, weight)
+    xq, x_scale = x_rows if x_rows is not None else quantize_rows(x)
+    y = _mm_rowwise(xq, x_scale, weight, weight_scale, use_scaled_mm).to(out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
 
 
 def fp8_input_grad(

@@ -26,6 +26,14 @@ one bitsandbytes weight) to the Triton grouped GEMM (`lightning_ft.kernels.moe.g
 largest weight): the QLoRA linear (`lightning_ft.kernels.qlora`) dequantises a layer's weight right
 before its GEMM, in the forward and again in the backward, so only one dense weight exists at a time.
 
+In e4m3 (``strategy.fp8``: 4-bit storage, fp8 compute) a 2-D [N, K] weight is written as the fp8 GEMMs of
+`lightning_ft.kernels.fp8` read a frozen weight: row n in e4m3 with the fp32 scale s[n] = amax(|row n|) / 448
+(`e4m3_scales_4bit`, computed once per weight from its fp32 dequantisation), each element ``clamp(w / s[n], ±448)``
+rounded to nearest even from the same fp32 value w as above, with a correctly rounded division: bitwise
+``quantize_rows_reference(dequantize_4bit_reference(w, float32))`` (1 byte an element, half the bf16 dequantisation's).
+Triton's CPU interpreter converts fp32 to e4m3 wrongly, so the kernel rounds in fp32 first there
+(`lightning_ft.kernels.fp8.e4m3_cast`).
+
 Sources: QLoRA, Dettmers et al. 2023 (arXiv:2305.14314); bitsandbytes 0.50 ``functional.quantize_4bit``,
 ``functional.dequantize_4bit``, ``backends/default/ops.py`` (the published algorithm, read for the layout).
 """
@@ -40,8 +48,9 @@ import triton
 import triton.language as tl
 
 from lightning_ft.kernels._utils import triton_can_run, warn_fallback
+from lightning_ft.kernels.fp8 import E4M3, e4m3_cast, e4m3_row_scales, quantize_rows_reference
 
-__all__ = ["Nf4ExpertWeight", "Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference", "nf4_tile"]
+__all__ = ["Nf4ExpertWeight", "Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference", "e4m3_scales_4bit", "nf4_tile"]
 
 class Quant4bitWeight(NamedTuple):
     """A 4-bit weight in bitsandbytes' layout (tensors on the weight's device).
@@ -195,46 +204,79 @@ def _buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tenso
     return buffer[:numel]
 
 
-def dequantize_4bit(weight: Quant4bitWeight, dtype: torch.dtype, reuse: bool = True) -> torch.Tensor:
+def dequantize_4bit(
+    weight: Quant4bitWeight, dtype: torch.dtype, reuse: bool = True, fp8_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """The dense weight, [*weight.shape] in ``dtype``, by the Triton kernel (the reference where Triton cannot run).
 
     Args:
         weight: the 4-bit weight (`Quant4bitWeight.from_quant_state` for bitsandbytes' ``Params4bit``).
-        dtype: the output dtype (bf16, fp16 or fp32).
+        dtype: the output dtype (bf16, fp16 or fp32), or e4m3 (``torch.float8_e4m3fn``) with ``fp8_scale``.
         reuse: write into the shared buffer of this device and dtype (overwritten by the next call: use
             the result before dequantising another weight), else into a new tensor.
+        fp8_scale: for e4m3, the [N] fp32 row scales of a 2-D [N, K] weight (`e4m3_scales_4bit`).
 
     Returns:
         A contiguous [*weight.shape] tensor, bitwise bitsandbytes' ``dequantize_4bit`` cast to ``dtype``
-        where bitsandbytes computes in fp32 (see the module docstring).
+        where bitsandbytes computes in fp32 (see the module docstring); in e4m3, bitwise
+        ``quantize_rows_reference(dequantize_4bit_reference(weight, float32), row_scale=fp8_scale)[0]``.
+
+    Raises:
+        ValueError: an odd blocksize; e4m3 without ``fp8_scale``, or not of a 2-D weight with [N] scales; ``fp8_scale``
+            with another dtype.
     """
     packed = weight.packed
     n = prod(weight.shape)
     if weight.blocksize % 2:
         raise ValueError(f"4-bit blocksize {weight.blocksize}: expected an even number of elements per absmax")
+    e4m3 = dtype == E4M3
+    if e4m3 != (fp8_scale is not None) or (e4m3 and (len(weight.shape) != 2 or tuple(fp8_scale.shape) != weight.shape[:1])):
+        raise ValueError(
+            f"dequantize_4bit: e4m3 takes a 2-D weight and its [N] fp32 fp8_scale, other dtypes none; got {dtype}, "
+            f"weight {weight.shape}, fp8_scale {None if fp8_scale is None else tuple(fp8_scale.shape)}"
+        )
     out = _buffer(n, packed.device, dtype) if reuse else torch.empty(n, device=packed.device, dtype=dtype)
     if not triton_can_run(packed):
         warn_fallback("dequantize_4bit", packed.device)
-        out.copy_(dequantize_4bit_reference(weight, dtype).view(-1))
+        if e4m3:
+            dense = quantize_rows_reference(dequantize_4bit_reference(weight, torch.float32), row_scale=fp8_scale)[0]
+        else:
+            dense = dequantize_4bit_reference(weight, dtype)
+        out.copy_(dense.view(-1))
         return out.view(weight.shape)
     nested = weight.absmax2 is not None
     block = 1024  # bytes per program: 2048 elements
     grid = (triton.cdiv(packed.numel(), block),)
     _dequantize_4bit_kernel[grid](
         packed, weight.absmax, weight.code, weight.absmax2 if nested else weight.absmax,
-        weight.code2 if nested else weight.code, weight.offset if nested else weight.code, out, n,
-        BLOCK=block, BLOCKSIZE=weight.blocksize, BLOCKSIZE2=weight.blocksize2, NESTED=nested,
+        weight.code2 if nested else weight.code, weight.offset if nested else weight.code,
+        fp8_scale if e4m3 else weight.code, out, n, weight.shape[-1],
+        BLOCK=block, BLOCKSIZE=weight.blocksize, BLOCKSIZE2=weight.blocksize2, NESTED=nested, E4M3_OUT=e4m3,
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out.view(weight.shape)
 
 
+def e4m3_scales_4bit(weight: Quant4bitWeight) -> torch.Tensor:
+    """The [N] fp32 row scales of a 2-D [N, K] 4-bit weight in e4m3: ``max(amax(|row|), 1e-12) / 448`` of its fp32
+    dequantisation (`lightning_ft.kernels.fp8.e4m3_row_scales`), as `lightning_ft.kernels.fp8.quantize_weight` scales
+    a dense weight. One transient fp32 [N, K] copy (not the reused buffer: freed on return).
+
+    Raises:
+        ValueError: a weight that is not 2-D.
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"e4m3_scales_4bit: a 2-D [N, K] weight expected, got shape {weight.shape}")
+    return e4m3_row_scales(dequantize_4bit(weight, torch.float32, reuse=False))
+
+
 @triton.jit
 def _dequantize_4bit_kernel(
-    packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, n,
-    BLOCK: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+    packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, scale_ptr, out_ptr, n, row_len,
+    BLOCK: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, E4M3_OUT: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK bytes -> 2·BLOCK elements (the high nibble first), each block's absmax looked up once per byte."""
+    """One program: BLOCK bytes -> 2·BLOCK elements (the high nibble first), each block's absmax looked up once per byte;
+    E4M3_OUT: each element divided by its row's scale (``scale_ptr``, rows of ``row_len``) and written in e4m3."""
     pid = tl.program_id(0)
     byte_idx = pid * BLOCK + tl.arange(0, BLOCK)
     in_bounds = byte_idx < (n + 1) // 2
@@ -250,7 +292,13 @@ def _dequantize_4bit_kernel(
     low = tl.load(code_ptr + (byte & 15)) * absmax
     values = tl.reshape(tl.join(high, low), (2 * BLOCK,))  # [h0, l0, h1, l1, ...]
     elem_idx = pid * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-    tl.store(out_ptr + elem_idx, _round_to(values, out_ptr.dtype.element_ty), mask=elem_idx < n)
+    in_weight = elem_idx < n
+    if E4M3_OUT:  # as quantize_rows_reference: w / s correctly rounded in fp32, clamped to ±448, then to nearest even
+        row_scale = tl.load(scale_ptr + elem_idx // row_len, mask=in_weight, other=1.0)
+        scaled = tl.minimum(tl.maximum(tl.math.div_rn(values, row_scale), -448.0), 448.0)
+        tl.store(out_ptr + elem_idx, e4m3_cast(scaled), mask=in_weight)
+    else:
+        tl.store(out_ptr + elem_idx, _round_to(values, out_ptr.dtype.element_ty), mask=in_weight)
 
 
 @triton.jit

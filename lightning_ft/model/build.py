@@ -17,7 +17,8 @@
    (`lightning_ft.model.router.check_router_training`, a warning where the LM loss cannot train
    the router) and the load-balancing loss announced (``model.config.output_router_logits``);
    with the strategy's ``fp8``, the frozen base weights of the LoRA layers in e4m3 (`lightning_ft.strategies.fp8`),
-   the experts under LoRA too (``triton`` backend, `lightning_ft.model.moe.convert_experts_to_fp8`);
+   the experts under LoRA too (``triton`` backend, `lightning_ft.model.moe.convert_experts_to_fp8`); 4-bit
+   (``nf4``) bases stay in 4 bits and get their e4m3 scales for fp8 products (NF4 experts keep ``model.dtype`` compute);
 5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
 6. with the strategy's ``cuda_graphs`` (`lightning_ft.strategies.strategy.Execution`), each decoder layer
    replayed from CUDA graphs (`lightning_ft.strategies.cuda_graphs`), checked against the config first,
@@ -58,7 +59,7 @@ from lightning_ft.model.router import (
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
-from lightning_ft.strategies.fp8 import check_fp8_device, convert_to_fp8, fp8_experts_blocker
+from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8, fp8_experts_blocker
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
@@ -206,11 +207,14 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
 
 def _moe_backend(requested: str, device: torch.device, quantization: str, execution: Execution, lora: dict[str, Any]) -> str:
     """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format only ``triton``
-    reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on the experts and no CUDA graphs
+    reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on dense experts and no CUDA graphs
     (`fp8_experts_blocker`), on a device Triton runs on. Otherwise as given (``auto`` then resolves by the hardware,
     `lightning_ft.kernels.moe.select_backend`; nf4 keeps the experts in NF4 where ``triton`` is asked for by name,
     which ``export`` reads back from the run's config)."""
-    fp8_experts = execution.fp8 and bool(lora.get("target_parameters")) and not fp8_experts_blocker("triton", execution.cuda_graphs)
+    fp8_experts = (
+        execution.fp8 and quantization == "none" and bool(lora.get("target_parameters"))
+        and not fp8_experts_blocker("triton", execution.cuda_graphs)
+    )  # fmt: skip
     held = "mxfp4" if quantization == "mxfp4" else "fp8" if fp8_experts else None
     if requested != "auto" or held is None or not (device.type == "cuda" or (INTERPRETER and device.type == "cpu")):
         return requested
@@ -454,7 +458,7 @@ class ModelBuilder:
         if not self.dense_experts:  # export's stock model (no LoRA for an adapter's export) trains nothing
             check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs, moe_backend)
         if execution.fp8:
-            _check_fp8(device, sharded, self.lora_cfg, cfg.get("quantization", "none"))
+            _check_fp8(device, sharded, self.lora_cfg, quantization, bool(self.kernels_cfg.get("lora")))
         cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
@@ -514,7 +518,11 @@ class ModelBuilder:
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
                 _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
         if execution.fp8:
-            rank_zero_info(f"fp8: {convert_to_fp8(model)} frozen LoRA base weights in e4m3, per-output-channel scales")
+            linears = convert_to_fp8(model)
+            if quantization == "none" or linears:
+                rank_zero_info(f"fp8: {linears} frozen LoRA base weights in e4m3, per-output-channel scales")
+            if quantization == "nf4":
+                _fp8_over_4bit(model, cfg.get("dtype", "float32"))
             experts, left = convert_experts_to_fp8(model, cuda_graphs)
             if experts:
                 rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, per-expert per-output-channel scales")
@@ -564,16 +572,31 @@ class ModelBuilder:
         return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None)
 
 
-def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str) -> None:
+def _fp8_over_4bit(model: torch.nn.Module, dtype: str) -> None:
+    """``strategy.fp8`` over ``model.quantization=nf4``: the e4m3 scales of the 4-bit LoRA bases
+    (`lightning_ft.strategies.fp8.convert_4bit_to_fp8`), logged with what keeps computing in ``dtype``."""
+    computed, left = convert_4bit_to_fp8(model)
+    rank_zero_info(f"fp8: {computed} 4-bit base weights computed in e4m3 (NF4 storage, per-output-channel scales)")
+    if left:
+        rank_zero_info(f"fp8: {left} 4-bit base weights under LoRA compute in {dtype}: the fused LoRA forward does not "
+                       "serve their adapters (LoRA dropout, DoRA or a LoRA bias)")
+    if nf4_experts.experts_bytes(model)[0]:
+        rank_zero_info(f"fp8: the NF4 MoE experts compute in {dtype} (the grouped GEMM decodes NF4 to it)")
+
+
+def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str, fused_lora: bool) -> None:
     """Refuse ``strategy.fp8=true`` where it cannot run, before any weight loads (`lightning_ft.strategies.fp8`).
 
     Raises:
         ValueError: a device without row-wise fp8 GEMMs (`check_fp8_device`), a sharded model (FSDP2
-            would shard the e4m3 bytes apart from their scales), no LoRA (nothing is frozen), a 4-bit
-            base (``model.quantization=nf4``: its weights are not fp8's to convert).
+            would shard the e4m3 bytes apart from their scales), no LoRA (nothing is frozen), an MXFP4
+            base, an NF4 base without ``kernels.lora`` (only the fused LoRA forward computes it in fp8).
     """
-    if quantization != "none":
-        raise ValueError(f"strategy.fp8=true with model.quantization={quantization} is not supported: set one of them off")
+    if quantization == "mxfp4":
+        raise ValueError("strategy.fp8=true with model.quantization=mxfp4 is not supported: set one of them off")
+    if quantization == "nf4" and not fused_lora:
+        raise ValueError("strategy.fp8=true with model.quantization=nf4 computes the 4-bit base weights in fp8 in the fused "
+                         "LoRA forward only: set kernels.lora=true (or strategy.fp8=false)")
     if sharded:
         raise ValueError(
             "strategy.fp8=true is not available with strategy=fsdp2: use strategy=ddp or one device, or strategy.fp8=false"

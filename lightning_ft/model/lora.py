@@ -8,7 +8,8 @@ forward the patch tables (`lightning_ft.model.patching`, kernel switch ``lora``)
 layers: the fused op whenever that adapter alone is active, enabled and not merged, PEFT's own
 forward otherwise, call by call. On a 4-bit base (PEFT's ``lora.bnb.Linear4bit`` around bitsandbytes'
 ``Linear4bit``, `lightning_ft.model.quantization`) the fused op is `lightning_ft.kernels.qlora.qlora_linear`
-(our dequantisation, then the same products). The LoRA parameters and the adapter file stay PEFT's.
+(our dequantisation, then the same products; in e4m3 with fp8 products under ``strategy.fp8``). The LoRA
+parameters and the adapter file stay PEFT's.
 
 Sources: PEFT 0.21 ``peft.tuners.lora.layer.Linear``, ``LoraConfig``, ``check_target_module_exists``.
 """
@@ -27,6 +28,7 @@ from lightning_ft.kernels.lora import lora_linear
 from lightning_ft.kernels.qlora import qlora_linear
 from lightning_ft.model.quantization import quant4bit_weight
 from lightning_ft.strategies import kept
+from lightning_ft.strategies.fp8 import Fp8Linear, fp8_scale_4bit
 
 __all__ = ["active_module", "adapter_folder", "add_lora", "fused_lora_classes", "lora_linear_adapters"]
 
@@ -233,8 +235,6 @@ def lora_linear_adapters(module: torch.nn.Module) -> frozenset[str]:
     frozen. These do not change while a model trains; which adapter is active, merging and disabling do, and
     are checked at every call (and, for a 4-bit base, its compute dtype and layout: `_fused_lora_forward`).
     """
-    from lightning_ft.strategies.fp8 import Fp8Linear
-
     base = module.base_layer
     if (
         module.fan_in_fan_out
@@ -268,14 +268,15 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
     if not ours or (x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    if type(base) is not torch.nn.Linear:  # bitsandbytes' Linear4bit
+    if _is_linear4bit(base):
         weight = quant4bit_weight(base)
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         # bitsandbytes computes in the layer's compute dtype: fused only where that is ours
         if weight is None or base.compute_dtype not in (None, dtype):
             return type(self).forward(self, x, *args, **kwargs)
-        return qlora_linear(x, weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling)
+        # fp8 compute where strategy.fp8 left the weight's e4m3 scales (`lightning_ft.strategies.fp8.convert_4bit_to_fp8`)
+        return qlora_linear(x, weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, fp8_scale_4bit(base))
     keep = kept.active("projections") if self._lightning_ft_keep else None
     if keep is not None and not _output_keepable(self):
         keep = None

@@ -240,7 +240,8 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
 def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) -> tuple[int, str | None]:
     """``strategy.fp8``: hold every frozen expert weight that carries PEFT's split LoRA in e4m3, in place
     (`lightning_ft.strategies.fp8.convert_expert_weight`; the triton backend reads them). Experts without LoRA stay
-    as they are, as the linear layers without LoRA do. Call after `apply_moe`.
+    as they are, as the linear layers without LoRA do, and so do NF4 experts (`lightning_ft.model.nf4_experts`: the
+    grouped GEMM decodes them to the model's dtype). Call after `apply_moe`.
 
     Returns:
         (the number of weights converted (weights already in fp8 are skipped), why a block's were left in their dtype
@@ -250,7 +251,10 @@ def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) ->
     count, left, sparse_blocks = 0, None, moe_classes("sparse_block")
     for block in (m for m in model.modules() if isinstance(m, sparse_blocks)):
         experts, loras = _experts_and_lora(block.experts)
-        names = [n for n in loras if not getattr(experts, n).requires_grad and not hasattr(experts, f"{n}_fp8")]
+        names = [
+            n for n in loras
+            if not getattr(experts, n).requires_grad and not hasattr(experts, f"{n}_fp8") and nf4_weight(experts, n) is None
+        ]  # fmt: skip
         if names and (blocker := fp8_experts_blocker(getattr(block, _BACKEND_ATTR, "hf"), cuda_graphs)):
             left = blocker
             continue

@@ -19,8 +19,8 @@ An MoE model's fused 3-D expert weights, which bitsandbytes leaves alone, go to 
 
 PEFT wraps these layers with its ``lora.bnb.Linear4bit`` and saves adapters in its own format, which load
 on the stock bitsandbytes-quantised model. The training forward dequantises with our kernel
-(`lightning_ft.kernels.nf4`, through `lightning_ft.model.lora` with ``kernels.lora``), which needs no
-bitsandbytes; the storage classes are bitsandbytes', so ``nf4`` needs it installed (the ``qlora`` extra).
+(`lightning_ft.kernels.nf4`, through `lightning_ft.model.lora` with ``kernels.lora``; straight to e4m3 for fp8
+products with ``strategy.fp8``, `lightning_ft.strategies.fp8.convert_4bit_to_fp8`), which needs no bitsandbytes; the storage classes are bitsandbytes', so ``nf4`` needs it installed (the ``qlora`` extra).
 
 Sources: bitsandbytes 0.50 ``nn.Linear4bit``, ``Params4bit``, ``functional.quantize_4bit``; transformers 5
 ``BitsAndBytesConfig`` and ``get_keys_to_not_convert``.

@@ -17,6 +17,15 @@ that need no gradient, not buffers: DDP broadcasts every buffer from rank 0 befo
 (``broadcast_buffers``), which would send the whole base each step; frozen parameters it syncs
 once, when it wraps the model.
 
+A 4-bit base (``model.quantization=nf4``: bitsandbytes' ``Linear4bit``) stays in 4 bits and computes in fp8
+(`convert_4bit_to_fp8`): its e4m3 row scales, amax(|row|) / 448 of its dequantised weight, are computed once (one
+transient fp32 copy of one weight at a time) and kept on the layer as the frozen int32-bits parameter
+``fp8_scale_bits`` (`fp8_scale_4bit` views it as fp32), for the same reasons as above; the fused LoRA forward
+(`lightning_ft.kernels.qlora.qlora_linear` with ``fp8_scale``) dequantises the weight straight to e4m3 with them
+before each fp8 product. Only the fused forward reads them: a layer it does not serve (LoRA dropout, DoRA, a LoRA
+bias) gets none and computes in the model's dtype (`convert_4bit_to_fp8` counts it), and ``kernels.lora=false``
+is refused with the pair (`lightning_ft.model.build`). NF4 MoE experts keep computing in the model's dtype.
+
 MoE experts (`convert_expert_weight`, called for every frozen expert weight with PEFT's split LoRA by
 `lightning_ft.model.moe.convert_experts_to_fp8`): each 3-D weight, as the [E, N, C] the backends read, in
 e4m3 with one fp32 scale per output channel per expert, kept on the experts module as the frozen parameters
@@ -40,8 +49,12 @@ import torch
 from lightning_ft.kernels.fp8 import (
     E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight,
 )
+from lightning_ft.kernels.nf4 import e4m3_scales_4bit
 
-__all__ = ["Fp8Linear", "check_fp8_device", "fp8_experts_blocker", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight"]
+__all__ = [
+    "Fp8Linear", "check_fp8_device", "convert_4bit_to_fp8", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight",
+    "fp8_experts_blocker", "fp8_scale_4bit",
+]  # fmt: skip
 
 
 class Fp8Linear(torch.nn.Module):
@@ -101,6 +114,43 @@ def convert_to_fp8(model: torch.nn.Module) -> int:
             module.base_layer = Fp8Linear(base)
             count += 1
     return count
+
+
+_SCALE_4BIT = "fp8_scale_bits"  # on a 4-bit base layer: int32 [N], the bits of its fp32 e4m3 row scales
+
+
+def convert_4bit_to_fp8(model: torch.nn.Module) -> tuple[int, int]:
+    """Compute the e4m3 row scales of the 4-bit base (bitsandbytes' ``Linear4bit``) of every PEFT LoRA layer whose
+    adapters the fused LoRA forward serves (`lightning_ft.model.lora.lora_linear_adapters`), in place, one weight at
+    a time (module docstring); layers that already have them are skipped.
+
+    Returns:
+        (the number of base weights given scales, the number of 4-bit bases under LoRA left in the model's dtype:
+        the fused forward does not serve their adapters).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from lightning_ft.model.lora import lora_linear_adapters
+    from lightning_ft.model.quantization import quant4bit_weight
+
+    count = left = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or (weight := quant4bit_weight(base := module.get_base_layer())) is None:
+            continue
+        if len(weight.shape) != 2 or not lora_linear_adapters(module):
+            left += 1
+        elif fp8_scale_4bit(base) is None:
+            scale = e4m3_scales_4bit(weight)
+            base.register_parameter(_SCALE_4BIT, torch.nn.Parameter(scale.view(torch.int32), requires_grad=False))
+            count += 1
+    return count, left
+
+
+def fp8_scale_4bit(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The [N] fp32 e4m3 row scales `convert_4bit_to_fp8` left on a 4-bit base layer, or None (it computes in the
+    model's dtype)."""
+    bits = getattr(layer, _SCALE_4BIT, None)
+    return None if bits is None else bits.view(torch.float32)
 
 
 def convert_expert_weight(experts: torch.nn.Module, name: str, transposed: bool) -> None:

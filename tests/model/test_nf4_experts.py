@@ -123,3 +123,21 @@ def test_the_nf4_refusals_hold_for_moe_models_on_the_triton_backend():
         ModelBuilder(model, LORA, moe={"backend": "triton"})(torch.device("cpu"), sharded=True)
     with pytest.raises(ValueError, match="set strategy.cuda_graphs=false"):
         ModelBuilder(model, LORA, moe={"backend": "triton"}, execution=Execution(cuda_graphs=True))(torch.device("cpu"))
+
+
+def test_strategy_fp8_leaves_the_nf4_experts_in_nf4_computing_in_model_dtype(monkeypatch, caplog):
+    """strategy.fp8 over nf4 (the device check passed by hand): the LoRA linear layers' 4-bit bases get their e4m3
+    scales, the NF4 experts stay NF4 (not converted to fp8 from their placeholders), said once."""
+    import lightning_ft.model.build as build
+    from lightning_ft.strategies.fp8 import fp8_expert_weight
+    from lightning_ft.strategies.strategy import Execution
+
+    monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
+    model = {**TINY_MODEL, "quantization": "nf4", "dtype": "bfloat16", "attention": "sdpa"}
+    with caplog.at_level("INFO", logger=LOGGER):
+        built = ModelBuilder(model, LORA, kernels={"lora": True}, moe={"backend": "triton"}, seed=0,
+                             execution=Execution(fp8=True))(torch.device("cpu")).model
+    assert "fp8: 4 4-bit base weights computed in e4m3 (NF4 storage, per-output-channel scales)" in caplog.messages  # q/o
+    assert caplog.messages.count("fp8: the NF4 MoE experts compute in bfloat16 (the grouped GEMM decodes NF4 to it)") == 1
+    experts = _experts(built)
+    assert all(nf4_weight(experts, n) is not None and fp8_expert_weight(experts, n) is None for n in ("gate_up_proj", "down_proj"))

@@ -79,11 +79,16 @@ def test_training_step_matches_the_bf16_base(kernels):
         assert torch.isfinite(g).all() and _rel(g, grads_ref[name]) < 0.15, name
 
 
-def test_fused_and_peft_forward_agree_over_the_fp8_base():
+def test_fused_and_peft_forward_agree_over_the_fp8_base(monkeypatch):
+    import lightning_ft.model.lora as lora_module
+
     model = _build(dtype="float32")  # fp32: the same fp8 base product, LoRA summed in another order
     convert_to_fp8(model)
     loss_peft, grads_peft = _step(model, kernels=False, autocast=False)
+    fused, fused_op = [], lora_module.lora_linear
+    monkeypatch.setattr(lora_module, "lora_linear", lambda *a, **k: fused.append(k["weight_scale"] is not None) or fused_op(*a, **k))
     loss_fused, grads_fused = _step(model, kernels=True, autocast=False)
+    assert fused == [True] * 8  # the fused forward over the e4m3 weight (q/k/v/o of 2 layers), not PEFT's
     assert abs(loss_fused - loss_peft) / loss_peft < 1e-5
     for name, g in grads_fused.items():
         assert _rel(g, grads_peft[name]) < 1e-4, name
