@@ -20,7 +20,8 @@ bf16 and the fused 4-bit base against PEFT + bitsandbytes, 300 steps of GSM8K ea
     python benchmarks/fidelity.py --name qlora --reference kernels=none --candidate kernels=all \\
         --record benchmarks/fidelity.csv -- +experiment=qwen3_14b_qlora data.path=... data.val_path=... trainer.max_steps=300
 
-Each side's overrides are separated by spaces within one argument. ``--record`` appends one row to the
+Each side's overrides are one argument, split as the shell splits words: quote an override with spaces inside
+it, e.g. ``--candidate "'lora.target_modules=[q_proj, v_proj]' kernels=all"``. ``--record`` appends one row to the
 fidelity table (`lightning_ft.bench.table.FIDELITY`), from which ``python -m lightning_ft bench report``
 writes the fidelity section of RESULTS.md. Exit status 1 when a bound is exceeded or a run failed.
 """
@@ -82,7 +83,7 @@ def _fit(run_dir: Path, overrides: list[str], log: Path, timeout: float) -> dict
         code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
     summary = run_dir / "summary.json"
     if code != 0 or not summary.exists():
-        raise RuntimeError(f"fit {' '.join(overrides)} ended with status {code}: see {log}")
+        raise RuntimeError(f"fit {shlex.join(overrides)} ended with status {code}: see {log}")
     return json.loads(summary.read_text())
 
 
@@ -92,7 +93,7 @@ def check(common: list[str], reference: list[str], candidate: list[str], work: P
     start = time.perf_counter()
     runs = {}
     for side, overrides in (("reference", reference), ("candidate", candidate)):
-        print(f"fidelity: {side}: fit {' '.join(common + overrides)}", flush=True)
+        print(f"fidelity: {side}: fit {shlex.join(common + overrides)}", flush=True)
         runs[side] = _fit(work / side, [*common, *overrides], work / f"{side}.log", timeout)
     ref, cand = runs["reference"], runs["candidate"]
     curve, at_step = curve_difference(ref["step_losses"], cand["step_losses"], window, every)
@@ -122,8 +123,8 @@ def _machine(device: str | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", required=True, help="what is checked (the row's name): fp8, qlora, ...")
-    parser.add_argument("--reference", required=True, help="the reference run's overrides, space-separated")
-    parser.add_argument("--candidate", required=True, help="the candidate run's overrides, space-separated")
+    parser.add_argument("--reference", required=True, help="the reference run's overrides, split as the shell splits words")
+    parser.add_argument("--candidate", required=True, help="the candidate run's overrides, split as the shell splits words")
     parser.add_argument("--window", type=int, default=20, help="steps in the trailing mean (default: %(default)s)")
     parser.add_argument("--every", type=int, default=10, help="compare at every this many steps (default: %(default)s)")
     parser.add_argument("--curve-tol", type=float, default=0.02, help="bound on the smoothed curves (default: %(default)s)")
@@ -137,18 +138,30 @@ def main() -> None:
     for flag in ("window", "every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}: expected a positive number of steps, got {getattr(args, flag)}")
+    sides = {}
+    for side in ("reference", "candidate"):
+        try:
+            sides[side] = shlex.split(getattr(args, side))
+        except ValueError as err:
+            parser.error(f"--{side}: {err}: {getattr(args, side)!r}")
+    from lightning_ft.bench.table import FIDELITY, TableError, append_rows, command_text, git_commit, read_rows, versions
+
+    if args.record and Path(args.record).exists():
+        try:  # a file with other columns is refused before the runs, not after them
+            read_rows(args.record, FIDELITY)
+        except TableError as err:
+            sys.exit(f"fidelity: --record {err}")
     date = datetime.now(timezone.utc)
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="fidelity_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        result = check(args.common, shlex.split(args.reference), shlex.split(args.candidate), work, args.window,
+        result = check(args.common, sides["reference"], sides["candidate"], work, args.window,
                        args.every, args.curve_tol, args.val_tol, args.timeout)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
-        sys.exit(f"fidelity: {err}")
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
-    from lightning_ft.bench.table import FIDELITY, append_rows, command_text, git_commit, versions
+        # a temporary folder is kept then: the message names the failed run's log in it
+        sys.exit(f"fidelity: {err}" + ("" if args.work else f" (the runs are kept in {work})"))
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
 
     command = command_text(shlex.join(["python", "benchmarks/fidelity.py", *sys.argv[1:]]))
     result.update(date=date.strftime("%Y-%m-%d %H:%M"), commit=git_commit(ROOT), machine=_machine(result.pop("device")), command=command,

@@ -79,3 +79,33 @@ def test_fidelity_names_a_failed_run_and_its_log(tmp_path):
     )
     assert proc.returncode == 1
     assert f"fidelity: fit model.attention=nope ended with status 1: see {tmp_path / 'reference.log'}" in proc.stderr
+
+
+def test_fidelity_keeps_its_temporary_runs_when_one_fails_and_quotes_overrides_as_the_shell(tmp_path):
+    """Without ``--work`` the failed run's log that the message names is still there; a side's quoted override with a
+    space is one override, shown quoted."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "'model.attention=no pe'",
+         "--candidate", "trainer.max_steps=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**ENV, "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 1
+    [work] = tmp_path.glob("fidelity_*")
+    log = work / "reference.log"
+    assert f"fidelity: fit 'model.attention=no pe' ended with status 1: see {log} (the runs are kept in {work})" in proc.stderr
+    assert "model.attention" in log.read_text()
+
+
+def test_fidelity_refuses_a_record_table_with_other_columns_before_training(tmp_path):
+    record = tmp_path / "other.csv"
+    record.write_text("a,b\n1,2\n")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "kernels=none", "--candidate",
+         "kernels=all", "--work", str(tmp_path / "runs"), "--record", str(record)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"fidelity: --record {record}: the header does not match the fidelity table's schema" in proc.stderr
+    assert "unknown columns ['a', 'b']" in proc.stderr
+    assert "fidelity: reference" not in proc.stdout and not (tmp_path / "runs").exists()
+    assert record.read_text() == "a,b\n1,2\n"
