@@ -189,7 +189,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         ValueError: a value of a `CHOICES` key that is not one of its values (naming them and the closest),
             ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
             ``optimizer.lr`` that is negative or not a number, or
-            ``moe.backend=triton`` where no CUDA device will run it (without ``TRITON_INTERPRET=1``).
+            ``moe.backend=triton`` or ``model.quantization=mxfp4`` (whose experts only ``triton`` reads) where no CUDA
+            device will run Triton (without ``TRITON_INTERPRET=1``).
         FileNotFoundError: a ``lora.init_from`` folder without a PEFT adapter (`adapter_folder`).
     """
     from lightning_ft.kernels._utils import interpreter_requested
@@ -211,8 +212,14 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
-    if cfg.moe.backend == "triton" and no_cuda and not interpreter_requested():
-        raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}): use moe=native_torch")
+    if no_cuda and not interpreter_requested():
+        interpreter = "or TRITON_INTERPRET=1 (Triton's CPU interpreter, slow)"
+        if cfg.model.get("quantization") == "mxfp4":  # before moe.backend's own refusal, which would send it back here
+            raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton reads, and "
+                             f"Triton needs a CUDA device ({no_cuda}) {interpreter}: run on a GPU, or set "
+                             f"model.quantization=none (the experts in model.dtype)")
+        if cfg.moe.backend == "triton":
+            raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}) {interpreter}: use moe=native_torch")
 
 
 def _check_factory_keys(group: str, node: DictConfig | None) -> None:

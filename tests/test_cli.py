@@ -196,7 +196,8 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("data.format=completion", r"data.format=completion: .*; did you mean data.format=prompt_completion\?"),
         ("data.overflow=dropp", r"data.overflow=dropp: .*did you mean data.overflow=drop\?"),
         ("train.on_nonfinite=ski", r"train.on_nonfinite=ski: expected one of stop, skip; did you mean train.on_nonfinite=skip\?"),
-        ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\): use moe=native_torch"),
+        ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\) or TRITON_INTERPRET=1 \(Triton's CPU "
+                       r"interpreter, slow\): use moe=native_torch$"),
     ],
 )
 def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, message, monkeypatch):
@@ -205,6 +206,18 @@ def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, mes
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=message):
         _check_option_values(_compose([override]), "trainer.accelerator=cpu")
+
+
+@pytest.mark.parametrize("moe", ["auto", "triton"])
+def test_mxfp4_on_the_cpu_without_the_interpreter_is_refused_before_the_data_loads(tmp_path, monkeypatch, moe):
+    """MXFP4 experts need moe.backend=triton, which needs Triton: one message naming both ways out, not a refusal
+    that sends the user to moe=triton and another that sends them back."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    proc = run_cli(tmp_path, "model=gpt_oss_tiny", "model.quantization=mxfp4", f"moe={moe}", ok=False)
+    assert re.search(r"^error: model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton reads, "
+                     r"and Triton needs a CUDA device \(trainer.accelerator=cpu\) or TRITON_INTERPRET=1 \(Triton's CPU "
+                     r"interpreter, slow\): run on a GPU, or set model.quantization=none", proc.stderr, re.M), proc.stderr[-2000:]
+    assert "data:" not in proc.stderr + proc.stdout and not (tmp_path / "summary.json").exists()
 
 
 def test_top_level_help_lists_the_commands_with_an_example_each(capsys):
