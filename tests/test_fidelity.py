@@ -109,3 +109,13 @@ def test_fidelity_refuses_a_record_table_with_other_columns_before_training(tmp_
     assert "unknown columns ['a', 'b']" in proc.stderr
     assert "fidelity: reference" not in proc.stdout and not (tmp_path / "runs").exists()
     assert record.read_text() == "a,b\n1,2\n"
+
+
+def test_fidelity_refuses_an_unbalanced_quote_in_a_side_before_training(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "'kernels=none", "--candidate",
+         "kernels=all", "--work", str(tmp_path / "runs")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV,
+    )
+    assert proc.returncode == 2 and "fidelity.py: error: --reference: No closing quotation: \"'kernels=none\"" in proc.stderr
+    assert not (tmp_path / "runs").exists()
