@@ -160,7 +160,8 @@ def export(
     log.info("export: %s with the trained weights of %s", _base_description(cfg), source)
     from_folder = source.is_dir()
     with torch.device(device):
-        model = build_stock_model(cfg, vocab_size=len(tokenizer), lora=lora and not from_folder, device=device)
+        model = build_stock_model(cfg, vocab_size=len(tokenizer), lora=lora and not from_folder, device=device,
+                                  on_cuda=trained_on_cuda(run_dir, cfg))
     model = load_weights(model, source, lora)
     model.eval()
 
@@ -284,6 +285,13 @@ def weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) -
     return path.resolve()
 
 
+def trained_on_cuda(run_dir: Path, cfg: dict[str, Any]) -> bool:
+    """Whether the run trained on CUDA: ``summary.json``'s ``device``, else ``trainer.accelerator`` other than ``cpu``."""
+    summary_file = run_dir / "summary.json"
+    device = json.loads(summary_file.read_text()).get("device") if summary_file.is_file() else None
+    return str(device).startswith("cuda") if device else (cfg.get("trainer.accelerator") or "cpu") != "cpu"
+
+
 def base_device(run_dir: Path, cfg: dict[str, Any]) -> str:
     """Where to build the model: ``cpu``, but ``cuda`` for a random base that the run drew on CUDA
     (``summary.json``'s ``device``, else ``trainer.accelerator`` other than ``cpu``).
@@ -293,12 +301,7 @@ def base_device(run_dir: Path, cfg: dict[str, Any]) -> str:
     """
     import torch
 
-    if cfg["model"].get("init") != "random":
-        return "cpu"
-    summary_file = run_dir / "summary.json"
-    device = json.loads(summary_file.read_text()).get("device") if summary_file.is_file() else None
-    on_cuda = str(device).startswith("cuda") if device else (cfg.get("trainer.accelerator") or "cpu") != "cpu"
-    if not on_cuda:
+    if cfg["model"].get("init") != "random" or not trained_on_cuda(run_dir, cfg):
         return "cpu"
     if not torch.cuda.is_available():
         raise ExportError(
@@ -308,19 +311,20 @@ def base_device(run_dir: Path, cfg: dict[str, Any]) -> str:
     return "cuda"
 
 
-def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: str) -> Any:
+def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: str, on_cuda: bool = False) -> Any:
     """The run's model as ``fit`` builds it (`ModelBuilder`, same config and seed) with stock transformers
     modules: no kernel or MoE patch, no CUDA graphs or gradient checkpointing, transformers' SDPA attention;
     ``model.quantization=mxfp4``'s experts dequantised (the values the run trained over), and ``nf4``'s where the
-    run kept them in NF4 (``moe.backend=triton``).
+    run kept them in NF4 (``moe.backend=triton``, or ``auto`` on CUDA: `nf4_experts_backend`).
 
     Args:
         lora: with the run's PEFT LoRA layers (to load a ``.ckpt``), else the plain model.
+        on_cuda: the run trained on CUDA (`trained_on_cuda`).
     """
     import torch
 
     from lightning_ft.config import MOVED_KEYS
-    from lightning_ft.model.build import ModelBuilder
+    from lightning_ft.model.build import ModelBuilder, nf4_experts_backend
 
     stock = {"gradient_checkpointing": False, "attention": "sdpa"}  # and the strategy's defaults: no CUDA graphs
     model = {k: v for k, v in cfg["model"].items() if f"model.{k}" not in MOVED_KEYS}  # a config written before they moved
@@ -332,7 +336,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         vocab_size=vocab_size,
         seed=cfg.get("seed"),
         dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
-        experts_in_nf4=cfg.get("moe.backend") == "triton",  # nf4: the experts as the run quantised them
+        experts_in_nf4=nf4_experts_backend(cfg.get("moe.backend") or "hf", on_cuda) == "triton",  # as the run held them
     )
     return builder(device=torch.device(device)).model
 

@@ -62,7 +62,7 @@ from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda
 from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8, fp8_experts_blocker
 from lightning_ft.strategies.strategy import Execution
 
-__all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm"]
+__all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm", "nf4_experts_backend"]
 
 
 #: model.init
@@ -191,26 +191,40 @@ def _quantize_experts(model: torch.nn.Module, after: str) -> None:
     rank_zero_info(f"quantization: {quantize_experts(model)} expert weights quantised to MXFP4 after {after}")
 
 
-def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dtype: str) -> None:
-    """``model.quantization=nf4`` on an MoE model: its experts quantised to NF4 where ``keep`` says (None: where
-    ``moe_backend`` is ``triton``; `lightning_ft.model.nf4_experts`), the count and bytes logged; else left in
-    ``dtype``, logged where ``keep`` is None (a training run's choice)."""
+def nf4_experts_backend(requested: str, on_cuda: bool) -> str:
+    """The MoE backend of a ``model.quantization=nf4`` run with MoE experts: ``auto`` is ``triton`` on CUDA (the backend
+    that reads NF4 experts), else as ``requested``. A pure function of the run's config and device, so that ``export``
+    rebuilds the experts as the run held them."""
+    return "triton" if requested == "auto" and on_cuda else requested
+
+
+def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dtype: str, device: torch.device) -> str:
+    """``model.quantization=nf4`` on an MoE model: its experts quantised to NF4 where ``keep`` says (None: where the
+    backend, ``auto`` resolved by `nf4_experts_backend`, is ``triton``; `lightning_ft.model.nf4_experts`), the count
+    and bytes logged; else left in ``dtype``, logged where ``keep`` is None (a training run's choice). Returns the
+    MoE backend to apply."""
+    if not nf4_experts.experts_modules(model):
+        return moe_backend
+    if keep is None and moe_backend != (backend := nf4_experts_backend(moe_backend, device.type == "cuda")):
+        rank_zero_info(f"moe: backend {moe_backend} -> {backend}, the backend that reads NF4 experts")
+        moe_backend = backend
     if keep or (keep is None and moe_backend == "triton"):
         if count := nf4_experts.quantize_experts(model):
             held, dense = nf4_experts.experts_bytes(model)
             rank_zero_info(f"quantization: {count} expert weights quantised to NF4: {held / 2**20:.2f} MiB "
                            f"({dense / 2**20:.2f} MiB in model.dtype)")
-    elif keep is None and nf4_experts.experts_modules(model):
-        rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} "
-                       "reads dense weights (moe.backend=triton keeps them in NF4 too)")
+    elif keep is None:
+        why = "takes triton, which keeps them in NF4 too, on CUDA only" if moe_backend == "auto" else \
+            "reads dense weights (moe.backend=triton keeps them in NF4 too)"
+        rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} {why}")
+    return moe_backend
 
 
 def _moe_backend(requested: str, device: torch.device, quantization: str, execution: Execution, lora: dict[str, Any]) -> str:
     """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format only ``triton``
     reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on dense experts and no CUDA graphs
     (`fp8_experts_blocker`), on a device Triton runs on. Otherwise as given (``auto`` then resolves by the hardware,
-    `lightning_ft.kernels.moe.select_backend`; nf4 keeps the experts in NF4 where ``triton`` is asked for by name,
-    which ``export`` reads back from the run's config)."""
+    `lightning_ft.kernels.moe.select_backend`; nf4's experts resolve ``auto`` after loading: `nf4_experts_backend`)."""
     fp8_experts = (
         execution.fp8 and quantization == "none" and bool(lora.get("target_parameters"))
         and not fp8_experts_blocker("triton", execution.cuda_graphs)
@@ -475,7 +489,7 @@ class ModelBuilder:
         )
         model.config.use_cache = False
         if quantization == "nf4":
-            _nf4_experts(model, moe_backend, self.experts_in_nf4, cfg.get("dtype", "float32"))
+            moe_backend = _nf4_experts(model, moe_backend, self.experts_in_nf4, cfg.get("dtype", "float32"), device)
         if self.dense_experts and (experts := dequantize_experts(model)):
             rank_zero_info(f"quantization: {experts} MXFP4 expert weights dequantised to model.dtype")
         if self.dense_experts and (experts := nf4_experts.dequantize_experts(model)):

@@ -63,6 +63,20 @@ def test_logits_and_lora_gradients_equal_the_dequantised_twin(dtype, device):
     assert_same_step(lora_step(model), lora_step(twin), 2 * EXPERT_WEIGHTS, rtol=1e-2 if device == "cuda" else 0.0)
 
 
+def test_moe_backend_auto_takes_triton_for_nf4_experts_on_cuda_only_as_export_rebuilds_them(caplog):
+    """``auto`` is triton on CUDA (the backend that reads NF4 experts), as a pure function of the config and the run's
+    device, which export reads back; on the CPU the experts stay dense, logged with why."""
+    from lightning_ft.model.build import nf4_experts_backend
+
+    assert nf4_experts_backend("auto", on_cuda=True) == "triton" and nf4_experts_backend("auto", on_cuda=False) == "auto"
+    assert nf4_experts_backend("native_torch", on_cuda=True) == "native_torch"
+    with caplog.at_level("INFO", logger=LOGGER):
+        model = _build(backend="auto")
+    assert "quantization: the MoE experts stay in float32: moe.backend=auto takes triton, which keeps them in NF4 too, " \
+           "on CUDA only" in caplog.messages
+    assert nf4_weight(_experts(model), "gate_up_proj") is None
+
+
 def test_other_backends_keep_the_experts_dense_and_refuse_nf4_weights(caplog):
     """moe.backend other than triton: the linear layers in NF4, the experts in model.dtype (logged once); the
     experts function refuses NF4 weights outside the triton backend."""
