@@ -23,7 +23,9 @@ bf16 and the fused 4-bit base against PEFT + bitsandbytes, 300 steps of GSM8K ea
 Each side's overrides are one argument, split as the shell splits words: quote an override with spaces inside
 it, e.g. ``--candidate "'lora.target_modules=[q_proj, v_proj]' kernels=all"``. ``--record`` appends one row to the
 fidelity table (`lightning_ft.bench.table.FIDELITY`), from which ``python -m lightning_ft bench report``
-writes the fidelity section of RESULTS.md. Exit status 1 when a bound is exceeded or a run failed.
+writes the fidelity section of RESULTS.md. Before anything trains, each side's config as Hydra composes it
+(``fit ... --cfg job``) is checked: both need validation data and the same ``trainer.max_steps``, at least one
+``--window`` (exit status 2 otherwise, as for bad arguments). Exit status 1 when a bound is exceeded or a run failed.
 """
 
 from __future__ import annotations
@@ -70,21 +72,61 @@ def curve_difference(reference: list[float | None], candidate: list[float | None
     return max(points)
 
 
+def _env() -> dict[str, str]:
+    """The runs' environment: this checkout first on the import path, unbuffered output."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+
 def _fit(run_dir: Path, overrides: list[str], log: Path, timeout: float) -> dict[str, Any]:
     """One ``fit`` run into ``run_dir`` (its output in ``log``); its ``summary.json``.
 
     Raises:
         RuntimeError: the run failed or wrote no summary (naming the log).
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     command = [sys.executable, "-m", "lightning_ft", "fit", f"hydra.run.dir={run_dir}", *overrides]
     with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
     summary = run_dir / "summary.json"
     if code != 0 or not summary.exists():
         raise RuntimeError(f"fit {shlex.join(overrides)} ended with status {code}: see {log}")
     return json.loads(summary.read_text())
+
+
+def planned_config(overrides: list[str]) -> dict[str, Any]:
+    """The config ``fit`` would run with these overrides, as Hydra composes it (``fit ... --cfg job``: nothing runs).
+
+    Raises:
+        ValueError: Hydra could not compose it (its message).
+    """
+    import yaml
+
+    command = [sys.executable, "-m", "lightning_ft", "fit", *overrides, "--cfg", "job"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+    if proc.returncode != 0:
+        raise ValueError(f"fit {shlex.join(overrides)}: {(proc.stderr.strip().splitlines() or ['no config'])[-1]}")
+    return yaml.safe_load(proc.stdout)
+
+
+def preflight(configs: dict[str, dict[str, Any]], window: int) -> None:
+    """Refuse, before anything trains, a pair of runs that could not be compared: a side without validation data,
+    different ``trainer.max_steps``, or fewer steps than one smoothing window.
+
+    Raises:
+        ValueError: naming the side and the setting to change.
+    """
+    for side, cfg in configs.items():
+        data = cfg.get("data") or {}
+        if not (data.get("val_path") or (data.get("val_fraction") or 0) > 0):
+            raise ValueError(f"the {side} run has no validation data, so no final validation loss: give both runs "
+                             "data.val_path or data.val_fraction")
+    steps = {side: (cfg.get("trainer") or {}).get("max_steps") for side, cfg in configs.items()}
+    if len(set(steps.values())) > 1:
+        raise ValueError("the runs would train different numbers of steps (" + ", ".join(
+            f"{side} trainer.max_steps={n}" for side, n in steps.items()) + "): give both the same")
+    n = next(iter(steps.values()))
+    if isinstance(n, int) and 0 < n < window:
+        raise ValueError(f"trainer.max_steps={n} is less than one smoothing window (--window {window}): no step to compare")
 
 
 def check(common: list[str], reference: list[str], candidate: list[str], work: Path, window: int, every: int,
@@ -151,6 +193,10 @@ def main() -> None:
             read_rows(args.record, FIDELITY)
         except TableError as err:
             sys.exit(f"fidelity: --record {err}")
+    try:
+        preflight({side: planned_config([*args.common, *overrides]) for side, overrides in sides.items()}, args.window)
+    except (ValueError, subprocess.TimeoutExpired) as err:
+        parser.error(str(err))
     date = datetime.now(timezone.utc)
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="fidelity_"))
     work.mkdir(parents=True, exist_ok=True)

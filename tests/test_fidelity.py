@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+#: both sides' overrides of the short failing runs: two steps, a validation split
+SHORT = ("trainer.max_steps=2", "data.val_fraction=0.1")  # with --window 1
 #: the runs' environment: the kernels' torch references on the CPU, not Triton's interpreter (the conftest turns it on)
 ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -74,26 +76,28 @@ def test_fidelity_runs_both_sides_records_a_row_and_fails_past_its_bound(tmp_pat
 def test_fidelity_names_a_failed_run_and_its_log(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "model.attention=nope",
-         "--candidate", "trainer.max_steps=2", "--work", str(tmp_path)],
+         "--candidate", "lora.dropout=0.0", "--window", "1", "--work", str(tmp_path), "--", *SHORT],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert proc.returncode == 1
-    assert f"fidelity: fit model.attention=nope ended with status 1: see {tmp_path / 'reference.log'}" in proc.stderr
+    assert ("fidelity: fit trainer.max_steps=2 data.val_fraction=0.1 model.attention=nope ended with status 1: "
+            f"see {tmp_path / 'reference.log'}") in proc.stderr
 
 
 def test_fidelity_keeps_its_temporary_runs_when_one_fails_and_quotes_overrides_as_the_shell(tmp_path):
     """Without ``--work`` the failed run's log that the message names is still there; a side's quoted override with a
     space is one override, shown quoted."""
     proc = subprocess.run(
-        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "'model.attention=no pe'",
-         "--candidate", "trainer.max_steps=2"],
+        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "data=jsonl 'data.path=/no such.jsonl'",
+         "--candidate", "lora.dropout=0.0", "--window", "1", "--", *SHORT],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**ENV, "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 1
     [work] = tmp_path.glob("fidelity_*")
     log = work / "reference.log"
-    assert f"fidelity: fit 'model.attention=no pe' ended with status 1: see {log} (the runs are kept in {work})" in proc.stderr
-    assert "model.attention" in log.read_text()
+    assert (f"fidelity: fit trainer.max_steps=2 data.val_fraction=0.1 data=jsonl 'data.path=/no such.jsonl' ended with "
+            f"status 1: see {log} (the runs are kept in {work})") in proc.stderr
+    assert "/no such.jsonl" in log.read_text()
 
 
 def test_fidelity_refuses_a_record_table_with_other_columns_before_training(tmp_path):
@@ -118,4 +122,25 @@ def test_fidelity_refuses_an_unbalanced_quote_in_a_side_before_training(tmp_path
         cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV,
     )
     assert proc.returncode == 2 and "fidelity.py: error: --reference: No closing quotation: \"'kernels=none\"" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("common, candidate, message", [
+    (("trainer.max_steps=4",), "kernels=all",
+     "the reference run has no validation data, so no final validation loss: give both runs data.val_path or "
+     "data.val_fraction"),
+    (("trainer.max_steps=4", "data.val_fraction=0.1"), "trainer.max_steps=3",
+     "the runs would train different numbers of steps (reference trainer.max_steps=4, candidate trainer.max_steps=3): "
+     "give both the same"),
+    (("trainer.max_steps=4", "data.val_fraction=0.1"), "kernels=all",
+     "trainer.max_steps=4 is less than one smoothing window (--window 20): no step to compare"),
+])
+def test_fidelity_refuses_runs_that_could_not_be_compared_before_training(tmp_path, common, candidate, message):
+    """Each side's config as Hydra composes it (``fit --cfg job``) is checked before anything trains."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "kernels=none", "--candidate", candidate,
+         "--work", str(tmp_path / "runs"), "--", *common],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV,
+    )
+    assert proc.returncode == 2 and f"fidelity.py: error: {message}" in proc.stderr, proc.stderr[-1500:]
     assert not (tmp_path / "runs").exists()
