@@ -254,7 +254,7 @@ def command_schema(command: str) -> type:
         return FitConfig
     types, groups = get_type_hints(FitConfig), config_groups(command)
     shared = [(f.name, types[f.name], field(default_factory=f.default_factory)) for f in fields(FitConfig) if f.name in groups]
-    keys = [(str(k), Any, None) for k in _primary_config(command) if k not in ("defaults", "hydra")]
+    keys = [(str(k), Any, None) for k in _primary_config(command) if k not in ("defaults", "hydra") and k not in groups]
     return make_dataclass(f"{command.capitalize()}Config", keys + shared)
 
 

@@ -33,8 +33,15 @@ class FastLanguageModel:
                         use_gradient_checkpointing):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        assert load_in_16bit and not (load_in_4bit or load_in_8bit or full_finetuning)
-        return AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype), AutoTokenizer.from_pretrained(model_name)
+        assert load_in_16bit != load_in_4bit and not (load_in_8bit or full_finetuning)
+        quantization = {}
+        if load_in_4bit:  # QLoRA as Unsloth loads it: bitsandbytes' NF4 with double quantisation
+            from transformers import BitsAndBytesConfig
+
+            quantization["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype, **quantization)
+        return model, AutoTokenizer.from_pretrained(model_name)
 
     @staticmethod
     def get_peft_model(model, *, r, lora_alpha, lora_dropout, target_modules, target_parameters, bias,
@@ -107,6 +114,30 @@ def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
         assert r["table"] is None  # profile=true changes what is measured: history, in no RESULTS.md table
     assert table[0]["settings"] == "fp32 ckpt lora=r16a32:q,k,v,o" and table[1]["settings"].endswith("kernels=none moe=hf")
     assert "+bench=tiny_cpu" in table[0]["command"] and "results_table" not in table[0]["command"]
+
+
+@pytest.mark.slow
+def test_bench_qlora_runs_every_system_over_the_same_nf4_base(tmp_path):
+    """``model.quantization=nf4``: hf_peft's in-memory bitsandbytes layers, Unsloth's ``load_in_4bit`` load (the
+    stand-in loads through transformers' bitsandbytes quantizer, as from_pretrained does for a user) and ours
+    quantise the same random weights alike: the same losses, which differ from the 16/32-bit base's; every row's
+    settings say nf4."""
+    pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
+    site, tmp = tmp_path / "site", tmp_path / "tmp"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text(STAND_IN_UNSLOTH)
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    rows = run_bench(tmp_path / "run", "systems=[hf_peft,unsloth,lightning_ft]", "model.quantization=nf4", env=env)
+    assert [(r["system"], r["status"]) for r in rows] == [("hf_peft", "ok"), ("unsloth", "ok"), ("lightning_ft", "ok")]
+    assert rows[1]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-5)
+    assert rows[2]["loss_last"] == pytest.approx(rows[0]["loss_last"], rel=1e-4)
+    from lightning_ft.bench.table import read_rows
+
+    table = read_rows(tmp_path / "run" / "results.csv")
+    assert all(" nf4 lora=" in r["settings"] for r in table) and {r["table"] for r in table} == {None}
+    dense = run_bench(tmp_path / "dense", "systems=[hf_peft]")
+    assert abs(dense[0]["loss_last"] - rows[0]["loss_last"]) > 1e-3  # the 4-bit base changed the numbers
 
 
 @pytest.mark.slow

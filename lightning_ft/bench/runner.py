@@ -129,7 +129,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
                 "model": cfg.name,
                 "seq_len": seq_len,
                 "model_config": model_config,
-                "model_options": {k: cfg.model[k] for k in ("attention",) if k in cfg.model},
+                "model_options": {k: cfg.model[k] for k in ("attention", "quantization") if k in cfg.model},
                 "strategy": OmegaConf.to_container(cfg.strategy, resolve=True),
                 "lora": OmegaConf.to_container(cfg.lora, resolve=True),
                 "kernels": OmegaConf.to_container(cfg.kernels, resolve=True),

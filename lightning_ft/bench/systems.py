@@ -3,11 +3,18 @@
 - ``hf_peft``: stock transformers + PEFT as a user writes it: SDPA attention, the ``grouped_mm``
   experts implementation for MoE, PEFT ``target_parameters`` for expert LoRA, non-reentrant
   gradient checkpointing, bf16 weights under bf16 autocast (fp32 adapters), AdamW on the adapters,
-  ``model(input_ids, labels=input_ids).loss``. The baseline of every ratio.
+  ``model(input_ids, labels=input_ids).loss``. The baseline of every ratio. With ``model.quantization=nf4``
+  (QLoRA) its linear layers are bitsandbytes' NF4 ``Linear4bit`` (double quantisation, computing in the model's
+  dtype), as ``from_pretrained`` with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+  bnb_4bit_use_double_quant=True)`` makes them, and PEFT's ``lora.bnb.Linear4bit`` adapters; norms, embeddings
+  and the LM head stay in the model's dtype (``prepare_model_for_kbit_training``'s fp32 upcast is left out: it
+  would only make this baseline slower and larger).
 - ``liger``: the same after Liger Kernel's ``apply_liger_kernel_to_<arch>()``.
 - ``unsloth``: Unsloth's ``FastLanguageModel`` (16-bit LoRA, ``use_gradient_checkpointing=
   "unsloth"``) loaded from a checkpoint folder of the same random weights, then the same loop as
-  ``hf_peft``. Its first step compiles every layer, so give it ≥ 2 warm-up steps.
+  ``hf_peft``. Its first step compiles every layer, so give it ≥ 2 warm-up steps. With
+  ``model.quantization=nf4``, Unsloth's QLoRA: ``load_in_4bit=True`` (it quantises the checkpoint to NF4 as
+  it loads).
 - ``lightning_ft``: our `FinetuneModule` with the benchmark's kernels config, the model
   config's ``attention`` and the ``strategy`` options (CUDA graphs, kept and offloaded activations),
   trained by a Lightning `Trainer` with the lightning_ft strategy exactly as ``fit``
@@ -62,11 +69,20 @@ def _random_model(spec: dict[str, Any], **kwargs: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(hf_config, dtype=spec["dtype"], **kwargs)
 
 
+def _nf4(spec: dict[str, Any]) -> bool:
+    """Whether the bench runs QLoRA: the frozen base in NF4 (``model.quantization=nf4``) for every system."""
+    return spec.get("model_options", {}).get("quantization", "none") == "nf4"
+
+
 def _hf_model(spec: dict[str, Any]) -> torch.nn.Module:
     kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
     if spec["model_config"].get("num_experts") and spec["device"].startswith("cuda"):
         kwargs["experts_implementation"] = "grouped_mm"
     model = _random_model(spec, **kwargs)
+    if _nf4(spec):  # the bitsandbytes Linear4bit layers from_pretrained(quantization_config=...) makes
+        from lightning_ft.model.quantization import quantize_linears
+
+        quantize_linears(model)
     if spec["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -151,7 +167,8 @@ def import_unsloth() -> Any:
 
 
 def unsloth_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int) -> tuple[list[float], float, dict]:
-    """Run ``num_steps`` training steps of Unsloth's 16-bit LoRA; returns (seconds per step, last loss, profile summary).
+    """Run ``num_steps`` training steps of Unsloth's 16-bit LoRA (QLoRA with ``model.quantization=nf4``); returns
+    (seconds per step, last loss, profile summary).
 
     ``FastLanguageModel`` dispatches on ``model_type``: Llama loads through ``FastLlamaModel`` (Unsloth's
     hand-written Triton kernels), Qwen3-MoE through ``FastModel`` (its compiler, which compiles each
@@ -194,8 +211,8 @@ def unsloth_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps: int)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model, _ = FastLanguageModel.from_pretrained(
-            model_name=checkpoint, max_seq_length=spec["seq_len"], dtype=spec["dtype"], load_in_4bit=False,
-            load_in_8bit=False, load_in_16bit=True, full_finetuning=False, use_gradient_checkpointing=checkpointing,
+            model_name=checkpoint, max_seq_length=spec["seq_len"], dtype=spec["dtype"], load_in_4bit=_nf4(spec),
+            load_in_8bit=False, load_in_16bit=not _nf4(spec), full_finetuning=False, use_gradient_checkpointing=checkpointing,
         )
         model = FastLanguageModel.get_peft_model(
             model,
@@ -277,10 +294,12 @@ class StepTimer:
     On CUDA, `summary` also gets the peak allocated memory (GiB) of each phase of the timed steps
     (``peak_mem_gib_forward``: from the batch's start to its backward, ``_backward``,
     ``_optimizer``: the optimizer step to the batch's end) and of everything before them
-    (``peak_mem_gib_warmup``: the build and the warm-up steps: compilation, graph recording), and
-    the run's peaks so far (``peak_mem_gib``, and ``peak_reserved_gib``: allocated plus the
-    allocator's cache). The allocator's peaks are reset at each phase boundary: a run's peak is the
-    larger of these and the allocator's peak since the last reset.
+    (``peak_mem_gib_warmup``: the warm-up steps: compilation, graph recording), and the run's peaks so
+    far (``peak_mem_gib``, and ``peak_reserved_gib``: allocated plus the allocator's cache). The
+    allocator's peaks are reset when the first batch starts (the model and its adapters resident), so
+    the build is left out: the systems build differently (Unsloth loads a checkpoint; a 4-bit base is
+    drawn in 16 bits and then quantised, where a checkpoint would load layer by layer), and at each phase
+    boundary: a run's peak is the larger of these and the allocator's peak since the last reset.
 
     With ``spec["profile"]`` (a file path) the timed steps (those after ``spec["warmup_steps"]``)
     also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time
@@ -318,6 +337,8 @@ class StepTimer:
         self._memory_phase("backward")
 
     def on_train_batch_start(self, *args: Any) -> None:
+        if not self.times and self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()  # the build left out (see the class docstring)
         if self.profile_path and len(self.times) == self.warmup_steps:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.startswith("cuda"):

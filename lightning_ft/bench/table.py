@@ -356,13 +356,15 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     """What ``system`` ran with, in one compact line from a bench config (``results.json``'s ``config``), e.g.
     ``bf16 ckpt lora=r16a32:q,k,v,o+experts kernels=rms_norm,rope,swiglu,lora,flce moe=auto graphs=keep:attn,proj``.
 
-    Every system: dtype, gradient checkpointing, LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
+    Every system: dtype, gradient checkpointing, the 4-bit base (``nf4``), LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
     MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload, fp8. A key the config
     lacks is left out."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
         parts.append("ckpt")
     lora = config.get("lora") or {}
+    if ((config.get("model") or {}).get("quantization") or "none") != "none":
+        parts.append(config["model"]["quantization"])
     if lora.get("enabled", True):
         targets = lora.get("target_modules") or []
         targets = [targets] if isinstance(targets, str) else [t.removesuffix("_proj") for t in targets]
