@@ -80,6 +80,7 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     quantization: str = "none",
+    experts_in_nf4: bool = False,
 ) -> torch.nn.Module:
     """Build a transformers causal LM from a checkpoint or, with random weights, from a config.
 
@@ -106,6 +107,8 @@ def load_causal_lm(
             bitsandbytes 4-bit checkpoint stores them (`lightning_ft.model.quantization`); or ``mxfp4``: gpt-oss's
             MoE experts in MXFP4, kept as an MXFP4 checkpoint stores them, else quantised after loading
             (`lightning_ft.model.mxfp4`).
+        experts_in_nf4: with ``quantization=nf4``, a 16/32-bit checkpoint's MoE experts are quantised to NF4 as they
+            load (`lightning_ft.model.nf4_experts.quantizing_on_load`; a random init's are quantised by the caller).
 
     Raises:
         ValueError: bad ``init``/``dtype``, no checkpoint and no ``model_type``, a config that is
@@ -177,7 +180,8 @@ def load_causal_lm(
     if device.type != "cpu":
         kwargs["device_map"] = str(device)
     keep_mxfp4 = quantization == "mxfp4" and method == "mxfp4"
-    with keeping_mxfp4() if keep_mxfp4 else contextlib.nullcontext():
+    on_load = experts_in_nf4 and quantization == "nf4" and method is None
+    with keeping_mxfp4() if keep_mxfp4 else nf4_experts.quantizing_on_load() if on_load else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
         )
@@ -209,10 +213,13 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
         rank_zero_info(f"moe: backend {moe_backend} -> {backend}, the backend that reads NF4 experts")
         moe_backend = backend
     if keep or (keep is None and moe_backend == "triton"):
-        if count := nf4_experts.quantize_experts(model):
+        after = nf4_experts.quantize_experts(model)  # those a checkpoint's load did not quantise (a random init's)
+        count = sum(nf4_experts.nf4_weight(e, n) is not None for e in nf4_experts.experts_modules(model)
+                    for n in ("gate_up_proj", "down_proj"))
+        if count:
             held, dense = nf4_experts.experts_bytes(model)
-            rank_zero_info(f"quantization: {count} expert weights quantised to NF4: {held / 2**20:.2f} MiB "
-                           f"({dense / 2**20:.2f} MiB in model.dtype)")
+            rank_zero_info(f"quantization: {count} expert weights quantised to NF4{'' if after else ' as they loaded'}: "
+                           f"{held / 2**20:.2f} MiB ({dense / 2**20:.2f} MiB in model.dtype)")
     elif keep is None:
         why = "takes triton, which keeps them in NF4 too, on CUDA only" if moe_backend == "auto" else \
             "reads dense weights (moe.backend=triton keeps them in NF4 too)"
@@ -477,6 +484,8 @@ class ModelBuilder:
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
             torch.manual_seed(self.seed)  # every device's generator: the base does not depend on what drew before
+        experts_in_nf4 = self.experts_in_nf4 if self.experts_in_nf4 is not None else \
+            nf4_experts_backend(moe_backend, device.type == "cuda") == "triton"
         model = load_causal_lm(
             cfg.get("name_or_path"),
             init=cfg.get("init", "pretrained"),
@@ -486,6 +495,7 @@ class ModelBuilder:
             attn_implementation=register_packed_attention(attention),
             trust_remote_code=cfg.get("trust_remote_code", False),
             quantization=cfg.get("quantization", "none"),
+            experts_in_nf4=experts_in_nf4,  # a checkpoint's experts quantised as they load (a dense model has none)
         )
         model.config.use_cache = False
         if quantization == "nf4":

@@ -14,12 +14,17 @@ weights, so with them the experts stay in ``model.dtype`` (logged once). ``expor
 (`dequantize_experts`: the values trained over), and the adapter is PEFT's as always.
 
 Each weight is quantised on its own device, one at a time (its 16-bit copy freed as its NF4 one is made). A
-checkpoint loads in 16 bits first (the experts are quantised after loading, as MXFP4's are).
+16/32-bit checkpoint's experts are quantised as they load (`quantizing_on_load`: each as soon as transformers has
+put it together on its device, as bitsandbytes' quantizer does with the linear layers), so the whole 16-bit
+experts are never on the device at once; a random init's after it is drawn.
 
 Sources: QLoRA, Dettmers et al. 2023 (arXiv:2305.14314); bitsandbytes 0.50 ``functional.quantize_4bit``.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -29,7 +34,7 @@ from lightning_ft.model.mxfp4 import keep_dense, keep_placeholder
 from lightning_ft.model.patching import moe_classes
 from lightning_ft.model.quantization import _bitsandbytes
 
-__all__ = ["dequantize_experts", "experts_bytes", "experts_modules", "nf4_weight", "quantize_experts"]
+__all__ = ["dequantize_experts", "experts_bytes", "experts_modules", "nf4_weight", "quantize_experts", "quantizing_on_load"]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 _PARTS = ("packed", "absmax", "absmax2", "tables")
@@ -46,29 +51,70 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def quantize_experts(model: torch.nn.Module) -> int:
     """Quantise every 3-D expert weight of ``model``'s sparse MoE blocks to NF4 in place, one at a time, on its
-    device; returns how many (0: a dense model).
+    device; returns how many (0: a dense model). Weights already in NF4 are skipped.
 
     Raises:
         ImportError: bitsandbytes is not installed (naming the ``qlora`` extra).
     """
+    return sum(_quantize(experts, name) for experts in experts_modules(model) for name in _PROJECTIONS)
+
+
+def _quantize(experts: torch.nn.Module, name: str) -> bool:
+    """``experts.<name>`` in NF4 (buffers and a placeholder, module docstring), its 16-bit copy freed; False where it
+    is in NF4 already."""
+    if hasattr(experts, f"{name}_nf4_packed"):
+        return False
     bnb = _bitsandbytes()
-    count = 0
-    for experts in experts_modules(model):
-        for name in _PROJECTIONS:
-            if hasattr(experts, f"{name}_nf4_packed"):
-                continue
-            weight = getattr(experts, name).detach()
-            packed, state = bnb.functional.quantize_4bit(
-                weight.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
-            )
-            quantised = Nf4ExpertWeight.from_quant_state(packed, state, weight.dtype)
-            shape, dtype, device = weight.shape, weight.dtype, weight.device
-            del weight, packed, state
-            for part in _PARTS:
-                experts.register_buffer(f"{name}_nf4_{part}", getattr(quantised, part).contiguous())
-            keep_placeholder(experts, name, shape, dtype, device)
-            count += 1
-    return count
+    weight = getattr(experts, name).detach()
+    packed, state = bnb.functional.quantize_4bit(
+        weight.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
+    )
+    quantised = Nf4ExpertWeight.from_quant_state(packed, state, weight.dtype)
+    shape, dtype, device = weight.shape, weight.dtype, weight.device
+    del weight, packed, state
+    setattr(experts, name, None)  # the 16-bit weight freed before the placeholder takes its name
+    for part in _PARTS:
+        experts.register_buffer(f"{name}_nf4_{part}", getattr(quantised, part).contiguous())
+    keep_placeholder(experts, name, shape, dtype, device)
+    getattr(experts, name)._is_hf_initialized = True  # loaded: transformers' init of missing weights leaves it alone
+    return True
+
+
+@contextlib.contextmanager
+def quantizing_on_load() -> Iterator[None]:
+    """Within: transformers' checkpoint load (``from_pretrained``) quantises each expert weight of a sparse MoE block
+    (`experts_modules`) to NF4 as soon as it is set on its module, one weight at a time, so a 16-bit checkpoint's
+    experts never sit on the device whole (about 57 GB for Qwen3-30B-A3B in bf16). A transformers without
+    ``core_model_loading.set_param_for_module`` loads as before (the caller quantises after loading).
+
+    Source: transformers 5 ``core_model_loading.convert_and_load_state_dict_in_model``, which sets every loaded
+    (and converted: the per-expert checkpoint tensors stacked into the fused 3-D weight) parameter through
+    ``set_param_for_module``.
+    """
+    try:
+        from transformers import core_model_loading as loading
+    except ImportError:
+        loading = None
+    original = getattr(loading, "set_param_for_module", None)
+    if original is None:
+        yield
+        return
+    blocks = moe_classes("sparse_block")
+
+    def set_and_quantize(model, target_name, param_value, *args, **kwargs):
+        original(model, target_name, param_value, *args, **kwargs)
+        module_path, _, name = target_name.rpartition(".")
+        if name in _PROJECTIONS and module_path.endswith(".experts"):
+            block = model.get_submodule(module_path.rpartition(".")[0])
+            experts = block.experts
+            if isinstance(block, blocks) and getattr(getattr(experts, name), "ndim", 0) == 3:
+                _quantize(experts, name)
+
+    loading.set_param_for_module = set_and_quantize
+    try:
+        yield
+    finally:
+        loading.set_param_for_module = original
 
 
 def nf4_weight(experts: torch.nn.Module, name: str) -> Nf4ExpertWeight | None:

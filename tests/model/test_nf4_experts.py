@@ -155,3 +155,46 @@ def test_strategy_fp8_leaves_the_nf4_experts_in_nf4_computing_in_model_dtype(mon
     assert caplog.messages.count("fp8: the NF4 MoE experts compute in bfloat16 (the grouped GEMM decodes NF4 to it)") == 1
     experts = _experts(built)
     assert all(nf4_weight(experts, n) is not None and fp8_expert_weight(experts, n) is None for n in ("gate_up_proj", "down_proj"))
+
+
+def test_a_checkpoints_experts_are_quantized_one_at_a_time_as_they_load(tmp_path, monkeypatch, caplog):
+    """A 16-bit checkpoint (transformers stores the experts one by one and stacks them as it loads): each fused expert
+    weight is quantised as soon as it is set, while no other expert weight is dense yet, so the 16-bit experts are
+    never on the device together; the result is bitwise the same as quantising after loading, and the log says so."""
+    import lightning_ft.model.nf4_experts as nf4_experts
+    from lightning_ft.model.build import load_causal_lm
+
+    load_causal_lm(None, "random", dict(TINY_MODEL["config"]), dtype="bfloat16").save_pretrained(tmp_path / "bf16")
+    after = load_causal_lm(str(tmp_path / "bf16"), dtype="bfloat16", quantization="nf4")  # experts dense on load
+    assert nf4_experts.quantize_experts(after) == EXPERT_WEIGHTS
+
+    dense_alive = []
+    quantize = nf4_experts._quantize
+
+    def spy(experts, name):
+        model_experts = [m for m in loading_model[0].modules() if m is not experts and hasattr(m, "gate_up_proj")]
+        dense_alive.append(sum(getattr(getattr(m, n), "ndim", 0) == 3 and getattr(m, n).stride(0) != 0
+                               and not hasattr(m, f"{n}_nf4_packed") and getattr(m, n).device.type != "meta"
+                               for m in model_experts for n in ("gate_up_proj", "down_proj")))
+        return quantize(experts, name)
+
+    loading_model = []
+    import transformers.core_model_loading as loading
+
+    original_set = loading.set_param_for_module
+
+    def remember(model, *args, **kwargs):  # the model being loaded, for the spy
+        loading_model[:] = [model]
+        return original_set(model, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "set_param_for_module", remember)
+    monkeypatch.setattr(nf4_experts, "_quantize", spy)
+    on_load = load_causal_lm(str(tmp_path / "bf16"), dtype="bfloat16", quantization="nf4", experts_in_nf4=True)
+    assert len(dense_alive) == EXPERT_WEIGHTS and dense_alive == [0] * EXPERT_WEIGHTS
+    assert loading.set_param_for_module is remember  # the load's own hook undone
+    for layer in (0, 1):
+        ours, reference = (m.model.layers[layer].mlp.experts for m in (on_load, after))
+        for name in ("gate_up_proj", "down_proj"):
+            a, b = nf4_weight(ours, name), nf4_weight(reference, name)
+            assert a is not None and all(torch.equal(getattr(a, p), getattr(b, p)) for p in ("packed", "absmax", "absmax2", "tables"))
+    assert nf4_experts.quantize_experts(on_load) == 0  # nothing left to quantise after the load
