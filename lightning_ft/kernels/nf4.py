@@ -166,6 +166,12 @@ class Nf4ExpertWeight(NamedTuple):
             int(_BLOCKSIZE2),
         )
 
+    def dense_in_buffer(self) -> torch.Tensor:
+        """The logical dense weight in the compute dtype, dequantised into the shared reused buffer (`dequantize_4bit`):
+        valid until the next dequantisation."""
+        dense = dequantize_4bit(self.quant4bit(), self.dtype)
+        return dense.transpose(1, 2) if self.transposed else dense
+
     @property
     def shape(self) -> torch.Size:
         """The logical shape: the stored one, or its last two dims swapped when transposed."""

@@ -442,6 +442,8 @@ def grouped_gemm(
     acc = accumulate_into if accumulate_into is not None else out
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
+    if isinstance(w_ECN, Nf4ExpertWeight) and src.is_cuda:  # dequantised whole, then the dense GEMM (measured faster)
+        w_ECN = w_ECN.dense_in_buffer()
     mxfp4, nf4, fp8 = (isinstance(w_ECN, kind) for kind in _QUANTISED_WEIGHTS)
     w, w_scales, w_absmax2, w_tables = w_ECN, w_ECN, src, src  # the pointers a weight's format does not read: any tensor
     if mxfp4:
