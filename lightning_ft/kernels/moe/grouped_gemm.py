@@ -385,7 +385,9 @@ def grouped_gemm(
             `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
             tile by tile in registers (its ``dtype`` is the compute dtype); or a
             `lightning_ft.kernels.nf4.Nf4ExpertWeight` likewise (either orientation; the kernel is then compiled
-            without floating-point contraction, so its tiles are bitwise `Nf4ExpertWeight.dequantize`'s values); or an
+            without floating-point contraction, so its tiles are bitwise `Nf4ExpertWeight.dequantize`'s values; on
+            CUDA it is dequantised whole into the reused buffer first, `Nf4ExpertWeight.dense_in_buffer`, which
+            measured 13.5× faster); or an
             `lightning_ft.kernels.fp8.Fp8ExpertWeight` of that logical shape (either orientation): the fp8 path
             below.
         offsets_E: [E] int32 cumulative row ends; ``offsets_E[-1] == num_rows``.
@@ -442,7 +444,9 @@ def grouped_gemm(
     acc = accumulate_into if accumulate_into is not None else out
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
-    if isinstance(w_ECN, Nf4ExpertWeight) and src.is_cuda:  # dequantised whole, then the dense GEMM (measured faster)
+    if isinstance(w_ECN, Nf4ExpertWeight) and src.is_cuda:
+        # on CUDA dequantised whole into the reused buffer, then the dense GEMM: on an H100 (Qwen3-30B-A3B × 12 layers,
+        # 8K tokens) a step took 238 ms this way against 3,215 ms with the per-element decode in the B-tile loads
         w_ECN = w_ECN.dense_in_buffer()
     mxfp4, nf4, fp8 = (isinstance(w_ECN, kind) for kind in _QUANTISED_WEIGHTS)
     w, w_scales, w_absmax2, w_tables = w_ECN, w_ECN, src, src  # the pointers a weight's format does not read: any tensor
