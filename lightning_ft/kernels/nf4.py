@@ -200,13 +200,31 @@ class Nf4ExpertWeight(NamedTuple):
 
 
 _BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_RECORDED: list[torch.Tensor] = []  # buffers a CUDA graph wrote: kept alive, as replays write them at their address
 
 
 def _buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The first ``numel`` elements of the reused flat buffer for (device, dtype), grown to at least ``numel``."""
+    """The first ``numel`` elements of the reused flat buffer for (device, dtype), grown to at least ``numel``.
+
+    Under CUDA graphs (`lightning_ft.strategies.cuda_graphs`) the recorded kernels write the buffer at its
+    address on every replay, so a recorded buffer stays allocated after it is outgrown, and it may not grow
+    while a graph records (its new memory would come from the graphs' private pool). The graphs record a layer
+    only after it ran eagerly, which sized the buffer for its weights.
+
+    Raises:
+        RuntimeError: the buffer must grow while the current stream records a CUDA graph.
+    """
     buffer = _BUFFERS.get((device, dtype))
+    recording = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if buffer is None or buffer.numel() < numel:
+        if recording:
+            raise RuntimeError(
+                f"the 4-bit dequantisation buffer ({dtype}) must grow to {numel} elements while a CUDA graph records: "
+                "run the layer eagerly first (lightning_ft.strategies.cuda_graphs does), or set strategy.cuda_graphs=false"
+            )
         buffer = _BUFFERS[(device, dtype)] = torch.empty(numel, device=device, dtype=dtype)
+    if recording and not any(buffer is kept for kept in _RECORDED):
+        _RECORDED.append(buffer)
     return buffer[:numel]
 
 

@@ -127,16 +127,13 @@ def test_fit_on_nf4_experts_then_export_merge_reproduces_the_trained_logits(tmp_
 
 
 def test_the_nf4_refusals_hold_for_moe_models_on_the_triton_backend():
-    """No LoRA, FSDP2 and CUDA graphs are refused before any weight loads, as for a dense nf4 model."""
-    from lightning_ft.strategies.strategy import Execution
+    """No LoRA and FSDP2 are refused before any weight loads, as for a dense nf4 model."""
 
     model = {**TINY_MODEL, "quantization": "nf4"}
     with pytest.raises(ValueError, match="only LoRA can train: set lora.enabled=true"):
         ModelBuilder(model, {**LORA, "enabled": False}, moe={"backend": "triton"})(torch.device("cpu"))
     with pytest.raises(ValueError, match="does not run under strategy=fsdp2"):
         ModelBuilder(model, LORA, moe={"backend": "triton"})(torch.device("cpu"), sharded=True)
-    with pytest.raises(ValueError, match="set strategy.cuda_graphs=false"):
-        ModelBuilder(model, LORA, moe={"backend": "triton"}, execution=Execution(cuda_graphs=True))(torch.device("cpu"))
 
 
 def test_strategy_fp8_leaves_the_nf4_experts_in_nf4_computing_in_model_dtype(monkeypatch, caplog):

@@ -57,7 +57,10 @@ DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_kernel: bool | None = None) -> FinetuneModule:
+def _module(
+    kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_kernel: bool | None = None, quantization: str = "none",
+    fp8: bool = False,
+) -> FinetuneModule:
     torch.manual_seed(0)
     cuda = device == "cuda"
     lora_kernel = cuda if lora_kernel is None else lora_kernel
@@ -68,8 +71,9 @@ def _module(kind: str, device: str, lora=LORA, moe_backend: str = "auto", lora_k
         lora["target_modules"] = [t for t in lora["target_modules"] if t not in ("gate_proj", "up_proj", "down_proj")]
     module = FinetuneModule(ModelBuilder(model={
             "init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16" if cuda else "float32",
-            "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True,
-        }, lora=lora, kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda}, moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"}))
+            "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True, "quantization": quantization,
+        }, lora=lora, kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda}, moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"},
+        execution=Execution(fp8=fp8)))
     with torch.device(device):
         module.configure_model()
     for name, p in module.model.named_parameters():  # non-zero lora_B: every LoRA weight gets gradient
@@ -190,6 +194,56 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         assert all(v is not None and v >= 0 for v in timed) if cuda else timed == [None] * 4
     else:
         assert "offloaded_inputs" not in cuda_graph_stats(module.model)
+
+
+GPU = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(
+    "kind, moe_backend, quantization, fp8, device",
+    [
+        ("llama", "hf", "nf4", False, "cpu"), ("qwen3_moe", "triton", "nf4", False, "cpu"),
+        pytest.param("llama", "hf", "nf4", False, "cuda", marks=GPU), pytest.param("qwen3_moe", "triton", "nf4", False, "cuda", marks=GPU),
+        pytest.param("llama", "hf", "nf4", True, "cuda", marks=GPU), pytest.param("qwen3_moe", "triton", "none", True, "cuda", marks=GPU),
+    ],
+)  # fmt: skip
+def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_backend, quantization, fp8, device):
+    """A 4-bit or fp8 frozen base replayed from CUDA graphs: model.quantization=nf4 (the fused 4-bit LoRA linear; on
+    Qwen3-MoE NF4 experts through the triton grouped GEMM), with strategy.fp8 on top (e4m3 products of the NF4 bases),
+    and strategy.fp8 alone on Qwen3-MoE (fp8 linear layers and experts). The replays read the dequantisation buffer
+    the recordings wrote; loss and gradients equal the eager model's step after step, the weights updated in place
+    between steps."""
+    if quantization == "nf4":
+        pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
+    from lightning_ft.kernels import nf4
+
+    cuda = device == "cuda"
+    if moe_backend == "triton" and not (cuda or TRITON_ON_CPU):
+        pytest.skip("the triton MoE backend runs on the CPU only under TRITON_INTERPRET=1")
+    module = _module(kind, device, moe_backend=moe_backend, lora_kernel=True, quantization=quantization, fp8=fp8)
+    modules = {type(m).__name__ for m in module.model.modules()}
+    tensors = [n for n, _ in module.model.named_parameters()] + [n for n, _ in module.model.named_buffers()]
+    if quantization == "nf4":  # the base is 4-bit: the linear layers, and the MoE's experts
+        assert "Linear4bit" in modules and (kind != "qwen3_moe" or any("gate_up_proj_nf4" in n for n in tensors))
+    if fp8:  # e4m3 products: the scales of the NF4 bases, or fp8 linear layers and experts
+        assert any("fp8" in n for n in tensors) and (quantization == "nf4" or "Fp8Linear" in modules)
+    layers = apply_cuda_graphs(module.model)
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    for step, name in enumerate(["a", "b", "a", "b", "one"]):
+        batch = _batch(name, device, seed=step)
+        want_loss, want = _loss_and_grads(module, batch, train=False)
+        got_loss, got = _loss_and_grads(module, batch, train=True)
+        assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-3 if cuda else 1e-6), f"step {step}"
+        assert got.keys() == want.keys() and any("lora_A" in n for n in got)
+        bad = [n for n in want if not _close(got[n], want[n], cuda)]
+        assert not bad, f"step {step} ({name}): gradients differ for {bad[:4]}"
+        with torch.no_grad():
+            for n, p in module.model.named_parameters():
+                if p.requires_grad:
+                    p.add_(want[n], alpha=-0.1)
+    assert state.captures >= layers  # recorded and replayed
+    if cuda and quantization == "nf4":  # the graphs wrote the reused dequantisation buffer, kept alive for their replays
+        assert nf4._RECORDED
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
