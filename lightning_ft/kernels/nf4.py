@@ -18,13 +18,13 @@ and the result is bitwise bitsandbytes' ``dequantize_4bit`` (compared on the CPU
 interpreter, and on CUDA by the ``gpu`` tests). The fp32 -> bf16 rounding is done in integer arithmetic
 (round to nearest even, as torch and CUDA round): Triton's interpreter would otherwise truncate.
 
-`Nf4ExpertWeight` carries a 3-D MoE expert weight quantised the same way (the whole [E, rows, cols] tensor as
-one bitsandbytes weight) to the Triton grouped GEMM (`lightning_ft.kernels.moe.grouped_gemm`), whose B-tile loads
-(`nf4_tile`) decode it in registers with the same arithmetic, so it is never dense in memory.
-
 `dequantize_4bit` writes into a buffer reused across calls (one per device and dtype, grown to the
 largest weight): the QLoRA linear (`lightning_ft.kernels.qlora`) dequantises a layer's weight right
 before its GEMM, in the forward and again in the backward, so only one dense weight exists at a time.
+
+`Nf4ExpertWeight` carries a 3-D MoE expert weight quantised the same way (the whole [E, rows, cols] tensor as
+one bitsandbytes weight) to the Triton grouped GEMM (`lightning_ft.kernels.moe.grouped_gemm`), which dequantises
+it whole into that buffer right before each GEMM (`Nf4ExpertWeight.dense_in_buffer`) and reads it dense.
 
 In e4m3 (``strategy.fp8``: 4-bit storage, fp8 compute) a 2-D [N, K] weight is written as the fp8 GEMMs of
 `lightning_ft.kernels.fp8` read a frozen weight: row n in e4m3 with the fp32 scale s[n] = amax(|row n|) / 448
@@ -50,7 +50,7 @@ import triton.language as tl
 from lightning_ft.kernels._utils import triton_can_run, warn_fallback
 from lightning_ft.kernels.fp8 import E4M3, e4m3_cast, e4m3_row_scales, quantize_rows_reference
 
-__all__ = ["Nf4ExpertWeight", "Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference", "e4m3_scales_4bit", "nf4_tile"]
+__all__ = ["Nf4ExpertWeight", "Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference", "e4m3_scales_4bit"]
 
 class Quant4bitWeight(NamedTuple):
     """A 4-bit weight in bitsandbytes' layout (tensors on the weight's device).
@@ -107,26 +107,27 @@ def dequantize_4bit_reference(weight: Quant4bitWeight, dtype: torch.dtype) -> to
     return values.to(dtype).view(weight.shape)
 
 
-_CODE: tl.constexpr = tl.constexpr(16)  # entries of the 4-bit code
-_CODE2: tl.constexpr = tl.constexpr(256)  # entries of the 8-bit absmax code
-_BLOCKSIZE: tl.constexpr = tl.constexpr(64)  # `Nf4ExpertWeight`'s blocks: elements per absmax
-_BLOCKSIZE2: tl.constexpr = tl.constexpr(256)  # absmax per fp32 absmax2 scale
+_CODE = 16  # entries of the 4-bit code
+_CODE2 = 256  # entries of the 8-bit absmax code
+_BLOCKSIZE = 64  # `Nf4ExpertWeight`'s blocks: elements per absmax
+_BLOCKSIZE2 = 256  # absmax per fp32 absmax2 scale
 
 
 class Nf4ExpertWeight(NamedTuple):
-    """A 3-D expert weight in NF4 with double quantisation, as the Triton grouped GEMM reads it (in place of a dense
-    [E, rows, cols] tensor): bitsandbytes' ``quantize_4bit(w, blocksize=64, compress_statistics=True,
-    quant_type="nf4")`` of the whole stored tensor, so exactly QLoRA's layout and bytes: 4 bits a weight plus
-    8 bits per 64 weights plus 32 bits per 64·256, ~0.516 bytes a weight against bf16's 2. The stored tensor is
-    quantised row-major as bitsandbytes flattens it: element f (its flat index) in the high nibble of byte f // 2
-    when f is even, in block f // 64; blocks may straddle rows and experts, so any shape works.
+    """A 3-D expert weight in NF4 with double quantisation, as the Triton grouped GEMM takes it (in place of a dense
+    [E, rows, cols] tensor; dequantised into the reused buffer before each GEMM, `dense_in_buffer`): bitsandbytes'
+    ``quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")`` of the whole stored tensor, so
+    exactly QLoRA's layout and bytes: 4 bits a weight plus 8 bits per 64 weights plus 32 bits per 64·256, ~0.516
+    bytes a weight against bf16's 2. The stored tensor is quantised row-major as bitsandbytes flattens it: element f
+    (its flat index) in the high nibble of byte f // 2 when f is even, in block f // 64; blocks may straddle rows and
+    experts, so any shape works.
 
     Attributes:
         packed: uint8 [ceil(n/2)] (n the stored weight's elements): bitsandbytes' packed data, flattened.
         absmax: uint8 [ceil(n/64)]: each block's absmax as an index into the 8-bit code.
         absmax2: fp32 [ceil(n/64/256)]: the scale of each 256 absmax.
         tables: fp32 [16 + 256 + 1]: the NF4 code (``quant_state.code``), the 8-bit dynamic code of the
-            absmax (``state2.code``) and the absmax offset (``quant_state.offset``), one tensor for the kernel.
+            absmax (``state2.code``) and the absmax offset (``quant_state.offset``), in one tensor.
         stored_shape: the stored weight's shape [E, rows, cols] (the parameter it replaces).
         dtype: the compute dtype (what the dense weight would be: the model's dtype).
         transposed: the logical tensor is the stored one's ``transpose(1, 2)``.
@@ -149,7 +150,7 @@ class Nf4ExpertWeight(NamedTuple):
         """
         weight = Quant4bitWeight.from_quant_state(packed, quant_state)
         if (len(weight.shape), quant_state.quant_type, weight.blocksize, weight.absmax2 is None, weight.blocksize2) != (
-            3, "nf4", int(_BLOCKSIZE), False, int(_BLOCKSIZE2)
+            3, "nf4", _BLOCKSIZE, False, _BLOCKSIZE2
         ):
             raise ValueError(
                 "an NF4 expert weight is a 3-D NF4 weight in blocks of 64 with double quantisation (blocks of 256); got "
@@ -160,15 +161,16 @@ class Nf4ExpertWeight(NamedTuple):
 
     def quant4bit(self) -> Quant4bitWeight:
         """The stored weight as a `Quant4bitWeight` (views of the same tensors)."""
-        code, code2, offset = self.tables.split([int(_CODE), int(_CODE2), 1])
+        code, code2, offset = self.tables.split([_CODE, _CODE2, 1])
         return Quant4bitWeight(
-            self.packed, self.absmax, code, tuple(self.stored_shape), int(_BLOCKSIZE), self.absmax2, code2, offset[0],
-            int(_BLOCKSIZE2),
+            self.packed, self.absmax, code, tuple(self.stored_shape), _BLOCKSIZE, self.absmax2, code2, offset[0],
+            _BLOCKSIZE2,
         )
 
     def dense_in_buffer(self) -> torch.Tensor:
-        """The logical dense weight in the compute dtype, dequantised into the shared reused buffer (`dequantize_4bit`):
-        valid until the next dequantisation."""
+        """The logical dense weight in the compute dtype, dequantised whole into the shared reused buffer
+        (`dequantize_4bit`: bitwise `dequantize`'s values) and valid until the next dequantisation into it; when
+        transposed, the stored weight dequantised and then viewed transposed (no copy)."""
         dense = dequantize_4bit(self.quant4bit(), self.dtype)
         return dense.transpose(1, 2) if self.transposed else dense
 
@@ -177,11 +179,6 @@ class Nf4ExpertWeight(NamedTuple):
         """The logical shape: the stored one, or its last two dims swapped when transposed."""
         experts, rows, cols = self.stored_shape
         return torch.Size((experts, cols, rows) if self.transposed else (experts, rows, cols))
-
-    def strides(self) -> tuple[int, int, int]:
-        """The logical tensor's strides in the stored weight's flat element index (row-major, swapped when transposed)."""
-        _, rows, cols = self.stored_shape
-        return (rows * cols, 1, cols) if self.transposed else (rows * cols, cols, 1)
 
     def transpose(self, dim0: int, dim1: int) -> Nf4ExpertWeight:
         """The ``transpose(1, 2)`` view (no copy); only that, as a dense 3-D expert weight is transposed here.
@@ -337,20 +334,3 @@ def _round_to(values, dtype: tl.constexpr):
         rounded = values.to(dtype)
     return rounded
 
-
-@triton.jit
-def nf4_tile(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, index, mask, dtype: tl.constexpr):
-    """The values of an `Nf4ExpertWeight` at the flat element indices ``index`` (an int64 tensor of any shape:
-    the stored weight's row-major positions), in ``dtype``, 0 outside ``mask``; decoded in registers with the
-    arithmetic of `dequantize_4bit` (bitwise its values where compiled without floating-point contraction).
-
-    ``tables_ptr``: fp32 [16 + 256 + 1], the 4-bit code, the 8-bit absmax code and the absmax offset.
-    """
-    byte = tl.load(packed_ptr + index // 2, mask=mask, other=0).to(tl.int32)
-    nibble = tl.where((index & 1) == 0, byte >> 4, byte & 15)  # the high nibble holds the even element
-    block = index // _BLOCKSIZE
-    qabsmax = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(absmax2_ptr + block // _BLOCKSIZE2, mask=mask, other=0.0)
-    absmax = tl.load(tables_ptr + _CODE + qabsmax) * scale + tl.load(tables_ptr + _CODE + _CODE2)
-    values = tl.load(tables_ptr + nibble) * absmax
-    return _round_to(tl.where(mask, values, 0.0), dtype)

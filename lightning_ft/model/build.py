@@ -605,7 +605,7 @@ def _fp8_over_4bit(model: torch.nn.Module, dtype: str) -> None:
         rank_zero_info(f"fp8: {left} 4-bit base weights under LoRA compute in {dtype}: the fused LoRA forward does not "
                        "serve their adapters (LoRA dropout, DoRA or a LoRA bias)")
     if nf4_experts.experts_bytes(model)[0]:
-        rank_zero_info(f"fp8: the NF4 MoE experts compute in {dtype} (the grouped GEMM decodes NF4 to it)")
+        rank_zero_info(f"fp8: the NF4 MoE experts compute in {dtype} (dequantised to it before the grouped GEMM)")
 
 
 def _check_fp8(device: torch.device, sharded: bool, lora: dict[str, Any], quantization: str, fused_lora: bool) -> None:

@@ -241,7 +241,7 @@ def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) ->
     """``strategy.fp8``: hold every frozen expert weight that carries PEFT's split LoRA in e4m3, in place
     (`lightning_ft.strategies.fp8.convert_expert_weight`; the triton backend reads them). Experts without LoRA stay
     as they are, as the linear layers without LoRA do, and so do NF4 experts (`lightning_ft.model.nf4_experts`: the
-    grouped GEMM decodes them to the model's dtype). Call after `apply_moe`.
+    grouped GEMM dequantises them to the model's dtype). Call after `apply_moe`.
 
     Returns:
         (the number of weights converted (weights already in fp8 are skipped), why a block's were left in their dtype

@@ -8,9 +8,10 @@ quant_type="nf4")`` over the whole stored tensor: `lightning_ft.kernels.nf4.Nf4E
 weight) and kept in four buffers of the experts module, ``<name>_nf4_packed`` / ``_absmax`` (uint8),
 ``_absmax2`` / ``_tables`` (fp32). The parameter itself stays as a 2-byte placeholder of the dense shape and
 dtype (`lightning_ft.model.mxfp4.keep_placeholder`: PEFT's ``target_parameters`` reads it to build the experts'
-LoRA; nothing computes with it). The triton MoE backend decodes the weight tiles in registers in its grouped
-GEMMs (forward and input gradient; the frozen experts get no weight gradient); the other backends read dense
-weights, so with them the experts stay in ``model.dtype`` (logged once). ``export --merge`` writes dense experts
+LoRA; nothing computes with it). The triton MoE backend dequantises each weight whole into the reused 4-bit buffer
+right before each of its grouped GEMMs (forward and input gradient; the frozen experts get no weight gradient) and
+reads it dense there, so one expert weight at a time is dense; the other backends read dense weights, so with
+them the experts stay in ``model.dtype`` (logged once). ``export --merge`` writes dense experts
 (`dequantize_experts`: the values trained over), and the adapter is PEFT's as always.
 
 Each weight is quantised on its own device, one at a time (its 16-bit copy freed as its NF4 one is made). A

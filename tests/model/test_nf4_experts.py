@@ -149,7 +149,7 @@ def test_strategy_fp8_leaves_the_nf4_experts_in_nf4_computing_in_model_dtype(mon
         built = ModelBuilder(model, LORA, kernels={"lora": True}, moe={"backend": "triton"}, seed=0,
                              execution=Execution(fp8=True))(torch.device("cpu")).model
     assert "fp8: 4 4-bit base weights computed in e4m3 (NF4 storage, per-output-channel scales)" in caplog.messages  # q/o
-    assert caplog.messages.count("fp8: the NF4 MoE experts compute in bfloat16 (the grouped GEMM decodes NF4 to it)") == 1
+    assert caplog.messages.count("fp8: the NF4 MoE experts compute in bfloat16 (dequantised to it before the grouped GEMM)") == 1
     experts = _experts(built)
     assert all(nf4_weight(experts, n) is not None and fp8_expert_weight(experts, n) is None for n in ("gate_up_proj", "down_proj"))
 

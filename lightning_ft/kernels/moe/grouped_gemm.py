@@ -18,7 +18,10 @@ the two launchers `grouped_gemm_reference` and `grouped_wgrad_reference`.
 
 fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): the same kernel reads e4m3
 weight tiles and quantises its input tiles to e4m3 in registers, one scale per row per K tile (see
-`grouped_gemm`); split LoRA and the thin launches stay in the activations' dtype.
+`grouped_gemm`); split LoRA and the thin launches stay in the activations' dtype. MXFP4 experts
+(`lightning_ft.kernels.mxfp4.Mxfp4Weight`): the B-tile loads dequantise them in registers. NF4 experts
+(`lightning_ft.kernels.nf4.Nf4ExpertWeight`): dequantised whole into the reused 4-bit buffer before each launch
+(`Nf4ExpertWeight.dense_in_buffer`), then read as a dense weight.
 
 Sources: the Triton matmul tutorial for tiling; DeepSeek-V3 technical report (fine-grained fp8: 1×128
 activation tiles, scales applied to each tile's fp32 product) for the fp8 path.
@@ -36,11 +39,11 @@ from lightning_ft.kernels.fp8 import Fp8ExpertWeight, e4m3_cast, quantize_rows_r
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, mxfp4_tile
-from lightning_ft.kernels.nf4 import Nf4ExpertWeight, nf4_tile
+from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_wgrad", "grouped_wgrad_reference"]
 
-#: the frozen quantised expert weights: the B-tile loads decode MXFP4 and NF4; fp8 has its own path
+#: the frozen quantised expert weights (not tensors: kept on the autograd ctx; the reference dequantises them)
 _QUANTISED_WEIGHTS = (Mxfp4Weight, Nf4ExpertWeight, Fp8ExpertWeight)
 
 
@@ -136,7 +139,6 @@ def _fp8_tile_product(a, w_base, ws_base, k, cols, k_mask, col_mask, stride_w_c,
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
     gathered_ptr, bias_ptr, w_scales_ptr,
-    w_absmax2_ptr, w_tables_ptr,
     N, C, R, E, scaling, alpha,
     stride_src_m, stride_src_c,
     stride_g_m, stride_g_c,
@@ -149,7 +151,7 @@ def _grouped_gemm_body(
     stride_ws_e, stride_ws_row,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, NF4: tl.constexpr, FP8: tl.constexpr, FP8_SCALE_ALONG_C: tl.constexpr,
+    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, FP8: tl.constexpr, FP8_SCALE_ALONG_C: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -162,13 +164,10 @@ def _grouped_gemm_body(
     gathered[p] (the column tiles of pid_n == 0: each row once). MXFP4: w is an MXFP4 weight (w_ptr its blocks
     [E, rows, bytes], w_scales_ptr its scales [E, rows, groups], both contiguous along their last dim; stride_w_e /
     stride_w_c the blocks' expert and row strides), quantised along C (MXFP4_ALONG_C: w[e, c, n] is stored row n)
-    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. NF4: w is an
-    `Nf4ExpertWeight` (w_ptr its packed bytes, w_scales_ptr its absmax codes, w_absmax2_ptr / w_tables_ptr its absmax
-    scales and code tables; stride_w_* the logical [E, C, N] strides in its flat element index); each B tile is
-    decoded in registers (`nf4_tile`) to src's dtype. FP8: w is e4m3 (w_ptr, any strides) with fp32 per-channel
-    scales (w_scales_ptr [E, channels], strides stride_ws_e / stride_ws_row) along C (FP8_SCALE_ALONG_C) or N; each
-    A tile is quantised to e4m3 in registers (`_fp8_tile_product`), scales along N multiply the product before LoRA
-    and bias.
+    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. FP8: w is e4m3
+    (w_ptr, any strides) with fp32 per-channel scales (w_scales_ptr [E, channels], strides stride_ws_e /
+    stride_ws_row) along C (FP8_SCALE_ALONG_C) or N; each A tile is quantised to e4m3 in registers
+    (`_fp8_tile_product`), scales along N multiply the product before LoRA and bias.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -220,10 +219,6 @@ def _grouped_gemm_body(
             else:
                 b = mxfp4_tile(w_base, ws_base, k[:, None], cols[None, :], stride_w_c, stride_ws_row, b_mask)
             b = b.to(src_ptr.dtype.element_ty)  # exact: e2m1 times a power of two
-        elif NF4:
-            index = expert * stride_w_e + k.to(tl.int64)[:, None] * stride_w_c + cols.to(tl.int64)[None, :] * stride_w_n
-            b_mask = k_mask[:, None] & col_mask[None, :]
-            b = nf4_tile(w_ptr, w_scales_ptr, w_absmax2_ptr, w_tables_ptr, index, b_mask, src_ptr.dtype.element_ty)
         else:
             b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
         if not FP8:
@@ -266,7 +261,7 @@ _GEMM_AUTOTUNE = dict(
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
-         "MXFP4_ALONG_C", "NF4", "FP8", "FP8_SCALE_ALONG_C"],
+         "MXFP4_ALONG_C", "FP8", "FP8_SCALE_ALONG_C"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -384,10 +379,9 @@ def grouped_gemm(
         w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy); or an
             `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
             tile by tile in registers (its ``dtype`` is the compute dtype); or a
-            `lightning_ft.kernels.nf4.Nf4ExpertWeight` likewise (either orientation; the kernel is then compiled
-            without floating-point contraction, so its tiles are bitwise `Nf4ExpertWeight.dequantize`'s values; on
-            CUDA it is dequantised whole into the reused buffer first, `Nf4ExpertWeight.dense_in_buffer`, which
-            measured 13.5× faster); or an
+            `lightning_ft.kernels.nf4.Nf4ExpertWeight` of that logical shape (either orientation), dequantised whole
+            into the reused buffer first (`Nf4ExpertWeight.dense_in_buffer`: a transposed one as a transposed view)
+            and then read as the dense weight, so bitwise the call with `Nf4ExpertWeight.dequantize`; or an
             `lightning_ft.kernels.fp8.Fp8ExpertWeight` of that logical shape (either orientation): the fp8 path
             below.
         offsets_E: [E] int32 cumulative row ends; ``offsets_E[-1] == num_rows``.
@@ -444,21 +438,19 @@ def grouped_gemm(
     acc = accumulate_into if accumulate_into is not None else out
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
-    if isinstance(w_ECN, Nf4ExpertWeight) and src.is_cuda:
-        # on CUDA dequantised whole into the reused buffer, then the dense GEMM: on an H100 (Qwen3-30B-A3B × 12 layers,
-        # 8K tokens) a step took 238 ms this way against 3,215 ms with the per-element decode in the B-tile loads
+    if isinstance(w_ECN, Nf4ExpertWeight):
+        # dequantised whole into the reused buffer, then the dense GEMM: on an H100 (Qwen3-30B-A3B × 12 layers, 8K
+        # tokens) a step took 238 ms this way against 3,215 ms with a per-element decode in the B-tile loads
         w_ECN = w_ECN.dense_in_buffer()
-    mxfp4, nf4, fp8 = (isinstance(w_ECN, kind) for kind in _QUANTISED_WEIGHTS)
-    w, w_scales, w_absmax2, w_tables = w_ECN, w_ECN, src, src  # the pointers a weight's format does not read: any tensor
+    mxfp4, fp8 = isinstance(w_ECN, Mxfp4Weight), isinstance(w_ECN, Fp8ExpertWeight)
+    w, w_scales = w_ECN, w_ECN  # a dense weight's scale pointer is not read: any tensor
     if mxfp4:
         w, w_scales = w_ECN.blocks, w_ECN.scales
         if w.stride(-1) != 1 or w_scales.stride(-1) != 1:
             raise ValueError("grouped_gemm: an Mxfp4Weight's blocks and scales must be contiguous along their last dim")
-    elif nf4:  # the absmax codes as [1, blocks]: the scale strides are MXFP4's, unused here
-        w, w_scales, w_absmax2, w_tables = w_ECN.packed, w_ECN.absmax[None], w_ECN.absmax2, w_ECN.tables
     elif fp8:
         w, w_scales = w_ECN.logical_values(), w_ECN.scales
-    w_strides = w_ECN.strides() if nf4 else (w.stride(0), w.stride(1), 1) if mxfp4 else (w.stride(0), w.stride(1), w.stride(2))
+    w_strides = (w.stride(0), w.stride(1), 1) if mxfp4 else (w.stride(0), w.stride(1), w.stride(2))
     lora_b = lora_b_ERN if has_lora else src[None]
     gathered = gathered_out if gathered_out is not None else src
     bias = bias_EN if bias_EN is not None else src
@@ -475,7 +467,6 @@ def grouped_gemm(
         src, src_idx_S if src_idx_S is not None else offsets_E, w, out,
         out_idx_S if out_idx_S is not None else offsets_E,
         row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered, bias, w_scales,
-        w_absmax2, w_tables,
         n_dim, c_dim, rank, num_experts, float(scaling), float(alpha),
         src.stride(0), src.stride(1),
         gathered.stride(0), gathered.stride(1),
@@ -489,7 +480,6 @@ def grouped_gemm(
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
         HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
         **_dot_options(src.dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed,
-        NF4=nf4, **({"enable_fp_fusion": False} if nf4 else {}),  # the absmax's multiply-add rounded twice, as dequantised
         FP8=fp8, FP8_SCALE_ALONG_C=fp8 and not w_ECN.transposed,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
