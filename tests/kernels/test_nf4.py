@@ -1,5 +1,6 @@
 """4-bit dequantisation (kernels/nf4.py) against bitsandbytes, the QLoRA linear (kernels/qlora.py) against its
-reference, and NF4 expert weights decoded in the Triton grouped GEMM against the dense GEMM. The e4m3 dequantisation
+reference, and NF4 expert weights (dequantised into the reused buffer) in the Triton grouped GEMM against the dense
+GEMM. The e4m3 dequantisation
 and the QLoRA linear with fp8 products (strategy.fp8 over a 4-bit base) against quantize_rows / the fp8 linear's
 math and the bf16 QLoRA linear:
     python -m pytest -q tests/kernels/test_nf4.py -k "e4m3 or fp8"                       (CPU: the torch reference)
@@ -8,13 +9,11 @@ math and the bf16 QLoRA linear:
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from lightning_ft.kernels.fp8 import E4M3, attach_fp8_rows, quantize_rows_reference
 from lightning_ft.kernels.lora import lora_linear
 from lightning_ft.kernels.nf4 import (
-    Nf4ExpertWeight, Quant4bitWeight, dequantize_4bit, dequantize_4bit_reference, e4m3_scales_4bit, nf4_tile,
+    Nf4ExpertWeight, Quant4bitWeight, dequantize_4bit, dequantize_4bit_reference, e4m3_scales_4bit,
 )
 from lightning_ft.kernels.qlora import qlora_linear, qlora_linear_reference
 from packed_weight_checks import assert_grouped_gemm_reads
@@ -126,15 +125,6 @@ def test_qlora_linear_makes_no_host_sync_on_cuda(fp8):
             torch.cuda.set_sync_debug_mode("default")
 
 
-@triton.jit
-def _decode_kernel(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """out[f] = the NF4 expert weight's element f, by `nf4_tile` over a 1-D run of flat indices."""
-    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = index < n
-    values = nf4_tile(packed_ptr, absmax_ptr, absmax2_ptr, tables_ptr, index, mask, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + index, values, mask=mask)
-
-
 def _expert_weight(shape, dtype, device, seed=0):
     return Nf4ExpertWeight.from_quant_state(*_quantize(shape, "nf4", True, dtype, device, seed), dtype)
 
@@ -142,43 +132,41 @@ def _expert_weight(shape, dtype, device, seed=0):
 # an odd element count with blocks straddling rows and experts; more than 256 blocks (two absmax2 scales)
 @pytest.mark.parametrize("shape", [(3, 7, 37), (5, 70, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_expert_weight_tile_decode_is_bitwise_the_reference_and_bitsandbytes(device, shape, dtype):
+def test_expert_weight_in_the_buffer_is_bitwise_the_reference_and_bitsandbytes(device, shape, dtype):
+    """`Nf4ExpertWeight.dense_in_buffer`: the whole weight dequantised into the reused buffer (where a 2-D weight's
+    dequantisation lands), bitwise `dequantize` and bitsandbytes'; transposed, the same buffer viewed transposed."""
     packed, state = _quantize(shape, "nf4", True, dtype, device)
     weight = Nf4ExpertWeight.from_quant_state(packed, state, dtype)
-    n = weight.stored_shape.numel()
-    out = torch.empty(n, device=device, dtype=dtype)
-    _decode_kernel[(triton.cdiv(n, 256),)](
-        weight.packed, weight.absmax, weight.absmax2, weight.tables, out, n, BLOCK=256, enable_fp_fusion=False
-    )
     reference = dequantize_4bit_reference(weight.quant4bit(), dtype)
     assert torch.equal(weight.dequantize(), reference) and torch.equal(reference, _bnb_dequantize(packed, state))
-    assert torch.equal(out.view(shape), reference)
+    dense = weight.dense_in_buffer()
+    assert dense.shape == shape and dense.dtype == dtype and dense.is_contiguous() and torch.equal(dense, reference)
+    other = dequantize_4bit(Quant4bitWeight.from_quant_state(*_quantize((2, 64), "nf4", True, dtype, device, seed=1)), dtype)
+    assert other.data_ptr() == dense.data_ptr()  # the buffer the other weights use: dense until the next dequantisation
+    flipped = weight.transpose(1, 2).dense_in_buffer()
+    assert flipped.data_ptr() == dense.data_ptr() and flipped.stride() == reference.transpose(1, 2).stride()
+    assert torch.equal(flipped, reference.transpose(1, 2))
 
 
 @pytest.mark.gpu
-def test_expert_weight_decode_matches_bitsandbytes_cuda_kernel_on_qwen3_30b_a3b_shapes():
+def test_expert_weight_in_the_buffer_matches_bitsandbytes_cuda_kernel_on_qwen3_30b_a3b_shapes():
     """One layer's experts of Qwen3-30B-A3B (gate_up [128, 1536, 2048], down [128, 2048, 768]) in bf16, quantised by
-    bitsandbytes on the GPU: `nf4_tile` (compiled without floating-point contraction) is bitwise its CUDA dequantisation."""
+    bitsandbytes on the GPU: `dense_in_buffer` is bitwise its CUDA dequantisation."""
     for shape in [(128, 1536, 2048), (128, 2048, 768)]:
         packed, state = _quantize(shape, "nf4", True, torch.bfloat16, "cuda")
         weight = Nf4ExpertWeight.from_quant_state(packed, state, torch.bfloat16)
-        n = weight.stored_shape.numel()
-        out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
-        _decode_kernel[(triton.cdiv(n, 1024),)](
-            weight.packed, weight.absmax, weight.absmax2, weight.tables, out, n, BLOCK=1024, enable_fp_fusion=False
-        )
-        assert torch.equal(out.view(shape), BF.dequantize_4bit(packed, state)), shape
-        del packed, state, weight, out
+        assert torch.equal(weight.dense_in_buffer(), BF.dequantize_4bit(packed, state)), shape
+        del packed, state, weight
 
 
 def test_expert_weight_views_bytes_and_errors():
-    """[E, N, C] stored, its transpose a view with swapped strides; QLoRA's bytes: n/2 + n/64 (+ 4 per 256 blocks
-    + the 273 table entries); other quantisations are refused."""
+    """[E, N, C] stored, its transpose a view (the same tensors, last two dims swapped); QLoRA's bytes: n/2 + n/64
+    (+ 4 per 256 blocks + the 273 table entries); other quantisations are refused."""
     weight = _expert_weight((4, 48, 64), torch.bfloat16, "cpu")
     n = 4 * 48 * 64
-    assert weight.shape == (4, 48, 64) and weight.strides() == (48 * 64, 64, 1)
     flipped = weight.transpose(1, 2)
-    assert flipped.shape == (4, 64, 48) and flipped.strides() == (48 * 64, 1, 64)
+    assert weight.shape == (4, 48, 64) and flipped.shape == (4, 64, 48) and flipped.packed is weight.packed
+    assert not flipped.transpose(1, 2).transposed
     assert torch.equal(flipped.dequantize(), weight.dequantize().transpose(1, 2))
     assert (weight.packed.numel(), weight.absmax.numel(), weight.absmax2.numel(), weight.tables.numel()) == (n // 2, n // 64, 1, 273)
     with pytest.raises(ValueError, match="last two dims"):
@@ -192,12 +180,18 @@ def test_expert_weight_views_bytes_and_errors():
 @pytest.mark.parametrize("contract_stored_rows", [False, True], ids=["forward", "input_grad"])
 def test_grouped_gemm_reads_nf4_expert_weights(device, dtype, contract_stored_rows):
     """The Triton grouped GEMM on an `Nf4ExpertWeight` (x·Wᵀ, contracting the stored weight's last dim, as the
-    forward reads it; dy·W, contracting its rows, as the input gradient reads it) equals the same kernel on the
-    dequantised dense weight and the plain-torch reference (`assert_grouped_gemm_reads`; fp32: 1e-5; bf16: the
-    bf16 output's rounding)."""
+    forward reads it; dy·W, contracting its rows, as the input gradient reads it) dequantises it into the reused
+    buffer and is bitwise the same call on the dequantised dense weight, on every device, and the plain-torch
+    reference's result to rounding (`assert_grouped_gemm_reads`: gather, scatter, routing weights, LoRA, bias,
+    groups of 9, 0, 14, 3 rows; fp32: 1e-5; bf16: the bf16 output's rounding)."""
+    import lightning_ft.kernels.nf4 as nf4
+
     stored = _expert_weight((4, 37, 70), dtype, device)  # [E, N, C]: C = 70 straddles the 64-blocks
+    w_ECN = stored if contract_stored_rows else stored.transpose(1, 2)
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
-    assert_grouped_gemm_reads(stored if contract_stored_rows else stored.transpose(1, 2), device, dtype, tolerance)
+    assert_grouped_gemm_reads(w_ECN, device, dtype, tolerance, bitwise_everywhere=True)
+    in_buffer = nf4._BUFFERS[(stored.packed.device, dtype)][: 4 * 37 * 70]  # what the first call dequantised there
+    assert torch.equal(in_buffer.view(4, 37, 70), stored.dequantize())
 
 
 def _e4m3_reference(weight):

@@ -9,6 +9,7 @@ import lightning_ft.kernels.moe.experts as experts
 import moe_cases
 from lightning_ft.kernels.moe import BACKENDS, ExpertLoRA, moe_experts, select_backend
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
+from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 from moe_cases import CASES, DEVICES, Case, _assert_close, _make, _reference_run, _run, _skip_unless_runnable
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,27 +142,44 @@ def test_backend_has_no_host_sync(backend):
         torch.cuda.set_sync_debug_mode(0)
 
 
+def _nf4_expert_weights(tensors: dict, dtype: torch.dtype) -> dict:
+    """gpt-oss's stored [E, D, F] / [E, I, D] in NF4 (bitsandbytes' QLoRA quantisation), passed as transposed views
+    as the model passes them (`lightning_ft.model.moe`); ``tensors`` get the dequantised stored weights."""
+    bnb = pytest.importorskip("bitsandbytes.functional", reason='NF4 needs bitsandbytes: pip install -e ".[qlora]"')
+    quantised = {}
+    for name in ("w_gate_up", "w_down"):
+        packed, state = bnb.quantize_4bit(tensors[name].to(dtype), blocksize=64, compress_statistics=True, quant_type="nf4")
+        stored = Nf4ExpertWeight.from_quant_state(packed, state, dtype)
+        quantised[name], tensors[name] = stored.transpose(1, 2), stored.dequantize().float()
+    return quantised
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mxfp4_experts_equal_their_dequantised_twin(dtype, device, monkeypatch):
-    """gpt-oss experts held in MXFP4 (`Mxfp4Weight`, frozen) on the triton backend: output and every gradient
-    (x, routing weights, LoRA, biases) those of the same backend on the dequantised dense weights, bitwise under
-    the interpreter (the tile loads dequantise exactly; on CUDA the two are autotuned apart: within the bf16/fp32
-    tolerances); expert 1 gets no tokens. Other backends refuse MXFP4 weights."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "nf4"])
+def test_4bit_experts_equal_their_dequantised_twin(fmt, dtype, device, monkeypatch):
+    """gpt-oss experts held in MXFP4 (`Mxfp4Weight`) or NF4 (`Nf4ExpertWeight`), frozen, on the triton backend:
+    output and every gradient (x, routing weights, LoRA, biases) those of the same backend on the dequantised dense
+    weights; expert 1 gets no tokens. Bitwise under the interpreter; on CUDA NF4 bitwise too (dequantised into the
+    reused buffer, then the dense twin's own launches), MXFP4 within the bf16/fp32 tolerances (its tile loads
+    dequantise, so it is autotuned apart from the dense twin). Other backends refuse 4-bit weights."""
     _skip_unless_runnable("triton", device)
     case = Case(tokens=13, hidden=64, intermediate=32, experts=5, top_k=3, rank=4, empty=(1,), gpt_oss=True)
     topk_idx, tensors = _make(case, device)
-    quantised = {}
-    for name in ("w_gate_up", "w_down"):  # stored [E, C, N]: MXFP4 keeps [E, N, C], quantised along C
-        quantised[name] = Mxfp4Weight.from_checkpoint(*quantize_mxfp4(tensors[name].transpose(1, 2)), dtype)
-        tensors[name] = quantised[name].dequantize().transpose(1, 2).float()
+    if fmt == "nf4":
+        quantised = _nf4_expert_weights(tensors, dtype)
+    else:
+        quantised = {}
+        for name in ("w_gate_up", "w_down"):  # stored [E, C, N]: MXFP4 keeps [E, N, C], quantised along C
+            quantised[name] = Mxfp4Weight.from_checkpoint(*quantize_mxfp4(tensors[name].transpose(1, 2)), dtype)
+            tensors[name] = quantised[name].dequantize().transpose(1, 2).float()
     grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(device)
     dense_out, dense_grads = _run("triton", case, topk_idx, tensors, dtype, grad_out)
     monkeypatch.setattr(moe_cases, "_weights", lambda case, t: (quantised["w_gate_up"], quantised["w_down"]))
     out, grads = _run("triton", case, topk_idx, tensors, dtype, grad_out)
     assert grads.keys() == dense_grads.keys()
     for name, value, twin in [("output", out, dense_out)] + [(n, grads[n], g) for n, g in dense_grads.items()]:
-        if device == "cpu":
+        if device == "cpu" or fmt == "nf4":
             assert torch.equal(value, twin), name
         else:
             _assert_close(value, twin.double(), dtype, name)
