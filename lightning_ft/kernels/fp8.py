@@ -209,15 +209,19 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8ExpertWeight(NamedTuple):
     """A frozen 3-D expert weight in e4m3 as the Triton grouped GEMM reads it (in place of a dense [E, N, C] tensor).
 
-    W[e] ≈ values[e] · scales[e][:, None]: one fp32 scale per output channel per expert (`quantize_expert_weight`),
-    as `quantize_weight` holds a linear layer's weight.
+    W[e] ≈ values[e] · scales[e]: one fp32 scale per expert, amax(|W[e]|) / 448 (`quantize_expert_weight`).
+    e4m3's relative precision (3 mantissa bits) is the same across its normal range (2⁻⁶ to 448), so one scale per
+    expert loses accuracy against one per output channel only for channels more than ~2¹⁴ below the expert's
+    largest value (there values reach the subnormals, then flush to zero). And a scalar per expert is the only
+    weight scale that both the forward (``x W[e]ᵀ``) and the input-gradient GEMM (``dy W[e]``, whose contraction
+    runs along the forward's output channels) can apply after the dot, so that the GEMM's main loop is a plain
+    fp8 dot chain in both directions.
 
     Attributes:
         values: e4m3 [E, N, C] (N the output, C the input size of ``x W[e]ᵀ``), any strides.
-        scales: fp32 [E, N].
+        scales: fp32 [E].
         dtype: the compute dtype (what the dense weight would be: the model's dtype).
-        transposed: the logical tensor is [E, C, N] (a ``transpose(1, 2)`` of [E, N, C]): the scales then lie
-            along its last dim.
+        transposed: the logical tensor is [E, C, N] (a ``transpose(1, 2)`` of [E, N, C]).
     """
 
     values: torch.Tensor
@@ -242,16 +246,21 @@ class Fp8ExpertWeight(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """The dense logical weight ``values · scales`` (in fp32, then cast to ``dtype``)."""
-        dense = (self.values.float() * self.scales[:, :, None]).to(self.dtype)
-        return dense.transpose(1, 2) if self.transposed else dense
+        return (self.logical_values().float() * self.scales[:, None, None]).to(self.dtype)
 
 
 def quantize_expert_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A frozen expert weight [E, N, C] (any strides) -> (values [E, N, C] e4m3 contiguous, scales [E, N] fp32):
-    `quantize_rows` of its E·N rows, scale = amax over C / 448 (an all-zero row: 1e-12 / 448)."""
+    """A frozen expert weight [E, N, C] (any strides) -> (values [E, N, C] e4m3 contiguous, scales [E] fp32): one
+    scale per expert, amax(|W[e]|) / 448 (an all-zero expert: 1e-12 / 448), each value rounded as
+    `quantize_rows_reference` rounds. One expert at a time: a transient fp32 copy of one expert's weight."""
     experts, rows, cols = weight.shape
-    q, scale = quantize_rows(weight.detach().reshape(experts * rows, cols))
-    return q.view(experts, rows, cols), scale.view(experts, rows)
+    values = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
+    scales = torch.empty(experts, dtype=torch.float32, device=weight.device)
+    for e in range(experts):
+        w32 = weight[e].detach().float().reshape(1, rows * cols)
+        scales[e] = e4m3_row_scales(w32)[0]
+        values[e] = quantize_rows_reference(w32, row_scale=scales[e : e + 1])[0].view(rows, cols)
+    return values, scales
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

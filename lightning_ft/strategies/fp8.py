@@ -28,8 +28,9 @@ is refused with the pair (`lightning_ft.model.build`). NF4 MoE experts keep comp
 
 MoE experts (`convert_expert_weight`, called for every frozen expert weight with PEFT's split LoRA by
 `lightning_ft.model.moe.convert_experts_to_fp8`): each 3-D weight, as the [E, N, C] the backends read, in
-e4m3 with one fp32 scale per output channel per expert, kept on the experts module as the frozen parameters
-``<name>_fp8`` (uint8 [E, N, C]) and ``<name>_fp8_scale`` (int32 bits of fp32 [E, N]); the dense parameter
+e4m3 with one fp32 scale per expert (`lightning_ft.kernels.fp8.Fp8ExpertWeight` says why not per channel), kept on
+the experts module as the frozen parameters ``<name>_fp8`` (uint8 [E, N, C]) and ``<name>_fp8_scale`` (int32 bits
+of fp32 [E]); the dense parameter
 stays as a placeholder of its shape and dtype (a zero-stride view of one element, as PEFT reads them; nothing
 computes with it). The ``triton`` MoE backend reads them (`fp8_expert_weight`) in its grouped GEMM's fp8 path
 (`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`), the only backend that does; like MXFP4 experts they

@@ -7,7 +7,7 @@ adapters, where the experts stay in bf16 and why, `moe.backend=auto`.
 On the CPU the builder refuses strategy.fp8 (no row-wise fp8 GEMMs), so the tests convert a built model's
 experts as the builder does (`convert_experts_to_fp8`). Bounds, fp8 experts against bf16 experts from the same
 weights, everything else equal (one step of the tiny Qwen3-MoE, bf16): logits within 3% relative (Frobenius; 0.8%
-measured), the loss within 0.5%, each LoRA gradient within 8% (3.4% measured at most). The fp8 linear layers
+measured), the loss within 0.5%, each LoRA gradient within 8% (3.5% measured at most). The fp8 linear layers
 (`convert_to_fp8`, tests/strategies/test_fp8_weights.py) move the experts' LoRA gradients of this model more, by
 up to ~18%, so the GPU test, which builds with both, compares against a model whose linear layers are in fp8 too.
 """
@@ -78,7 +78,7 @@ def test_training_step_over_fp8_experts_matches_bf16_and_the_adapter_is_plain_pe
     assert convert_experts_to_fp8(model) == (0, None)  # nothing left
     experts = _experts(model)
     assert experts.gate_up_proj_fp8.dtype == torch.uint8 and experts.gate_up_proj_fp8.shape == (4, 48, 32)
-    assert experts.gate_up_proj_fp8_scale.dtype == torch.int32 and experts.gate_up_proj_fp8_scale.shape == (4, 48)
+    assert experts.gate_up_proj_fp8_scale.dtype == torch.int32 and experts.gate_up_proj_fp8_scale.shape == (4,)  # one per expert
     assert experts.gate_up_proj.shape == (4, 48, 32) and experts.gate_up_proj.untyped_storage().nbytes() == 2  # placeholder
     assert not any(p.requires_grad for n, p in experts.named_parameters())
     weight = fp8_expert_weight(experts, "gate_up_proj")

@@ -16,15 +16,17 @@
 `lightning_ft.kernels.moe._common`; the plain-torch reference of the backend is ``native_torch``, those of
 the two launchers `grouped_gemm_reference` and `grouped_wgrad_reference`.
 
-fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): the same kernel reads e4m3
-weight tiles and quantises its input tiles to e4m3 in registers, one scale per row per K tile (see
-`grouped_gemm`); split LoRA and the thin launches stay in the activations' dtype. MXFP4 experts
+fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): the callers quantise the GEMM's
+input once per row (`lightning_ft.kernels.fp8.quantize_rows`) and the same kernel runs a plain e4m3 dot chain,
+the row and per-expert weight scales applied in the epilogue (see `grouped_gemm`); split LoRA, the thin launches
+and the weight gradients stay in the activations' dtype. MXFP4 experts
 (`lightning_ft.kernels.mxfp4.Mxfp4Weight`): the B-tile loads dequantise them in registers. NF4 experts
 (`lightning_ft.kernels.nf4.Nf4ExpertWeight`): dequantised whole into the reused 4-bit buffer before each launch
 (`Nf4ExpertWeight.dense_in_buffer`), then read as a dense weight.
 
-Sources: the Triton matmul tutorial for tiling; DeepSeek-V3 technical report (fine-grained fp8: 1×128
-activation tiles, scales applied to each tile's fp32 product) for the fp8 path.
+Sources: the Triton matmul tutorial for tiling (and its fp8 variant: e4m3 operands, fp32 accumulator); row-wise
+("per-token") activation scales as in NVIDIA Transformer Engine and torchao's float8 training, applied after
+the dot with a per-tensor (here per-expert) weight scale.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels.fp8 import Fp8ExpertWeight, e4m3_cast, quantize_rows_reference, quantize_rows_tile
+from lightning_ft.kernels.fp8 import E4M3, Fp8ExpertWeight, quantize_rows
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, mxfp4_tile
@@ -120,25 +122,9 @@ def _dot_operands(a, b, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile_product(a, w_base, ws_base, k, cols, k_mask, col_mask, stride_w_c, stride_w_n, stride_ws_row,
-                      SCALE_ALONG_C: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N]: the product of the A tile ``a`` [BLOCK_M, BLOCK_C] (src's dtype; 0 outside the masks)
-    and the e4m3 B tile at (k, cols), both in e4m3: ``a`` is quantised here, in registers, one scale per row of
-    the tile (amax / 448, `quantize_rows_tile`), and the dot's result is multiplied by that scale. With
-    SCALE_ALONG_C the weight's per-channel scales (ws_base, along the contraction) multiply ``a`` first, so that
-    the dot needs no other scale; else the caller multiplies them into its output columns."""
-    a = a.to(tl.float32)
-    if SCALE_ALONG_C:
-        a = a * tl.load(ws_base + k * stride_ws_row, mask=k_mask, other=0.0)[None, :]
-    a, a_scale = quantize_rows_tile(a)
-    b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
-    return tl.dot(e4m3_cast(a), b) * a_scale[:, None]
-
-
-@triton.jit
 def _grouped_gemm_body(
     src_ptr, src_idx_ptr, w_ptr, out_ptr, out_idx_ptr, row_scale_ptr, mid_ptr, lora_b_ptr, offsets_ptr, acc_ptr,
-    gathered_ptr, bias_ptr, w_scales_ptr,
+    gathered_ptr, bias_ptr, w_scales_ptr, src_scale_ptr,
     N, C, R, E, scaling, alpha,
     stride_src_m, stride_src_c,
     stride_g_m, stride_g_c,
@@ -151,7 +137,7 @@ def _grouped_gemm_body(
     stride_ws_e, stride_ws_row,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, FP8: tl.constexpr, FP8_SCALE_ALONG_C: tl.constexpr,
+    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, FP8: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -164,10 +150,10 @@ def _grouped_gemm_body(
     gathered[p] (the column tiles of pid_n == 0: each row once). MXFP4: w is an MXFP4 weight (w_ptr its blocks
     [E, rows, bytes], w_scales_ptr its scales [E, rows, groups], both contiguous along their last dim; stride_w_e /
     stride_w_c the blocks' expert and row strides), quantised along C (MXFP4_ALONG_C: w[e, c, n] is stored row n)
-    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. FP8: w is e4m3
-    (w_ptr, any strides) with fp32 per-channel scales (w_scales_ptr [E, channels], strides stride_ws_e /
-    stride_ws_row) along C (FP8_SCALE_ALONG_C) or N; each A tile is quantised to e4m3 in registers
-    (`_fp8_tile_product`), scales along N multiply the product before LoRA and bias.
+    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. FP8: src and w
+    are e4m3 (w_ptr any strides), the main loop a plain fp8 dot chain into the fp32 accumulator; the epilogue
+    multiplies it by src_scale[irow(p)] (fp32, one per src row) times the expert's fp32 scale (w_scales_ptr [E],
+    stride stride_ws_e) before LoRA and bias.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -209,10 +195,7 @@ def _grouped_gemm_body(
                     a,
                     mask=row_mask[:, None] & k_mask[None, :],
                 )
-        if FP8:
-            acc += _fp8_tile_product(a, w_base, ws_base, k, cols, k_mask, col_mask, stride_w_c, stride_w_n,
-                                     stride_ws_row, FP8_SCALE_ALONG_C)
-        elif MXFP4:
+        if MXFP4:
             b_mask = k_mask[:, None] & col_mask[None, :]
             if MXFP4_ALONG_C:
                 b = mxfp4_tile(w_base, ws_base, cols[None, :], k[:, None], stride_w_c, stride_ws_row, b_mask)
@@ -221,12 +204,14 @@ def _grouped_gemm_body(
             b = b.to(src_ptr.dtype.element_ty)  # exact: e2m1 times a power of two
         else:
             b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
-        if not FP8:
+        if FP8:  # e4m3 x e4m3, fp32 accumulator (the interpreter multiplies fp8 operands exactly, in fp16)
+            acc = tl.dot(a, b, acc)
+        else:
             a, b = _dot_operands(a, b, DOT_UPCAST)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     if FP8:
-        if not FP8_SCALE_ALONG_C:
-            acc = acc * tl.load(ws_base + cols * stride_ws_row, mask=col_mask, other=0.0)[None, :]
+        src_scale = tl.load(src_scale_ptr + src_rows, mask=row_mask, other=0.0)
+        acc = acc * (src_scale * tl.load(ws_base))[:, None]
 
     if HAS_LORA:
         r = tl.arange(0, BLOCK_R)
@@ -261,7 +246,7 @@ _GEMM_AUTOTUNE = dict(
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
-         "MXFP4_ALONG_C", "FP8", "FP8_SCALE_ALONG_C"],
+         "MXFP4_ALONG_C", "FP8"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -364,10 +349,12 @@ def grouped_gemm(
     gathered_out: torch.Tensor | None = None,
     alpha: float = 1.0,
     bias_EN: torch.Tensor | None = None,
+    src_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, bias, scale, scatter.
 
     ``out[orow(p)] = alpha * row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e] + bias_EN[e])``
+    (with an `Fp8ExpertWeight`, ``src[irow(p)] @ w_ECN[e]`` is ``(srcq[irow(p)] @ Wq[e]) * src_scale[irow(p)] * sw[e]``)
     for the S = ``num_rows`` sorted rows p, e the expert owning row p (from ``offsets_E``),
     ``irow(p) = src_idx_S[p]`` (else p) and ``orow(p) = out_idx_S[p]`` (else p). With
     ``accumulate_into`` the result is added into that tensor in place (``out += ...``, one read and
@@ -375,7 +362,8 @@ def grouped_gemm(
     ``out`` as well, ``out = accumulate_into + ...`` (the same traffic, into another tensor).
 
     Args:
-        src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given.
+        src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given. In the weight's dtype; e4m3 with an
+            `Fp8ExpertWeight` (`lightning_ft.kernels.fp8.quantize_rows` of the input, its scales in ``src_scale``).
         w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy); or an
             `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
             tile by tile in registers (its ``dtype`` is the compute dtype); or a
@@ -400,39 +388,51 @@ def grouped_gemm(
         alpha: factor on the whole product (in fp32, before the store).
         bias_EN: [E, N] per-expert bias (any strides and float dtype, read in fp32), added before
             ``row_scale`` and ``alpha``.
+        src_scale: [rows] fp32, the row scales of an e4m3 ``src`` (read at ``irow(p)``, as src's rows); with an
+            `Fp8ExpertWeight` only, and then required.
 
-    fp8 path (an `Fp8ExpertWeight`; the method of DeepSeek-V3's fine-grained fp8 GEMMs, with TE's / torchao's
-    row-wise weight scales): each [BLOCK_M, BLOCK_C] tile of src rows is quantised to e4m3 in registers with
-    one fp32 scale per row per tile (amax / 448; no quantisation pass before the launch), multiplied by the
-    e4m3 weight tile, and the fp32 product scaled by the rows' scales; the weight's per-channel scales multiply
-    the output columns (forward, scales along N) or, along C (the input gradient ``dY · W``), src's columns
-    before they are quantised. LoRA, bias, routing weights: as above, in src's dtype. Error against the dense
-    product with the dequantised weight: about 2-3% relative (Frobenius) from the e4m3 activations (3 mantissa
-    bits) on random data; against the original bf16 weight about 3.5% (both operands rounded); bounded at 6%
-    and 8% in the tests. BLOCK_C >= 32 (fp8 ``tl.dot``).
+    fp8 path (an `Fp8ExpertWeight`: e4m3 values, one fp32 scale per expert): src arrives quantised per row
+    (`lightning_ft.kernels.fp8.quantize_rows`, once per GEMM, by the caller: re-quantising each A tile in registers
+    costs a pass per N tile and about twice the fp8 MMA's time per element on Hopper), and the main loop is a plain
+    e4m3 dot chain into the fp32 accumulator; the epilogue multiplies each row by ``src_scale[irow(p)] * sw[e]``
+    before LoRA, bias and routing weights, which stay in the weight's ``dtype`` (the output's too). The
+    contraction may run along the weight's N or C (forward or input gradient alike: the weight's scale is a
+    scalar per expert). Errors: see `lightning_ft.kernels.fp8.Fp8ExpertWeight` and the tests
+    (tests/kernels/moe/test_grouped_gemm_fp8.py). BLOCK_C >= 32 (fp8 ``tl.dot``).
 
     Returns:
-        [S, N] tensor in ``src``'s dtype (fp32 accumulation): ``out``, else ``accumulate_into``
-        when given.
+        [S, N] tensor in the weight's dtype (``w_ECN.dtype``; fp32 accumulation): ``out``, else
+        ``accumulate_into`` when given.
 
     Raises:
-        ValueError: on mismatched sizes or dtypes.
+        ValueError: on mismatched sizes or dtypes; an `Fp8ExpertWeight` without an e4m3 ``src`` and its [rows] fp32
+            ``src_scale``, a ``src_scale`` without one, or ``gathered_out`` with it (the gathered copy is for the
+            thin LoRA GEMMs, in the weight's dtype).
     """
     num_experts, c_dim, n_dim = w_ECN.shape
-    if src.shape[-1] != c_dim or src.dtype != w_ECN.dtype:
+    dtype, fp8 = w_ECN.dtype, isinstance(w_ECN, Fp8ExpertWeight)
+    if src.shape[-1] != c_dim or src.dtype != (E4M3 if fp8 else dtype):
         raise ValueError(
-            f"src {tuple(src.shape)} {src.dtype} does not match w_ECN {tuple(w_ECN.shape)} {w_ECN.dtype}"
+            f"src {tuple(src.shape)} {src.dtype} does not match w_ECN {tuple(w_ECN.shape)} {dtype}"
+            + (" (an Fp8ExpertWeight takes e4m3 rows: quantize_rows)" if fp8 else "")
         )
+    if fp8 and (src_scale is None or src_scale.shape != src.shape[:1] or src_scale.dtype != torch.float32):
+        got = "none" if src_scale is None else f"{tuple(src_scale.shape)} {src_scale.dtype}"
+        raise ValueError(f"grouped_gemm: an Fp8ExpertWeight needs src_scale [{src.shape[0]}] fp32 (quantize_rows), got {got}")
+    if src_scale is not None and not fp8:
+        raise ValueError("grouped_gemm: src_scale is for an Fp8ExpertWeight's e4m3 src only")
+    if fp8 and gathered_out is not None:
+        raise ValueError("grouped_gemm: gathered_out copies the rows for the LoRA GEMMs; it takes no e4m3 src")
     has_lora = lora_mid_SR is not None
     if has_lora and (lora_b_ERN is None or lora_mid_SR.shape[1] != lora_b_ERN.shape[1]):
         raise ValueError("lora_mid_SR [S, R] and lora_b_ERN [E, R, N] must be given together with equal R")
     for name, given, cols in (("accumulate_into", accumulate_into, n_dim), ("out", out, n_dim), ("gathered_out", gathered_out, c_dim)):
-        if given is not None and (given.shape != (num_rows, cols) or given.dtype != src.dtype):
-            raise ValueError(f"{name} {tuple(given.shape)} {given.dtype} is not [{num_rows}, {cols}] {src.dtype}")
+        if given is not None and (given.shape != (num_rows, cols) or given.dtype != dtype):
+            raise ValueError(f"{name} {tuple(given.shape)} {given.dtype} is not [{num_rows}, {cols}] {dtype}")
     if out is not None and accumulate_into is None:
         raise ValueError("grouped_gemm: out= is for accumulate_into's sum only")
     if out is None and accumulate_into is None:
-        out = torch.empty(num_rows, n_dim, device=src.device, dtype=src.dtype)
+        out = torch.empty(num_rows, n_dim, device=src.device, dtype=dtype)
     elif out is None:
         out = accumulate_into  # in place
     acc = accumulate_into if accumulate_into is not None else out
@@ -442,7 +442,7 @@ def grouped_gemm(
         # dequantised whole into the reused buffer, then the dense GEMM: on an H100 (Qwen3-30B-A3B × 12 layers, 8K
         # tokens) a step took 238 ms this way against 3,215 ms with a per-element decode in the B-tile loads
         w_ECN = w_ECN.dense_in_buffer()
-    mxfp4, fp8 = isinstance(w_ECN, Mxfp4Weight), isinstance(w_ECN, Fp8ExpertWeight)
+    mxfp4 = isinstance(w_ECN, Mxfp4Weight)
     w, w_scales = w_ECN, w_ECN  # a dense weight's scale pointer is not read: any tensor
     if mxfp4:
         w, w_scales = w_ECN.blocks, w_ECN.scales
@@ -467,6 +467,7 @@ def grouped_gemm(
         src, src_idx_S if src_idx_S is not None else offsets_E, w, out,
         out_idx_S if out_idx_S is not None else offsets_E,
         row_scale_S if row_scale_S is not None else src, mid, lora_b, offsets_E, acc, gathered, bias, w_scales,
+        src_scale if src_scale is not None else src,
         n_dim, c_dim, rank, num_experts, float(scaling), float(alpha),
         src.stride(0), src.stride(1),
         gathered.stride(0), gathered.stride(1),
@@ -476,11 +477,10 @@ def grouped_gemm(
         mid.stride(0), mid.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         bias.stride(0), bias.stride(-1),
-        w_scales.stride(0), w_scales.stride(1),
+        w_scales.stride(0), w_scales.stride(1) if w_scales.dim() > 1 else 0,
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
         HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
-        **_dot_options(src.dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed,
-        FP8=fp8, FP8_SCALE_ALONG_C=fp8 and not w_ECN.transposed,
+        **_dot_options(dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed, FP8=fp8,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
     return out
@@ -540,19 +540,19 @@ def grouped_gemm_reference(
     row_scale_S: torch.Tensor | None = None, lora_mid_SR: torch.Tensor | None = None,
     lora_b_ERN: torch.Tensor | None = None, scaling: float = 1.0,
     accumulate_into: torch.Tensor | None = None, alpha: float = 1.0, bias_EN: torch.Tensor | None = None,
-    fp8_block_c: int | None = None,
+    src_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of `grouped_gemm` (same arguments but ``out`` and ``gathered_out``):
-    each sorted row p times its expert's weight, in fp32, returned in ``src``'s dtype (an `Mxfp4Weight`,
-    `Nf4ExpertWeight` or `Fp8ExpertWeight` dequantised first: for fp8, the dense product its path approximates).
-    With an `Fp8ExpertWeight` and ``fp8_block_c`` (the kernel's BLOCK_C), the fp8 path's own math instead: the rows
-    quantised per tile of ``fp8_block_c`` columns (`_fp8_rows_product`)."""
+    each sorted row p times its expert's weight, in fp32, returned in the weight's dtype (an `Mxfp4Weight` or
+    `Nf4ExpertWeight` dequantised first; an `Fp8ExpertWeight` with its e4m3 ``src`` and ``src_scale`` as the
+    kernel computes it: `_fp8_rows_product`)."""
     ends = offsets_E.long().cpu()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     expert_S = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(src.device)
-    rows_SC = (src[src_idx_S] if src_idx_S is not None else src[:num_rows]).float()
-    if isinstance(w_ECN, Fp8ExpertWeight) and fp8_block_c is not None:
-        per_row = _fp8_rows_product(rows_SC, w_ECN, expert_S, fp8_block_c)
+    src_rows_S = src_idx_S if src_idx_S is not None else torch.arange(num_rows, device=src.device)
+    rows_SC = src[src_rows_S].float()
+    if isinstance(w_ECN, Fp8ExpertWeight):
+        per_row = _fp8_rows_product(rows_SC, src_scale[src_rows_S], w_ECN, expert_S)
     else:
         dense = w_ECN.dequantize() if isinstance(w_ECN, _QUANTISED_WEIGHTS) else w_ECN
         per_row = torch.einsum("sc,scn->sn", rows_SC, dense.float()[expert_S])
@@ -566,22 +566,14 @@ def grouped_gemm_reference(
     out[out_idx_S if out_idx_S is not None else slice(None)] = per_row * alpha
     if accumulate_into is not None:
         out = out + accumulate_into.float()
-    return out.to(src.dtype)
+    return out.to(w_ECN.dtype)
 
 
-def _fp8_rows_product(rows_SC, w_ECN: Fp8ExpertWeight, expert_S, block_c: int) -> torch.Tensor:
-    """fp32 [S, N]: the fp8 path of `grouped_gemm` in torch ops: each row (times the weight scales along C, when
-    there) quantised per tile of ``block_c`` columns (`quantize_rows_reference`), each tile's e4m3 product with
-    the weight times the row's tile scale, summed; the weight scales along N multiply the sum."""
-    scales_SX = w_ECN.scales.float()[expert_S]
-    if not w_ECN.transposed:  # scales along C
-        rows_SC = rows_SC * scales_SX
-    values_SCN = w_ECN.logical_values().float()[expert_S]
-    out = rows_SC.new_zeros(rows_SC.shape[0], values_SCN.shape[-1])
-    for start in range(0, rows_SC.shape[1], block_c):
-        q, scale = quantize_rows_reference(rows_SC[:, start : start + block_c])
-        out += torch.einsum("sc,scn->sn", q.float(), values_SCN[:, start : start + block_c]) * scale[:, None]
-    return out * scales_SX if w_ECN.transposed else out
+def _fp8_rows_product(rows_SC, row_scale_S, w_ECN: Fp8ExpertWeight, expert_S) -> torch.Tensor:
+    """fp32 [S, N]: the fp8 path of `grouped_gemm` in torch ops: the e4m3 rows (as fp32) times the expert's e4m3
+    values (as fp32; every product exact), summed in fp32, times the row's scale and the expert's scale."""
+    product = torch.einsum("sc,scn->sn", rows_SC, w_ECN.logical_values().float()[expert_S])
+    return product * (row_scale_S * w_ECN.scales[expert_S])[:, None]
 
 
 def grouped_wgrad_reference(
@@ -622,6 +614,13 @@ def _weight_of(ctx, saved):
     return ctx.quantised_weight if ctx.quantised_weight is not None else saved
 
 
+def _base_rows(src: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(src, src_scale) for the base product's `grouped_gemm` with weight ``w``: for an `Fp8ExpertWeight`, src's
+    rows in e4m3 and their fp32 scales (`lightning_ft.kernels.fp8.quantize_rows`: one pass over src per GEMM, a
+    transient copy; the LoRA products and weight gradients keep reading src), else (src, None)."""
+    return quantize_rows(src) if isinstance(w, Fp8ExpertWeight) else (src, None)
+
+
 class _GatherGroupedLinear(torch.autograd.Function):
     """h_SN = x[token_idx_S] W_e^T + s (x[token_idx_S] A_e^T) B_e^T (+ b_e), the gather fused into the loads.
 
@@ -638,9 +637,10 @@ class _GatherGroupedLinear(torch.autograd.Function):
                 x_TC, lora_a_ERC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S
             )
             lora_b_ERN = lora_b_ENR.transpose(1, 2)
+        x_base, x_scale = _base_rows(x_TC, w_ENC)
         h_SN = grouped_gemm(
-            x_TC, w_ENC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S,
-            lora_mid_SR=xa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN,
+            x_base, w_ENC.transpose(1, 2), offsets_E, num_rows, src_idx_S=token_idx_S,
+            lora_mid_SR=xa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN, src_scale=x_scale,
         )
         ctx.save_for_backward(x_TC, *_saved_weight(ctx, w_ENC), lora_a_ERC, lora_b_ENR, xa_SR, token_idx_S, pair_idx_S, offsets_E)
         ctx.scaling = scaling
@@ -660,9 +660,11 @@ class _GatherGroupedLinear(torch.autograd.Function):
         if needs_w:  # full fine-tuning of the experts
             dw_ENC = grouped_wgrad(dh_SN, x_TC, offsets_E, rhs_idx_S=token_idx_S)
         if needs_x:
+            dh_base, dh_scale = _base_rows(dh_SN, w_ENC)
             dx_pairs = grouped_gemm(
-                dh_SN, w_ENC, offsets_E, num_rows, out_idx_S=pair_idx_S,
+                dh_base, w_ENC, offsets_E, num_rows, out_idx_S=pair_idx_S,
                 lora_mid_SR=mid_SR, lora_b_ERN=lora_a_ERC if mid_SR is not None else None, scaling=ctx.scaling,
+                src_scale=dh_scale,
             )
             dx_TC = dx_pairs.view(-1, ctx.top_k, dx_pairs.shape[-1]).sum(dim=1)
         if needs_a:
@@ -697,9 +699,10 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         ctx.scaling = scaling
         if not output_needed:  # a recompute whose output value is discarded: the backward never reads it
             return unread_output(a_SC, num_rows // top_k, w_ENC.shape[1])
+        a_base, a_scale = _base_rows(a_SC, w_ENC)
         y_pairs = grouped_gemm(
-            a_SC, w_ENC.transpose(1, 2), offsets_E, num_rows, out_idx_S=pair_idx_S, row_scale_S=weight_S,
-            lora_mid_SR=aa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN,
+            a_base, w_ENC.transpose(1, 2), offsets_E, num_rows, out_idx_S=pair_idx_S, row_scale_S=weight_S,
+            lora_mid_SR=aa_SR, lora_b_ERN=lora_b_ERN, scaling=scaling, bias_EN=bias_EN, src_scale=a_scale,
         )
         return y_pairs.view(-1, top_k, y_pairs.shape[-1]).sum(dim=1)
 
@@ -717,9 +720,11 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         if needs_w:  # full fine-tuning of the experts
             dw_ENC = grouped_wgrad(dout_TN, a_SC, offsets_E, lhs_idx_S=token_idx_S, row_scale_S=weight_S)
         if needs_a or needs_weight:
+            dout_base, dout_scale = _base_rows(dout_TN, w_ENC)
             u_SC = grouped_gemm(
-                dout_TN, w_ENC, offsets_E, num_rows, src_idx_S=token_idx_S,
+                dout_base, w_ENC, offsets_E, num_rows, src_idx_S=token_idx_S,
                 lora_mid_SR=gb_SR, lora_b_ERN=lora_a_ERC if gb_SR is not None else None, scaling=ctx.scaling,
+                src_scale=dout_scale,
             )
             if needs_weight:
                 d_weight = (u_SC.float() * a_SC.float()).sum(dim=-1)
