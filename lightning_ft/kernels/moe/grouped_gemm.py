@@ -418,7 +418,9 @@ def grouped_gemm(
         )
     if fp8 and (src_scale is None or src_scale.shape != src.shape[:1] or src_scale.dtype != torch.float32):
         got = "none" if src_scale is None else f"{tuple(src_scale.shape)} {src_scale.dtype}"
-        raise ValueError(f"grouped_gemm: an Fp8ExpertWeight needs src_scale [{src.shape[0]}] fp32 (quantize_rows), got {got}")
+        raise ValueError(
+            f"grouped_gemm: an Fp8ExpertWeight needs src_scale [{src.shape[0]}] fp32 (quantize_rows), got {got}"
+        )
     if src_scale is not None and not fp8:
         raise ValueError("grouped_gemm: src_scale is for an Fp8ExpertWeight's e4m3 src only")
     if fp8 and gathered_out is not None:
@@ -550,7 +552,7 @@ def grouped_gemm_reference(
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     expert_S = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(src.device)
     src_rows_S = src_idx_S if src_idx_S is not None else torch.arange(num_rows, device=src.device)
-    rows_SC = src[src_rows_S].float()
+    rows_SC = src.float()[src_rows_S]  # (e4m3 rows widened first: exact)
     if isinstance(w_ECN, Fp8ExpertWeight):
         per_row = _fp8_rows_product(rows_SC, src_scale[src_rows_S], w_ECN, expert_S)
     else:
