@@ -397,7 +397,9 @@ def grouped_gemm(
     e4m3 dot chain into the fp32 accumulator; the epilogue multiplies each row by ``src_scale[irow(p)] * sw[e]``
     before LoRA, bias and routing weights, which stay in the weight's ``dtype`` (the output's too). The
     contraction may run along the weight's N or C (forward or input gradient alike: the weight's scale is a
-    scalar per expert). Errors: see `lightning_ft.kernels.fp8.Fp8ExpertWeight` and the tests
+    scalar per expert). On sm90 Triton's fp8 ``tl.dot`` keeps Hopper's faster, reduced-precision MMA accumulation
+    along the whole chain (its default ``max_num_imprecise_acc``; DeepSeek-V3 promotes to fp32 every 128 instead).
+    Errors: see `lightning_ft.kernels.fp8.Fp8ExpertWeight` and the tests
     (tests/kernels/moe/test_grouped_gemm_fp8.py). BLOCK_C >= 32 (fp8 ``tl.dot``).
 
     Returns:

@@ -10,7 +10,7 @@ Bounds (relative Frobenius error unless said):
   bitwise on data whose every sum is exact in fp32 (small integers, power-of-two scales: any summation order
   gives the same bits); on random data 1e-5 elementwise on the CPU (the interpreter sums each K tile in numpy's
   order, then adds the tiles; the reference sums the whole row in torch's: fp32 rounding only), 1e-3 on the GPU
-  (Hopper's fp8 MMA accumulates in reduced precision within a K tile);
+  (Hopper's fp8 MMA accumulates in reduced precision, and in its own order);
 * against the dense product with the dequantised weight and the unquantised input: 5% (the e4m3 input rows,
   ~2.5% measured);
 * against the original weight: 8% (both operands rounded, ~3.5% measured), fp32 and bf16 inputs alike.
