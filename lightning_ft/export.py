@@ -33,9 +33,12 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_ft.atomic import atomic_folder
+
+if TYPE_CHECKING:
+    from lightning_ft.model.build import BuiltModel
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +163,9 @@ def export(
     log.info("export: %s with the trained weights of %s", _base_description(cfg), source)
     from_folder = source.is_dir()
     with torch.device(device):
-        model = build_stock_model(cfg, vocab_size=len(tokenizer), lora=lora and not from_folder, device=device,
+        built = build_stock_model(cfg, vocab_size=len(tokenizer), lora=lora and not from_folder, device=device,
                                   on_cuda=trained_on_cuda(run_dir, cfg))
-    model = load_weights(model, source, lora)
+    model = load_weights(built.model, source, lora)
     model.eval()
 
     written: dict[str, Path] = {}
@@ -181,8 +184,10 @@ def export(
             written["base"] = output / "base"
         if merge:
             dtype = cfg["model"].get("dtype", "float32")
-            if layers := dequantize_linears(model, DTYPES[dtype]):  # model.quantization=nf4: merge into the weights trained over
-                log.info("export: merged/ in %s: %d NF4 linear layers of the base dequantised before the adapter is merged", dtype, layers)
+            layers = dequantize_linears(model, DTYPES[dtype])  # model.quantization=nf4: merge into the weights trained over
+            counts = {"linear layers": layers, "expert weights": built.nf4_experts_dequantized}  # experts: as it was built
+            if dequantized := [f"{n} NF4 {what}" for what, n in counts.items() if n]:
+                log.info("export: merged/ in %s: %s of the base dequantised before the adapter is merged", dtype, " and ".join(dequantized))
             if lora:
                 from peft import PeftModel
 
@@ -311,11 +316,12 @@ def base_device(run_dir: Path, cfg: dict[str, Any]) -> str:
     return "cuda"
 
 
-def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: str, on_cuda: bool = False) -> Any:
+def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: str, on_cuda: bool = False) -> BuiltModel:
     """The run's model as ``fit`` builds it (`ModelBuilder`, same config and seed) with stock transformers
     modules: no kernel or MoE patch, no CUDA graphs or gradient checkpointing, transformers' SDPA attention;
     ``model.quantization=mxfp4``'s experts dequantised (the values the run trained over), and ``nf4``'s where the
-    run kept them in NF4 (``moe.backend=triton``, or ``auto`` on CUDA: `nf4_experts_backend`).
+    run kept them in NF4 (``moe.backend=triton``, or ``auto`` on CUDA: `nf4_experts_backend`; how many:
+    ``BuiltModel.nf4_experts_dequantized``).
 
     Args:
         lora: with the run's PEFT LoRA layers (to load a ``.ckpt``), else the plain model.
@@ -338,7 +344,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
         experts_in_nf4=nf4_experts_backend(cfg.get("moe.backend") or "hf", on_cuda) == "triton",  # as the run held them
     )
-    return builder(device=torch.device(device)).model
+    return builder(device=torch.device(device))
 
 
 def load_weights(model: Any, source: Path, lora: bool) -> Any:

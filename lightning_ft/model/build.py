@@ -48,6 +48,7 @@ from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8
 from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
+from lightning_ft.model.mxfp4 import experts_bytes as mxfp4_experts_bytes
 from lightning_ft.model.patching import apply_kernels
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
@@ -192,7 +193,14 @@ def load_causal_lm(
 
 def _quantize_experts(model: torch.nn.Module, after: str) -> None:
     """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`), logged."""
-    rank_zero_info(f"quantization: {quantize_experts(model)} expert weights quantised to MXFP4 after {after}")
+    count = quantize_experts(model)
+    rank_zero_info(f"quantization: {count} expert weights quantised to MXFP4 after {after}: {_bytes_held(*mxfp4_experts_bytes(model))}")
+
+
+def _bytes_held(held: int, dense: int) -> str:
+    """What quantised expert weights hold, for the start log: ``held`` bytes and ``dense`` bytes (as they would be in
+    ``model.dtype``) in MiB, e.g. ``0.01 MiB (0.04 MiB in model.dtype)``."""
+    return f"{held / 2**20:.2f} MiB ({dense / 2**20:.2f} MiB in model.dtype)"
 
 
 def nf4_experts_backend(requested: str, on_cuda: bool) -> str:
@@ -217,9 +225,8 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
         count = sum(nf4_experts.nf4_weight(e, n) is not None for e in nf4_experts.experts_modules(model)
                     for n in ("gate_up_proj", "down_proj"))
         if count:
-            held, dense = nf4_experts.experts_bytes(model)
             rank_zero_info(f"quantization: {count} expert weights quantised to NF4{'' if after else ' as they loaded'}: "
-                           f"{held / 2**20:.2f} MiB ({dense / 2**20:.2f} MiB in model.dtype)")
+                           f"{_bytes_held(*nf4_experts.experts_bytes(model))}")
     elif keep is None:
         why = "takes triton, which keeps them in NF4 too, on CUDA only" if moe_backend == "auto" else \
             "reads dense weights (moe.backend=triton keeps them in NF4 too)"
@@ -380,6 +387,8 @@ class BuiltModel:
             through the model's stock attention (`lightning_ft.model.support`).
         plain_head: the model's logits are its LM head's output (the chunked CE may apply); else its
             own forward makes them.
+        nf4_experts_dequantized: with ``dense_experts``, how many NF4 expert weights were dequantised
+            (`lightning_ft.model.nf4_experts.dequantize_experts`; ``export --merge`` says it).
     """
 
     model: torch.nn.Module
@@ -387,6 +396,7 @@ class BuiltModel:
     pad_for_graphs: bool = False
     packed: bool = True
     plain_head: bool = True
+    nf4_experts_dequantized: int = 0
 
 
 class ModelBuilder:
@@ -502,8 +512,9 @@ class ModelBuilder:
             moe_backend = _nf4_experts(model, moe_backend, self.experts_in_nf4, cfg.get("dtype", "float32"), device)
         if self.dense_experts and (experts := dequantize_experts(model)):
             rank_zero_info(f"quantization: {experts} MXFP4 expert weights dequantised to model.dtype")
-        if self.dense_experts and (experts := nf4_experts.dequantize_experts(model)):
-            rank_zero_info(f"quantization: {experts} NF4 expert weights dequantised to model.dtype")
+        nf4_dequantized = nf4_experts.dequantize_experts(model) if self.dense_experts else 0
+        if nf4_dequantized:
+            rank_zero_info(f"quantization: {nf4_dequantized} NF4 expert weights dequantised to model.dtype")
         if attention == "auto":  # which documents run cuDNN: measured before any step (CUDA graphs key rows by it)
             calibrate(model.config, device, dtype)
         support = architecture_support(model.config)
@@ -593,7 +604,7 @@ class ModelBuilder:
         total = sum(p.numel() for p in model.parameters())
         rank_zero_info(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable")
         fused_ce = bool(self.kernels_cfg.get("fused_linear_cross_entropy")) and support.plain_head is None
-        return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None)
+        return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None, nf4_dequantized)
 
 
 def _fp8_over_4bit(model: torch.nn.Module, dtype: str) -> None:

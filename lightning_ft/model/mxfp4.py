@@ -101,15 +101,18 @@ def mxfp4_weight(experts: torch.nn.Module, name: str) -> Mxfp4Weight | None:
     return Mxfp4Weight.from_checkpoint(blocks, getattr(experts, f"{name}_scales"), getattr(experts, name).dtype)
 
 
-def experts_bytes(model: torch.nn.Module) -> int:
-    """Bytes the experts' weights hold: MXFP4 blocks and scales, or the dense parameters (placeholders' one element)."""
-    total = 0
+def experts_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes the experts' weights hold: MXFP4 blocks and scales, or the dense parameters (placeholders' one element);
+    bytes they would hold dense in their compute dtype); (0, 0) for none."""
+    held = dense = 0
     for experts in _gpt_oss_experts(model):
         for name in _PROJECTIONS:
-            for tensor in (getattr(experts, name), getattr(experts, f"{name}_blocks", None), getattr(experts, f"{name}_scales", None)):
+            weight = getattr(experts, name)
+            for tensor in (weight, getattr(experts, f"{name}_blocks", None), getattr(experts, f"{name}_scales", None)):
                 if tensor is not None:
-                    total += tensor.untyped_storage().nbytes()
-    return total
+                    held += tensor.untyped_storage().nbytes()
+            dense += weight.numel() * weight.element_size()  # a placeholder has the dense shape and dtype
+    return held, dense
 
 
 def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:

@@ -16,6 +16,7 @@ CONFIG = {**yaml.safe_load((Path(config_dir()) / "model" / "gpt_oss_tiny.yaml").
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "o_proj"],
         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 EXPERT_WEIGHTS = 4  # gate_up and down in each of 2 layers
+LOGGER = "lightning.pytorch.utilities.rank_zero"
 
 
 def _build(quantization="mxfp4", dtype="float32", backend="triton"):
@@ -23,18 +24,22 @@ def _build(quantization="mxfp4", dtype="float32", backend="triton"):
     return ModelBuilder(model, LORA, moe={"backend": backend}, seed=0)(torch.device("cpu")).model
 
 
-def test_random_init_keeps_the_experts_in_mxfp4_at_about_a_quarter_of_the_bytes():
+def test_random_init_keeps_the_experts_in_mxfp4_at_about_a_quarter_of_the_bytes(caplog):
     """Blocks and scales in the checkpoints' names and layout; the dense parameter a 2-byte placeholder of its
-    shape (PEFT reads it); bf16 experts: (1/2 + 1/32) bytes a weight against 2, exactly."""
-    dense, kept = _build("none", "bfloat16"), _build("mxfp4", "bfloat16")
+    shape (PEFT reads it); bf16 experts: (1/2 + 1/32) bytes a weight against 2, exactly; the start log says both."""
+    dense = _build("none", "bfloat16")
+    with caplog.at_level("INFO", logger=LOGGER):
+        kept = _build("mxfp4", "bfloat16")
+    assert (f"quantization: {EXPERT_WEIGHTS} expert weights quantised to MXFP4 after the random init: "
+            "0.02 MiB (0.09 MiB in model.dtype)") in caplog.messages
     experts = kept.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer
     assert experts.gate_up_proj_blocks.shape == (4, 64, 2, 16) and experts.gate_up_proj_scales.shape == (4, 64, 2)
     assert experts.down_proj_blocks.shape == (4, 64, 1, 16) and experts.down_proj_blocks.dtype == torch.uint8
     assert experts.gate_up_proj.shape == (4, 64, 64) and experts.gate_up_proj.untyped_storage().nbytes() == 2
     weights = 2 * (4 * 64 * 64 + 4 * 32 * 64)  # 2 layers: gate_up [4, 64, 64], down [4, 32, 64]
-    assert experts_bytes(dense) == 2 * weights
-    assert experts_bytes(kept) == weights // 2 + weights // 32 + 2 * EXPERT_WEIGHTS
-    assert experts_bytes(kept) / experts_bytes(dense) < 0.27
+    assert experts_bytes(dense) == (2 * weights, 2 * weights)
+    assert experts_bytes(kept) == (weights // 2 + weights // 32 + 2 * EXPERT_WEIGHTS, 2 * weights)
+    assert experts_bytes(kept)[0] / experts_bytes(dense)[0] < 0.27
 
 
 def test_logits_and_lora_gradients_equal_the_dequantised_twin():

@@ -96,11 +96,11 @@ def test_other_backends_keep_the_experts_dense_and_refuse_nf4_weights(caplog):
 
 
 @pytest.mark.slow
-def test_fit_on_nf4_experts_then_export_merge_reproduces_the_trained_logits(tmp_path):
+def test_fit_on_nf4_experts_then_export_merge_reproduces_the_trained_logits(tmp_path, caplog):
     """The CLI: the tiny default Qwen3-MoE, LoRA on attention and experts, the base in NF4 (linear layers through
     kernels.lora, experts through the triton backend; Triton interpreted here): the loss falls, the adapter is plain
-    PEFT (no NF4 tensors); ``export --merge`` writes dense experts, and the merged model computes the trained
-    model's logits (fp32; the merge rounds, 1e-4)."""
+    PEFT (no NF4 tensors); ``export --merge`` writes dense experts (its summary line counts them with the linear
+    layers), and the merged model computes the trained model's logits (fp32; the merge rounds, 1e-4)."""
     from cli_helpers import FAST, run_cli, summary
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -116,7 +116,10 @@ def test_fit_on_nf4_experts_then_export_merge_reproduces_the_trained_logits(tmp_
     assert s["steps"] == 3 and s["final_loss"] < s["initial_loss"]
     adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert any("experts" in key for key in adapter) and not any("_nf4_" in key for key in adapter)
-    assert export_main([str(run_dir), "--merge"]) == 0
+    with caplog.at_level("INFO", logger="lightning_ft.export"):
+        assert export_main([str(run_dir), "--merge"]) == 0
+    assert ("export: merged/ in float32: 4 NF4 linear layers and 2 NF4 expert weights of the base dequantised before "
+            "the adapter is merged") in caplog.messages
     merged = AutoModelForCausalLM.from_pretrained(str(run_dir / "export" / "merged"))
     state = merged.state_dict()
     assert not any("_nf4_" in key for key in state) and state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 256, 128)
