@@ -60,7 +60,7 @@ from lightning_ft.model.router import (
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
-from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8, fp8_experts_blocker
+from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm", "nf4_experts_backend"]
@@ -236,13 +236,10 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
 
 def _moe_backend(requested: str, device: torch.device, quantization: str, execution: Execution, lora: dict[str, Any]) -> str:
     """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format only ``triton``
-    reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on dense experts and no CUDA graphs
-    (`fp8_experts_blocker`), on a device Triton runs on. Otherwise as given (``auto`` then resolves by the hardware,
-    `lightning_ft.kernels.moe.select_backend`; nf4's experts resolve ``auto`` after loading: `nf4_experts_backend`)."""
-    fp8_experts = (
-        execution.fp8 and quantization == "none" and bool(lora.get("target_parameters"))
-        and not fp8_experts_blocker("triton", execution.cuda_graphs)
-    )  # fmt: skip
+    reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on dense experts, on a device Triton runs on.
+    Otherwise as given (``auto`` then resolves by the hardware, `lightning_ft.kernels.moe.select_backend`; nf4's
+    experts resolve ``auto`` after loading: `nf4_experts_backend`)."""
+    fp8_experts = execution.fp8 and quantization == "none" and bool(lora.get("target_parameters"))
     held = "mxfp4" if quantization == "mxfp4" else "fp8" if fp8_experts else None
     if requested != "auto" or held is None or not (device.type == "cuda" or (INTERPRETER and device.type == "cpu")):
         return requested
@@ -472,7 +469,7 @@ class ModelBuilder:
 
         Raises:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
-                `lightning_ft.model.quantization.check_quantized_training` (a 4-bit base without LoRA, under FSDP2 or CUDA graphs),
+                `lightning_ft.model.quantization.check_quantized_training` (a 4-bit base without LoRA or under FSDP2, MXFP4 under CUDA graphs),
                 `Execution.check`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
                 `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
                 against what ``lora.modules_to_save`` or ``lora.init_from`` says), ``lora.modules_to_save``
@@ -558,7 +555,7 @@ class ModelBuilder:
                 rank_zero_info(f"fp8: {linears} frozen LoRA base weights in e4m3, per-output-channel scales")
             if quantization == "nf4":
                 _fp8_over_4bit(model, cfg.get("dtype", "float32"))
-            experts, left = convert_experts_to_fp8(model, cuda_graphs)
+            experts, left = convert_experts_to_fp8(model)
             if experts:
                 rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, per-expert per-output-channel scales")
             if left:

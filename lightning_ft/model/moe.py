@@ -237,7 +237,7 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
     return count
 
 
-def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) -> tuple[int, str | None]:
+def convert_experts_to_fp8(model: torch.nn.Module) -> tuple[int, str | None]:
     """``strategy.fp8``: hold every frozen expert weight that carries PEFT's split LoRA in e4m3, in place
     (`lightning_ft.strategies.fp8.convert_expert_weight`; the triton backend reads them). Experts without LoRA stay
     as they are, as the linear layers without LoRA do, and so do NF4 experts (`lightning_ft.model.nf4_experts`: the
@@ -245,7 +245,7 @@ def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) ->
 
     Returns:
         (the number of weights converted (weights already in fp8 are skipped), why a block's were left in their dtype
-        where one was: its backend is not ``triton`` (``moe.backend=hf`` included) or ``cuda_graphs`` is on
+        where one was: its backend is not ``triton``, ``moe.backend=hf`` included
         (`lightning_ft.strategies.fp8.fp8_experts_blocker`), else None).
     """
     count, left, sparse_blocks = 0, None, moe_classes("sparse_block")
@@ -255,7 +255,7 @@ def convert_experts_to_fp8(model: torch.nn.Module, cuda_graphs: bool = False) ->
             n for n in loras
             if not getattr(experts, n).requires_grad and not hasattr(experts, f"{n}_fp8") and nf4_weight(experts, n) is None
         ]  # fmt: skip
-        if names and (blocker := fp8_experts_blocker(getattr(block, _BACKEND_ATTR, "hf"), cuda_graphs)):
+        if names and (blocker := fp8_experts_blocker(getattr(block, _BACKEND_ATTR, "hf"))):
             left = blocker
             continue
         for name in names:

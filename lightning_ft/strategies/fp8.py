@@ -33,8 +33,8 @@ the experts module as the frozen parameters ``<name>_fp8`` (uint8 [E, N, C]) and
 of fp32 [E]); the dense parameter
 stays as a placeholder of its shape and dtype (a zero-stride view of one element, as PEFT reads them; nothing
 computes with it). The ``triton`` MoE backend reads them (`fp8_expert_weight`) in its grouped GEMM's fp8 path
-(`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`), the only backend that does; like MXFP4 experts they
-are not run under CUDA graphs yet: elsewhere the experts stay in bf16 (`fp8_experts_blocker` says why). ``export --merge`` builds
+(`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`), the only backend that does (eager or replayed from CUDA
+graphs): elsewhere the experts stay in bf16 (`fp8_experts_blocker` says why). ``export --merge`` builds
 the bf16 base again, so the adapter is merged into the weights the fp8 ones were quantised from, as for the
 linear layers.
 
@@ -182,13 +182,11 @@ def fp8_expert_weight(experts: torch.nn.Module, name: str) -> Fp8ExpertWeight | 
     return Fp8ExpertWeight(values.view(E4M3), scales, getattr(experts, name).dtype)
 
 
-def fp8_experts_blocker(backend: str, cuda_graphs: bool) -> str | None:
-    """Why the MoE experts under LoRA cannot be held in fp8 with this ``moe.backend`` (resolved) and CUDA graphs
-    setting, naming the setting that would allow it; None where they can (``triton`` without CUDA graphs)."""
+def fp8_experts_blocker(backend: str) -> str | None:
+    """Why the MoE experts under LoRA cannot be held in fp8 with this ``moe.backend`` (resolved), naming the setting
+    that would allow it; None where they can (``triton``, with or without CUDA graphs)."""
     if backend != "triton":
         return f"only moe.backend=triton reads fp8 experts (moe.backend={backend}): set moe.backend=triton"
-    if cuda_graphs:
-        return "fp8 experts are not run under CUDA graphs yet: set strategy.cuda_graphs=false"
     return None
 
 

@@ -141,14 +141,12 @@ def test_the_builder_converts_the_experts_under_strategy_fp8_and_logs_it(monkeyp
     assert all(fp8_expert_weight(_experts(model, i), n) is not None for i in (0, 1) for n in ("gate_up_proj", "down_proj"))
 
 
-def test_fp8_experts_stay_in_bf16_off_the_triton_backend_and_under_cuda_graphs_saying_why(monkeypatch, caplog):
+def test_fp8_experts_stay_in_bf16_off_the_triton_backend_saying_why(monkeypatch, caplog):
     for backend in ("hf", "native_torch"):
         model = _build(backend=backend)
         assert convert_experts_to_fp8(model) == (0, f"only moe.backend=triton reads fp8 experts (moe.backend={backend}): "
                                                     "set moe.backend=triton")
         assert fp8_expert_weight(_experts(model), "gate_up_proj") is None
-    assert convert_experts_to_fp8(_build(), cuda_graphs=True) == (
-        0, "fp8 experts are not run under CUDA graphs yet: set strategy.cuda_graphs=false")
     import lightning_ft.model.build as build
 
     monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
@@ -161,7 +159,7 @@ def test_fp8_experts_stay_in_bf16_off_the_triton_backend_and_under_cuda_graphs_s
 
 def test_moe_backend_auto_is_triton_where_the_experts_are_held_in_fp8(monkeypatch, caplog):
     """``moe.backend=auto`` (the MoE experiments') takes the one backend that reads fp8 experts, logged; without LoRA on
-    the experts, or with CUDA graphs (experts kept in bf16), auto resolves by the hardware as before."""
+    the experts, auto resolves by the hardware as before; CUDA graphs replay the fp8 experts too."""
     import lightning_ft.model.build as build
 
     monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
@@ -171,7 +169,7 @@ def test_moe_backend_auto_is_triton_where_the_experts_are_held_in_fp8(monkeypatc
     assert f"fp8: {EXPERT_WEIGHTS} frozen expert weights under LoRA in e4m3" in caplog.text
     assert fp8_expert_weight(_experts(model, 1), "gate_up_proj") is not None
     cpu = torch.device("cpu")
-    assert build._moe_backend("auto", cpu, "none", Execution(fp8=True, cuda_graphs=True), LORA_MOE) == "auto"
+    assert build._moe_backend("auto", cpu, "none", Execution(fp8=True, cuda_graphs=True), LORA_MOE) == "triton"
     assert build._moe_backend("auto", cpu, "none", Execution(fp8=True), LORA) == "auto"  # no LoRA on the experts
     assert build._moe_backend("auto", cpu, "mxfp4", Execution(), LORA_MOE) == "triton"
     assert build._moe_backend("grouped_mm", cpu, "none", Execution(fp8=True), LORA_MOE) == "grouped_mm"  # as asked
