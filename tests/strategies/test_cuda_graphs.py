@@ -124,6 +124,22 @@ def _close(got: torch.Tensor, want: torch.Tensor, cuda: bool) -> bool:
     return bool(cosine > 0.999) and math.isclose(got.float().norm(), want.float().norm(), rel_tol=1e-2)
 
 
+def _step_matches_eager(module: FinetuneModule, name: str, step: int, cuda: bool) -> None:
+    """Row ``name`` through the eager model (eval: no graphs, no checkpointing) and the graphed one (train): equal
+    loss and gradients; then an in-place update of the trainable weights, so later replays must read current ones."""
+    batch = _batch(name, "cuda" if cuda else "cpu", seed=step)
+    want_loss, want = _loss_and_grads(module, batch, train=False)
+    got_loss, got = _loss_and_grads(module, batch, train=True)
+    assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-3 if cuda else 1e-6), f"step {step}"
+    assert got.keys() == want.keys() and any("lora_A" in n for n in got)
+    bad = [n for n in want if not _close(got[n], want[n], cuda)]
+    assert not bad, f"step {step} ({name}): gradients differ for {bad[:4]}"
+    with torch.no_grad():
+        for n, p in module.model.named_parameters():
+            if p.requires_grad:
+                p.add_(want[n], alpha=-0.1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "kind, moe_backend, offload",
@@ -158,18 +174,8 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
     sequence = ["a", "b", "c", "a", "b", "one", "one", "one"]
     expected_captures = [0, 1, 1, 1, 1, 1, 2, 2] if cuda else [0, 0, 0, 1, 2, 2, 3, 3]
     for step, (name, captures) in enumerate(zip(sequence, expected_captures)):
-        batch = _batch(name, device, seed=step)
-        want_loss, want = _loss_and_grads(module, batch, train=False)
-        got_loss, got = _loss_and_grads(module, batch, train=True)
+        _step_matches_eager(module, name, step, cuda)
         assert state.captures == captures * layers, f"step {step}: {state.captures} recordings"
-        assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-3 if cuda else 1e-6), f"step {step}"
-        assert got.keys() == want.keys()
-        bad = [n for n in want if not _close(got[n], want[n], cuda)]
-        assert not bad, f"step {step} ({name}): gradients differ for {bad[:4]}"
-        with torch.no_grad():
-            for n, p in module.model.named_parameters():
-                if p.requires_grad:
-                    p.add_(want[n], alpha=-0.1)
     if kind == "qwen3_moe":  # the eager model and the forward graphs computed the output, the recompute did not
         assert True in output_needed and False in output_needed
     kept = [graphs.kept["attention"].enabled for graphs in state.graphs.values()]
@@ -230,17 +236,7 @@ def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_b
     layers = apply_cuda_graphs(module.model)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
     for step, name in enumerate(["a", "b", "a", "b", "one"]):
-        batch = _batch(name, device, seed=step)
-        want_loss, want = _loss_and_grads(module, batch, train=False)
-        got_loss, got = _loss_and_grads(module, batch, train=True)
-        assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-3 if cuda else 1e-6), f"step {step}"
-        assert got.keys() == want.keys() and any("lora_A" in n for n in got)
-        bad = [n for n in want if not _close(got[n], want[n], cuda)]
-        assert not bad, f"step {step} ({name}): gradients differ for {bad[:4]}"
-        with torch.no_grad():
-            for n, p in module.model.named_parameters():
-                if p.requires_grad:
-                    p.add_(want[n], alpha=-0.1)
+        _step_matches_eager(module, name, step, cuda)
     assert state.captures >= layers  # recorded and replayed
     if cuda and quantization == "nf4":  # the graphs wrote the reused dequantisation buffer, kept alive for their replays
         assert nf4._RECORDED
