@@ -57,7 +57,7 @@ class StrategyConfig:
     activation_offload: bool = False  # with cuda_graphs: each layer's checkpointed input waits in pinned host memory for the backward (copies overlapped with compute)
     memory_budget_gib: Any = "auto"  # GPU memory a step may use (GiB) for the memory plan of what is kept, offloaded or recomputed; auto: free memory less a margin; null: no plan (off CUDA: never a plan)
     host_budget_gib: Any = "auto"  # pinned host memory the memory plan may offload to (GiB); auto: the host's available memory less 25%, shared by the node's processes; null: no limit
-    fp8: bool = False  # frozen base weights of the LoRA linear layers (and, on moe.backend=triton, MoE experts) in e4m3 (per-output-channel scales, half their memory), their GEMMs in fp8 (Hopper, sm90+; not with strategy=fsdp2)
+    fp8: bool = False  # frozen base weights of the LoRA linear layers (and, on moe.backend=triton, MoE experts) in e4m3 (per-output-channel scales, the experts one per expert; half their memory), their GEMMs in fp8 (Hopper, sm90+; not with strategy=fsdp2)
 
 
 @dataclass

@@ -557,7 +557,7 @@ class ModelBuilder:
                 _fp8_over_4bit(model, cfg.get("dtype", "float32"))
             experts, left = convert_experts_to_fp8(model)
             if experts:
-                rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, per-expert per-output-channel scales")
+                rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, one scale per expert")
             if left:
                 rank_zero_info(f"fp8: the MoE experts stay in {cfg.get('dtype', 'float32')}: {left}")
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
