@@ -70,9 +70,18 @@ def tiny_config(config: Any) -> Any:
         Exception: what the config class raises for the shrunk values (e.g. an SSM's head count
             that must divide its width).
     """
-    values = config.to_dict()
+    return type(config)(**_tiny_values(config.to_dict(), type(config)))
+
+
+def _tiny_values(values: dict[str, Any], config_class: type) -> dict[str, Any]:
+    """`tiny_config`'s rules on a config's ``to_dict()`` values; nested sub-configs (``config_class.sub_configs``:
+    BLT's patcher, encoder, decoder and global transformer) are shrunk by the same rules."""
+    values = dict(values)
     values.pop("transformers_version", None)
-    aliases = getattr(type(config), "attribute_map", {})  # e.g. GPT-2's hidden_size -> n_embd
+    for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if isinstance(values.get(key), dict) and isinstance(sub_class, type):
+            values[key] = _tiny_values(values[key], sub_class)
+    aliases = getattr(config_class, "attribute_map", {})  # e.g. GPT-2's hidden_size -> n_embd
     for key, value in _TINY_SIZES.items():
         key = aliases.get(key, key)
         if values.get(key) is not None:
@@ -99,7 +108,7 @@ def tiny_config(config: Any) -> Any:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocabulary
         if values.get(key) is not None:
             values[key] = [0] if isinstance(values[key], list) else 0
-    return type(config)(**values)
+    return values
 
 
 def architecture_support(config: Any) -> ArchitectureSupport:
