@@ -68,6 +68,7 @@ from lightning_ft.model.attention import packed_forward
 from lightning_ft.model.build import ModelBuilder
 from lightning_ft.model.lora import active_module
 from lightning_ft.model.router import aux_loss_coef, load_balancing_loss
+from lightning_ft.model.support import decoder_of
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
@@ -180,13 +181,14 @@ class FinetuneModule(L.LightningModule):
         else:  # the architecture cannot take packed rows: its documents one per padded row
             inputs = batch.padded_rows()
             labels = inputs.pop("labels")
+            del inputs["position_ids"]  # the model's own, as for a document alone (RoBERTa's count from its pad index)
         router_logits = aux and self.aux_loss_coef is not None
         # only a model whose config has output_router_logits takes the argument (a dense one would pass it on)
         if self.aux_loss_coef is not None:
             inputs["output_router_logits"] = router_logits
         with packed_forward() if self.packed else contextlib.nullcontext():  # no transformers mask for a packed row
             if self.plain_head:
-                out = getattr(hf, hf.base_model_prefix)(**inputs, use_cache=False)
+                out = decoder_of(hf)(**inputs, use_cache=False)
             else:  # the model changes its logits after the LM head: its own forward makes them
                 out = hf(**inputs, use_cache=False)
                 logits = out.logits[:, :-1].float()

@@ -163,6 +163,8 @@ def load_causal_lm(
             )
     method = _quant_method(hf_config)
     check_quantization(quantization, method, _quant_field(hf_config, "load_in_4bit") is True)
+    if not _takes_attention_functions(hf_config):  # e.g. Git picks its attention class by name: ours is no key
+        attn_implementation = None
     kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
     if init == "random":
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
@@ -189,6 +191,16 @@ def load_causal_lm(
     if quantization == "mxfp4" and not keep_mxfp4:
         _quantize_experts(model, "loading")
     return model
+
+
+def _takes_attention_functions(config: Any) -> bool:
+    """Whether ``config``'s transformers causal LM calls attention through the attention-function registry, where a
+    registered name (our packed attention) may be its ``attn_implementation``; True for a class transformers does not
+    map (remote code), which transformers checks itself."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return model_class is None or bool(model_class._supports_attention_backend)
 
 
 def _quantize_experts(model: torch.nn.Module, after: str) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from lightning_ft.model.attention import packed_forward
 
-__all__ = ["ArchitectureSupport", "architecture_support", "tiny_config"]
+__all__ = ["ArchitectureSupport", "architecture_support", "decoder_of", "tiny_config"]
 
 # config fields shrunk for the probe, and their values: hidden 32, 2 heads (1 key/value head) of 16
 _TINY_SIZES = {
@@ -44,7 +44,10 @@ _TINY_SIZES = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
     "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 1, "query_pre_attn_scalar": 16,
-    "global_head_dim": 16, "attention_chunk_size": 4,
+    "global_head_dim": 16, "attention_chunk_size": 4, "d_head": 16,
+    "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 16, "decoder_layers": 2, "encoder_layers": 2,
+    "decoder_attention_heads": 2, "encoder_attention_heads": 2, "decoder_ffn_dim": 48, "encoder_ffn_dim": 48,
+    "embedding_size": 32, "input_embedding_size": 32, "output_embedding_size": 32,
 }  # fmt: skip
 _PROBE_WINDOW = 2  # sliding windows shorter than the probe's documents (3 and 4 tokens)
 _PROBE_DOCS = ((3, 7, 1), (5, 2, 9, 4))
@@ -59,9 +62,17 @@ class ArchitectureSupport:
     plain_head: str | None
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder under ``model``'s LM head (hidden states out): the module at its ``base_model_prefix``, else at
+    ``model`` (Llama 4's text-only causal LM keeps the multimodal prefix ``language_model`` and holds ``model``)."""
+    decoder = getattr(model, model.base_model_prefix, None)
+    return decoder if decoder is not None else model.model
+
+
 def tiny_config(config: Any) -> Any:
     """``config`` with small sizes (hidden 32, 2 heads of 16, vocab 64, 4 experts of top 2) and one layer per
-    distinct entry of its ``layer_types`` (2 layers without them), sliding windows of 2 tokens.
+    distinct entry of its ``layer_types`` and ``mlp_layer_types`` (2 layers without them), every per-layer field
+    cut to those layers, sliding windows of 2 tokens.
 
     Only fields the config has are changed; the rest of its structure (activation, norms, biases,
     RoPE type, tied embeddings, which layers are sparse or slide) is kept.
@@ -75,40 +86,105 @@ def tiny_config(config: Any) -> Any:
 
 def _tiny_values(values: dict[str, Any], config_class: type) -> dict[str, Any]:
     """`tiny_config`'s rules on a config's ``to_dict()`` values; nested sub-configs (``config_class.sub_configs``:
-    BLT's patcher, encoder, decoder and global transformer) are shrunk by the same rules."""
+    BLT's patcher, encoder, decoder and global transformer) are shrunk by the same rules.
+
+    The layers kept are the first of each distinct (``layer_types``, ``mlp_layer_types``) entry, the first two
+    where all are alike; every per-layer field follows them: a list as long as the layer count (Gemma 3n's
+    ``activation_sparsity_pattern``, Laguna's heads per layer) keeps the kept layers' entries, a dict keyed by
+    layer index (Gemma 4's ``per_layer_config``) their entries renumbered.
+    """
     values = dict(values)
     values.pop("transformers_version", None)
     for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
         if isinstance(values.get(key), dict) and isinstance(sub_class, type):
             values[key] = _tiny_values(values[key], sub_class)
     aliases = getattr(config_class, "attribute_map", {})  # e.g. GPT-2's hidden_size -> n_embd
-    for key, value in _TINY_SIZES.items():
-        key = aliases.get(key, key)
-        if values.get(key) is not None:
-            values[key] = value
+    old = dict(values)
+    _shrink_sizes(values, aliases)
     layers = aliases.get("num_hidden_layers", "num_hidden_layers")
-    layer_types = values.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        values["layer_types"] = list(dict.fromkeys(layer_types))
-        if len(values["layer_types"]) == 1:
-            values["layer_types"] *= 2
-        values[layers] = len(values["layer_types"])
-    elif values.get(layers) is not None:
-        values[layers] = 2
+    if isinstance(old.get(layers), int):
+        kept = _kept_layers(values, aliases, old[layers])
+        for key, value in old.items():
+            if key in _NOT_PER_LAYER:
+                continue
+            if isinstance(value, list) and len(value) == old[layers]:
+                values[key] = [values[key][i] for i in kept]
+            elif _by_layer(value):
+                values[key] = {type(k)(new): values[key][k] for k in value for new, i in enumerate(kept) if int(k) == i}
+        values[layers] = len(kept)
     if values.get("sliding_window"):
         values["sliding_window"] = _PROBE_WINDOW
     if values.get("kv_lora_rank") is not None:  # MLA (DeepSeek-V3): keys and values come in every query head, and
         values["num_key_value_heads"] = values["num_attention_heads"]  # the rotary tables span the RoPE part only
         if aliases.get("head_dim") != "qk_rope_head_dim":  # GLM-4.7-Flash's config aliases the two
             values["head_dim"] = values["qk_rope_head_dim"]
-    if isinstance(values.get("mlp_layer_types"), list):  # dense / sparse per layer (GLM-4.7-Flash): one layer a kind
-        values["mlp_layer_types"] = list(dict.fromkeys(values["mlp_layer_types"]))
-        values[layers] = len(values["mlp_layer_types"])
+        if values.get("qk_head_dim") is not None:  # a stored sum (LongCat-Flash, DeepSeek-V2)
+            values["qk_head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
+    if isinstance(old.get(aliases.get("num_experts_per_tok", "num_experts_per_tok")), int):  # top 1 stays top 1 (ZAYA)
+        key = aliases.get("num_experts_per_tok", "num_experts_per_tok")
+        values[key] = min(old[key], values[key])
+    _fill_ssm_width(values)
+    if values.get("rotary_dim") is not None:  # partial rotary as a width (GPT-J, CodeGen): half the tiny head
+        values["rotary_dim"] = _TINY_SIZES["head_dim"] // 2
     values.pop("mlp_only_layers", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocabulary
         if values.get(key) is not None:
             values[key] = [0] if isinstance(values[key], list) else 0
     return values
+
+
+# lists and integer-keyed dicts that are never one entry per layer, even where their length equals the layer count
+_NOT_PER_LAYER = frozenset({"architectures", "time_step_limit", "id2label", "label2id"})
+
+
+def _by_layer(value: Any) -> bool:
+    """Whether ``value`` is a dict keyed by layer index (``{"05": {...}}``; ``id2label`` is in `_NOT_PER_LAYER`)."""
+    return isinstance(value, dict) and bool(value) and all(str(k).isdigit() for k in value)
+
+
+def _shrink_sizes(values: dict[str, Any], aliases: dict[str, str]) -> None:
+    """The `_TINY_SIZES` fields ``values`` holds (also per layer: Gemma 3n's list of intermediate sizes, the head
+    dims in Gemma 4's ``per_layer_config``) set to their tiny values, in place."""
+    for key, value in _TINY_SIZES.items():
+        key = aliases.get(key, key)
+        if isinstance(values.get(key), list):
+            values[key] = [value] * len(values[key])
+        elif values.get(key) is not None:
+            values[key] = value
+    for key, per_layer in values.items():
+        if key not in _NOT_PER_LAYER and _by_layer(per_layer):
+            for entry in per_layer.values():
+                if isinstance(entry, dict):
+                    _shrink_sizes(entry, {})
+
+
+def _fill_ssm_width(values: dict[str, Any]) -> None:
+    """A Mamba-2 mixer's heads (Mamba-2's ``num_heads`` of ``head_dim``, Bamba's ``mamba_n_heads`` of
+    ``mamba_d_head``) fill its expanded width ``expand * hidden_size`` (Falcon-H1's ``mamba_d_ssm`` set to it) at
+    the tiny head size, in one group; in place."""
+    for heads, head_dim, expand, groups in (
+        ("num_heads", "head_dim", "expand", "n_groups"), ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups"),
+    ):  # fmt: skip
+        if all(isinstance(values.get(key), int) for key in (heads, head_dim, expand, "hidden_size")):
+            values[head_dim] = _TINY_SIZES["head_dim"]
+            values[heads] = values[expand] * values["hidden_size"] // values[head_dim]
+            if values.get("mamba_d_ssm") is not None:
+                values["mamba_d_ssm"] = values[expand] * values["hidden_size"]
+            if values.get(groups) is not None:
+                values[groups] = 1
+
+
+def _kept_layers(values: dict[str, Any], aliases: dict[str, str], count: int) -> list[int]:
+    """Which of the ``count`` layers the tiny copy keeps: the first of each distinct (layer type, MLP type) of
+    ``values``' ``layer_types`` (under its alias: Zamba's ``layers_block_type``) and ``mlp_layer_types``, else the
+    first two."""
+    kinds = [values.get(aliases.get("layer_types", "layer_types")), values.get("mlp_layer_types")]
+    kinds = [kind for kind in kinds if isinstance(kind, list) and len(kind) == count]
+    first: dict[tuple, int] = {}
+    for i in range(count):
+        first.setdefault(tuple(kind[i] for kind in kinds), i)
+    kept = sorted(first.values())
+    return kept if len(kept) > 1 else list(range(min(count, 2)))
 
 
 def architecture_support(config: Any) -> ArchitectureSupport:
@@ -146,7 +222,7 @@ def _probe(config: Any) -> ArchitectureSupport:
         except Exception as err:
             why = f"the tiny copy of {config.model_type} does not build ({type(err).__name__}: {err})"
             return ArchitectureSupport(why, why)
-        backbone = getattr(stock, stock.base_model_prefix)
+        backbone = decoder_of(stock)
         docs = [torch.tensor([ids]) for ids in _PROBE_DOCS]
         alone = [backbone(input_ids=ids, use_cache=False).last_hidden_state for ids in docs]
         logits = [stock(input_ids=ids, use_cache=False).logits for ids in docs]
@@ -165,7 +241,7 @@ def _packing_differs(stock: torch.nn.Module, alone: list[torch.Tensor], batch: A
     packed.set_attn_implementation(attention)
     try:
         with packed_forward():
-            hidden = getattr(packed, packed.base_model_prefix)(
+            hidden = decoder_of(packed)(
                 input_ids=batch.input_ids, position_ids=batch.position_ids, packed_batch=batch, use_cache=False
             ).last_hidden_state
     except Exception as err:

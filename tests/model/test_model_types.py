@@ -7,9 +7,15 @@ equals transformers' own (stock attention, each document alone, LoRA unfused) an
 weights get finite gradients. Packed rows, or padded ones where the architecture cannot take them, are
 what `lightning_ft.model.support` decided; either way the loss must be transformers'.
 
+A config with an ``is_decoder`` field (BERT's family, the decoder halves of encoder-decoders) gets
+``is_decoder=True``: its causal-LM class is then a causal decoder; with the default ``False`` BERT's
+family attends both ways and is no causal LM.
+
 The default run walks `REPRESENTATIVE` (one per kind: patch tables, other attention-registry
 models, padded-row and logit-softcapping architectures); ``LIGHTNING_FT_ALL_MODEL_TYPES=1``
-walks every type (about 200, a few minutes on one core). `SKIPPED` says why a type is left out.
+walks every type (about 200, a minute or two on one core). `SKIPPED` says why a type is left out:
+transformers' own default config builds no model, the general rules of `tiny_config` cannot shrink
+it (it then trains on stock paths), or its forward cannot take our inputs.
 """
 
 import os
@@ -27,31 +33,78 @@ from lightning_ft.model.patching import KERNEL_KEYS
 from lightning_ft.model.support import tiny_config
 from lightning_ft.module import FinetuneModule
 
-SKIPPED: dict[str, str] = {}  # model_type -> why the walk leaves it out
+SKIPPED = {  # model_type -> why the walk leaves it out
+    # transformers' own default config builds no model, at any size
+    "cohere_compass_text": "its default rope_parameters has no per-layer-type entry, which its rotary embedding reads",
+    "dbrx": "its default attn_config has no rope_theta, which its attention reads",
+    "deepseek_v2": "its default num_experts_per_tok is None (the router's topk fails)",
+    "dots1": "its default n_routed_experts is None (the experts' weights cannot be allocated)",
+    "gemma4_assistant": "its default config fails its own validation (hidden_size_per_layer_input must be 0)",
+    "hunyuan_v1_dense": "its default head_dim is None, which its attention reads as a number",
+    "hunyuan_v1_moe": "its default head_dim is None, which its attention reads as a number",
+    "lfm2_moe": "its default layer_types is None, which its decoder layers index",
+    "ministral": "its default head_dim is None, which its attention reads as a number",
+    "nemotron": "its default num_key_value_heads is None, which its attention divides by",
+    "qwen4_exp": "its default indexer token_budget and compress_ratio are None",
+    "qwen4_exp_text": "its default indexer token_budget and compress_ratio are None",
+    "musicgen": "the causal LM takes the decoder sub-config; the composite default has no decoder fields (dropout)",
+    "musicgen_melody": "the causal LM takes the decoder sub-config; the composite default has no decoder fields (dropout)",
+    # no tiny copy from the general rules of tiny_config (the model trains on stock paths: support.py)
+    "blt": "a width of its byte-patch layers is not among the fields tiny_config shrinks",
+    "diffllama": "its differential attention needs an even number of key/value heads; tiny_config keeps 1",
+    "dory": "n_input/n_recurrent/n_output_layers must add up to the layer count",
+    "dots3_note": "its validation wants as many key/value heads as query heads; tiny_config keeps 1",
+    "dots3_note_text": "its validation wants as many key/value heads as query heads; tiny_config keeps 1",
+    "gemma3n_text": "num_kv_shared_layers (15) counts layers from the end; with 2 layers no layer keeps its own cache",
+    "gemma4_unified_assistant": "its kv-sharing layers need a cache-producing layer of their type among the 2 kept",
+    "kolibri1_1": "index_layers and kv_source_layers hold layer indices, which tiny_config does not renumber",
+    "xlstm": "embedding_dim repeats hidden_size under another name, which tiny_config does not shrink",
+    "zamba": "its shared transformer block's tied weights need the original layer pattern",
+    "zamba2": "mamba_headdim and hybrid_layer_ids are not among the fields tiny_config shrinks or renumbers",
+    # other
+    "gemma3n": "builds a timm vision tower (timm not installed)",
+    "cpmant": "CPM-Ant ignores attention_mask and counts padding (id 0) from the left; padded rows pad on the right",
+    "prophetnet": "the decoder half of an encoder-decoder that predicts n-gram streams; its loss is not one next-token CE",
+    "reformer": "needs is_decoder=True and its own chunked/LSH attention lengths (axial positions of the full length)",
+    "xmod": "needs a default language adapter set on the model (set_default_language) before any forward",
+}
+_SSM = ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h")
+_LINEAR_SUBCLASS = ("phimoe", "llama4", "llama4_text", "deepseek_v4")
 
 REPRESENTATIVE = [
     "llama", "qwen2", "mistral", "phi3", "gemma3_text", "gpt_oss",  # patch tables (gpt-oss: sinks, windows, MoE)
     "gpt2", "olmo2", "starcoder2", "granite",  # attention registry, no table (granite: logits scaled)
     "cohere", "gemma2",  # logits changed after the head; gemma2's attention softcap: padded rows
     "bloom",  # no attention registry (ALiBi): padded rows
+    "roberta",  # padded rows, positions the model counts from its padding index (BERT's family as a causal decoder)
 ]  # fmt: skip
 ALL = os.environ.get("LIGHTNING_FT_ALL_MODEL_TYPES") == "1"
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if ALL else REPRESENTATIVE
 DOCS = [[5, 9, 3, 7, 1], [2, 8], [4, 6, 11, 3]]
 
 
+def _config(model_type):
+    """The tiny config; a causal decoder where the config can say so (``is_decoder``: BERT's family, read as an encoder
+    otherwise)."""
+    config = AutoConfig.for_model(model_type)
+    if "is_decoder" in config.to_dict():
+        config.is_decoder = True
+    return tiny_config(config)
+
+
 def _model_cfg(model_type):
-    values = tiny_config(AutoConfig.for_model(model_type)).to_dict()
-    return {"init": "random", "config": {**values, "model_type": model_type}}
+    return {"init": "random", "config": {**_config(model_type).to_dict(), "model_type": model_type}}
 
 
 def _lora_targets(model_type):
-    """``all-linear``, but where PEFT refuses LoRA on some of an SSM's linears (Mamba's out_proj) the rest of them."""
-    if model_type not in ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h"):
+    """``all-linear``, but where PEFT cannot take some of the linears the rest of them: an SSM's ``out_proj`` (PEFT
+    refuses LoRA on Mamba's), a subclass of ``nn.Linear`` with a forward of its own (PEFT's LoRA layer runs it as a
+    plain linear: Phi-MoE's and Llama 4's routers return tuples, DeepSeek-V4's output projection is grouped)."""
+    if model_type not in _SSM and model_type not in _LINEAR_SUBCLASS:
         return "all-linear"
-    model = AutoModelForCausalLM.from_config(tiny_config(AutoConfig.for_model(model_type)))
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return sorted(names - {"out_proj", "lm_head"})
+    model = AutoModelForCausalLM.from_config(_config(model_type))
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    return sorted(names - {"lm_head"} - ({"out_proj"} if model_type in _SSM else set()))
 
 
 def _stock_loss_sum(model):

@@ -58,10 +58,39 @@ def test_a_tiny_config_keeps_the_structure():
     assert (mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim, mla.head_dim) == (16, 8, 8)
 
 
+def test_per_layer_fields_follow_the_kept_layers():
+    """Lists one entry per layer and dicts keyed by layer index keep the kept layers' entries (the first of each
+    distinct layer type), renumbered; sizes inside them shrink too."""
+    gemma3n = tiny_config(AutoConfig.for_model("gemma3n_text", num_kv_shared_layers=0))  # 35 layers, full every 5th
+    assert gemma3n.layer_types == ["sliding_attention", "full_attention"]
+    assert gemma3n.activation_sparsity_pattern == [0.95, 0.95] and gemma3n.intermediate_size == [48, 48]
+    gemma4 = tiny_config(AutoConfig.for_model("gemma4_text"))  # per_layer_config {"05": {"head_dim": 512}, ...}
+    assert gemma4.num_hidden_layers == 2 and set(gemma4.layer_types) == {"sliding_attention", "full_attention"}
+    laguna = tiny_config(AutoConfig.for_model("laguna"))  # 40 layers of 48 heads each
+    assert len(laguna.num_attention_heads_per_layer) == laguna.num_hidden_layers == len(laguna.layer_types)
+    zaya = tiny_config(AutoConfig.for_model("zaya"))  # top 1 of its experts: not raised to top 2
+    assert zaya.num_experts_per_tok == 1
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "mamba2", "falcon_h1"])
+def test_a_mamba2_mixer_fills_its_width_at_the_tiny_head_size(model_type):
+    support = architecture_support(AutoConfig.for_model(model_type))
+    assert support.plain_head is None and not support.packing.startswith("no tiny copy")
+
+
 def test_a_config_whose_tiny_copy_cannot_be_built_trains_stock():
-    config = AutoConfig.for_model("bamba")  # mamba_n_heads must divide mamba_expand * hidden_size
+    config = AutoConfig.for_model("kolibri1_1")  # index_layers hold layer indices of the 50 layers
     support = architecture_support(config)
-    assert support.packing.startswith("no tiny copy of bamba to check it on") and support.plain_head == support.packing
+    assert support.packing.startswith("no tiny copy of kolibri1_1 to check it on") and support.plain_head == support.packing
+
+
+def test_a_model_that_picks_its_attention_class_by_name_builds_with_stock_attention():
+    """Git looks its attention class up by ``attn_implementation``: it is built without our packed attention's name."""
+    model = {"init": "random", "config": {**tiny_config(AutoConfig.for_model("git")).to_dict(), "model_type": "git"}}
+    lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "target_modules": "all-linear"}
+    with pytest.warns(UserWarning, match="git: one document per padded row"):
+        built = ModelBuilder(model=model, lora=lora)(torch.device("cpu"))
+    assert not built.packed
 
 
 def test_the_start_log_lists_every_piece_for_an_architecture_without_a_table(caplog):
