@@ -8,6 +8,8 @@ expert intermediate 768, 128 experts, top-8, LoRA r16 alpha 32 on ``gate_up_proj
   LoRA (PEFT adds the materialised B·A to every expert weight each forward);
 * ``native_torch``, ``grouped_mm``, ``triton``: `lightning_ft.model.moe.apply_moe` on the same
   block (split LoRA on PEFT's own tensors);
+* ``triton_fp8``: ``triton`` on a copy of the block whose frozen experts are in e4m3
+  (`lightning_ft.model.moe.convert_experts_to_fp8`, what ``strategy.fp8=true`` does; Hopper on CUDA);
 * ``routing_sort`` / ``routing_where``: routing alone (top-k, then dispatch to expert order and the
   weighted combine back, no expert math) with our stable sort + searchsorted offsets against the
   per-expert ``torch.where`` loop of transformers' eager MoE blocks.
@@ -25,6 +27,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -128,7 +131,7 @@ def run(smoke: bool, token_counts: list[int] | None = None) -> dict:
     import transformers
     import triton
 
-    from lightning_ft.model.moe import apply_moe, revert_moe
+    from lightning_ft.model.moe import apply_moe, convert_experts_to_fp8, revert_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not smoke and device != "cuda":
@@ -138,7 +141,9 @@ def run(smoke: bool, token_counts: list[int] | None = None) -> dict:
     dtype = torch.bfloat16
     time_ms = _timer(device)
     block = _build_block(shape, device, dtype)
-    lora_params = [p for p in block.parameters() if p.requires_grad]
+    block_fp8 = copy.deepcopy(block)
+    apply_moe(block_fp8, "triton")
+    convert_experts_to_fp8(block_fp8)
     backends = ["native_torch", "grouped_mm", "triton"]
     rows = []
     started = time.perf_counter()
@@ -147,20 +152,22 @@ def run(smoke: bool, token_counts: list[int] | None = None) -> dict:
         x = torch.randn(1, tokens, shape["hidden_size"], device=device, dtype=dtype, generator=gen)
         x.requires_grad_(True)
         grad = torch.randn_like(x)
-        for impl in ["hf_peft", *backends]:
-            if impl != "hf_peft":
+        for impl in ["hf_peft", *backends, "triton_fp8"]:
+            target = block_fp8 if impl == "triton_fp8" else block
+            if impl in backends:
                 apply_moe(block, impl)
-            fwd = lambda: block(x)  # noqa: E731
-            fwd_bwd = lambda: block(x).backward(grad)  # noqa: E731
+            fwd = lambda: target(x)  # noqa: E731
+            fwd_bwd = lambda: target(x).backward(grad)  # noqa: E731
             fwd_bwd()  # probe, autotune, compile
             rows.append({
                 "tokens": tokens,
                 "impl": impl,
                 "fwd_ms": time_ms(fwd, None),
-                "fwd_bwd_ms": time_ms(fwd_bwd, [x, *lora_params]),
+                "fwd_bwd_ms": time_ms(fwd_bwd, [x, *(p for p in target.parameters() if p.requires_grad)]),
                 "peak_mib": _peak_mib(fwd_bwd, device),
             })
-            revert_moe(block)
+            if impl in backends:
+                revert_moe(block)
             print(f"  {tokens:>6} tokens {impl:<14} done at {time.perf_counter() - started:6.1f} s", flush=True)
         logits = torch.randn(tokens, shape["num_experts"], device=device, dtype=dtype, generator=gen)
         x2d = x.detach().view(tokens, -1).requires_grad_(True)
