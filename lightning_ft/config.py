@@ -50,7 +50,7 @@ class StrategyConfig:
     """``strategy=``: how a training step runs on its devices (the lightning_ft Strategy: one device,
     ``strategy=ddp`` or ``strategy=fsdp2``; `lightning_ft.strategies.strategy`)."""
 
-    cuda_graphs: bool = False  # replay each checkpointed decoder layer from CUDA graphs in training (CUDA, model.gradient_checkpointing, attention varlen|sdpa, no dropout; skipped under fsdp2)
+    cuda_graphs: Any = "auto"  # true | false | auto: replay each checkpointed decoder layer from CUDA graphs in training (CUDA, model.gradient_checkpointing, attention auto|cudnn|varlen|sdpa, no dropout, packed rows; skipped under fsdp2); auto: where the run allows them, else eager (one line says why)
     keep_attention: bool = True  # with cuda_graphs: keep attention's output and softmax statistics for the backward (skips its recompute; per layer, while it fits)
     keep_projections: bool = True  # with cuda_graphs: keep the projections' outputs (LoRA q/k/v/o..., MoE experts' gate/up) for the backward (skips those GEMMs' recompute; per layer, while it fits)
     keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (attention and projections together, GiB, in layer order); null: the memory plan's, else while 90% of the GPU's memory holds

@@ -12,10 +12,13 @@ experiment, ``hparams_search=...``) picked, exactly as if they had been typed:
     moe         hf         auto  (hf for a dense model: there are no experts to route)
 
 ``device=gpu`` asks for the GPU path (an error without a CUDA GPU), ``device=cpu`` (or
-``trainer.accelerator=cpu`` on the command line) for the CPU path on a machine with a GPU. CUDA
-graphs and gradient checkpointing stay the model config's choice (``strategy.cuda_graphs``,
-``model.gradient_checkpointing``; the GPU model configs switch both on). One line says what was
-picked. ``--cfg job`` prints the config before this choice.
+``trainer.accelerator=cpu`` on the command line) for the CPU path on a machine with a GPU. Gradient
+checkpointing stays the model config's choice (``model.gradient_checkpointing``; the GPU model configs
+and ``model=pretrained`` switch it on). CUDA graphs are ``strategy.cuda_graphs=auto`` by default: on for
+the GPU path where the run allows them (checkpointing, an attention backend they record, no dropout,
+packed rows, not under FSDP2), else off, in one line from the model builder that says which and why
+(`lightning_ft.model.build`); the GPU model configs set ``true``, which refuses a run that does not
+allow them. One line says what was picked. ``--cfg job`` prints the config before this choice.
 """
 
 from __future__ import annotations

@@ -331,8 +331,9 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
 
     from lightning_ft.config import MOVED_KEYS
     from lightning_ft.model.build import ModelBuilder, nf4_experts_backend
+    from lightning_ft.strategies.strategy import Execution
 
-    stock = {"gradient_checkpointing": False, "attention": "sdpa"}  # and the strategy's defaults: no CUDA graphs
+    stock = {"gradient_checkpointing": False, "attention": "sdpa"}  # and no CUDA graphs (the strategy's cuda_graphs=false)
     model = {k: v for k, v in cfg["model"].items() if f"model.{k}" not in MOVED_KEYS}  # a config written before they moved
     builder = ModelBuilder(
         model={**model, **stock},
@@ -341,6 +342,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         moe={"backend": "hf"},
         vocab_size=vocab_size,
         seed=cfg.get("seed"),
+        execution=Execution(cuda_graphs=False),
         dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
         experts_in_nf4=nf4_experts_backend(cfg.get("moe.backend") or "hf", on_cuda) == "triton",  # as the run held them
     )

@@ -144,6 +144,8 @@ class FinetuneModule(L.LightningModule):
             execution=getattr(trainer.strategy, "execution", None) if trainer is not None else None,
         )
         self.model = built.model
+        if trainer is not None and hasattr(trainer.strategy, "execution"):
+            trainer.strategy.execution = built.execution  # `auto` resolved: the memory plan and summary read the bool
         self.fused_linear_cross_entropy = built.fused_linear_cross_entropy
         self.aux_loss_coef = aux_loss_coef(self.hf_model.config)
         self.packed, self.plain_head = built.packed, built.plain_head

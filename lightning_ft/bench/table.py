@@ -391,13 +391,14 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     strategy = config.get("strategy") or {
         new.split(".")[1]: model[old.split(".")[1]] for old, new in MOVED_KEYS.items() if old.split(".")[1] in model
     }
-    if strategy.get("cuda_graphs"):  # off (eager): nothing said
+    if strategy.get("cuda_graphs"):  # off (eager): nothing said; auto: where the run allowed them (the cuda_graphs_* columns)
+        graphs = "graphs(auto)" if strategy["cuda_graphs"] == "auto" else "graphs"
         if "keep_attention" not in strategy:  # a recorded config without the keep options: nothing kept
-            parts.append("graphs")
+            parts.append(graphs)
         else:
             keep = [name for key, name in (("keep_attention", "attn"), ("keep_projections", "proj")) if strategy.get(key)]
             limit = strategy.get("keep_max_gib")
-            parts.append(f"graphs=keep:{','.join(keep) or 'none'}" + (f"<={limit}GiB" if limit else ""))
+            parts.append(f"{graphs}=keep:{','.join(keep) or 'none'}" + (f"<={limit}GiB" if limit else ""))
     if strategy.get("activation_offload"):
         parts.append("offload")
     if strategy.get("fp8"):

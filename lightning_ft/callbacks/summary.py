@@ -198,7 +198,7 @@ class RunSummary(L.Callback):
       ``learning_rates`` (every optimizer step's, the first parameter group's), the data
       statistics (``data``: examples, truncated, dropped, ``packing_efficiency``: the packed
       documents' tokens over the rows' capacity, ``data.max_tokens`` each, ...), ``cuda_graphs``
-      (with ``strategy.cuda_graphs``: layer calls replayed from graphs and run eagerly, signatures
+      (with the layers graphed, ``strategy.cuda_graphs`` true or ``auto`` resolved on: layer calls replayed from graphs and run eagerly, signatures
       recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
       ``offload_copies`` (with activation offloading: the copies' achieved bandwidth against the memory plan's
       measured one and the compute stream's wait on them per step; `offload_copies`; else null),

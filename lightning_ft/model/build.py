@@ -22,7 +22,8 @@
 5. the fused kernels switched on in ``kernels`` (`lightning_ft.model.patching`);
 6. with the strategy's ``cuda_graphs`` (`lightning_ft.strategies.strategy.Execution`), each decoder layer
    replayed from CUDA graphs (`lightning_ft.strategies.cuda_graphs`), checked against the config first,
-   before any weight loads;
+   before any weight loads; ``auto`` (the default) resolved there to on where the checks pass and
+   off otherwise, in one line that says which and why (``true`` raises what they refuse);
 7. the model in training mode.
 
 With every kernel off and ``moe.backend=hf`` the result is stock transformers + PEFT.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -358,27 +359,68 @@ def _use_cuda_graphs(
     device: torch.device,
     sharded: bool = False,
     moe_backend: str | None = None,
+    quantization: str = "none",
 ) -> bool:
-    """Whether ``strategy.cuda_graphs=true`` applies, checked from the config before the model is built.
+    """Whether the strategy's CUDA graphs apply (``strategy.cuda_graphs`` true or ``auto``), checked from the config
+    before the model is built.
 
-    Skipped (with a warning) when ``sharded`` (FSDP2). `check_cuda_graphs`, which `apply_cuda_graphs` runs again
-    on the built model, runs here on the config first, so a bad combination fails before 60 GB of
-    weights are loaded.
+    `Execution.check` (a CUDA device), `check_quantized_training` (not over MXFP4) and `check_cuda_graphs`, which
+    `apply_cuda_graphs` runs again on the built model, run here on the config first, so a bad combination fails before
+    60 GB of weights are loaded. ``true``: what they refuse raises, and under FSDP2 (``sharded``: it gathers each
+    layer's weights at new addresses every step) the graphs are skipped with a warning (with ``auto`` too where
+    ``strategy.activation_offload`` asks for them). ``auto``: False instead, with one info line that says why
+    (`_auto_off`). ``false``: False.
 
     Raises:
-        ValueError: off CUDA, or what `check_cuda_graphs` refuses.
+        ValueError: with ``strategy.cuda_graphs=true``, off CUDA, or what `check_quantized_training` or
+            `check_cuda_graphs` refuse; with ``auto``, ``strategy.activation_offload=true`` where the graphs stay off.
     """
+    if execution.cuda_graphs is False:
+        return False
     if sharded:
+        if execution.cuda_graphs == "auto" and not execution.activation_offload:
+            return _auto_off(execution, "strategy=fsdp2 (it gathers each layer's weights at new addresses every step)")
         rank_zero_warn(
             "strategy.cuda_graphs=true (and with it strategy.activation_offload) is skipped under strategy=fsdp2 (FSDP2 "
             "gathers each layer's weights at new addresses every step); set strategy.cuda_graphs=false to silence this"
         )
         return False
-    execution.check(no_cuda=None if device.type == "cuda" else f"the model is on {device}")
     dropout = lora.get("dropout", 0.0) if lora.get("enabled", True) else 0.0
     router_logits = bool((model.get("config") or {}).get("output_router_logits", False))
-    check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits)
+    no_cuda = None if device.type == "cuda" else f"the model is on {device}"
+    checks = (  # each with the reason ``auto`` logs (None: the refusal's own words)
+        (lambda: replace(execution, cuda_graphs=True).check(no_cuda=no_cuda), f"the model is on {device.type}"),
+        (lambda: check_quantized_training(quantization, bool(lora.get("enabled", True)), sharded, True, moe_backend or "triton"),
+         f"model.quantization={quantization}"),
+        (lambda: check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits), None),
+    )
+    for check, reason in checks:
+        try:
+            check()
+        except ValueError as err:
+            if execution.cuda_graphs is True:
+                raise
+            return _auto_off(execution, reason or _refusal_reason(err))
     return True
+
+
+def _refusal_reason(err: ValueError) -> str:
+    """A `check_cuda_graphs` refusal as the reason ``auto`` logs: without its ``strategy.cuda_graphs=true`` subject
+    and its ``strategy.cuda_graphs=false`` fix."""
+    return re.sub(r",? or strategy\.cuda_graphs=false$", "", str(err).removeprefix("strategy.cuda_graphs=true "))
+
+
+def _auto_off(execution: Execution, reason: str) -> bool:
+    """``strategy.cuda_graphs=auto`` turned off for ``reason``: log one line saying so and return False.
+
+    Raises:
+        ValueError: ``strategy.activation_offload=true``, which needs the graphs (naming ``reason`` and the key to change).
+    """
+    if execution.activation_offload:
+        raise ValueError(f"strategy.activation_offload=true needs CUDA graphs, which strategy.cuda_graphs=auto leaves off "
+                         f"here ({reason}): set strategy.activation_offload=false")
+    rank_zero_info(f"cuda graphs: off (auto): {reason}")
+    return False
 
 
 @dataclass
@@ -388,6 +430,8 @@ class BuiltModel:
     Attributes:
         model: the model to train (a PEFT model around a transformers causal LM, or the causal LM
             itself without LoRA), patched and in training mode.
+        execution: the strategy's options it was built with, ``cuda_graphs`` resolved to whether the layers replay
+            CUDA graphs (``auto`` to True or False; ``true`` under FSDP2 to False); the strategy holds these from then on.
         fused_linear_cross_entropy: ``kernels.fused_linear_cross_entropy``: compute the loss without
             materialising the logits (`lightning_ft.kernels.linear_cross_entropy`).
         pad_for_graphs: the decoder layers replay CUDA graphs with varlen attention: packed rows are
@@ -401,6 +445,7 @@ class BuiltModel:
     """
 
     model: torch.nn.Module
+    execution: Execution
     fused_linear_cross_entropy: bool = False
     pad_for_graphs: bool = False
     packed: bool = True
@@ -425,7 +470,7 @@ class ModelBuilder:
             (the run's ``seed``), so that ``python -m lightning_ft export`` rebuilds the same base on the
             same kind of device (random draws differ between the CPU and CUDA); None: the current RNG state.
         execution: the strategy's options where no strategy gives them when called (a model built without
-            a Trainer); default: `Execution`'s defaults (no CUDA graphs).
+            a Trainer); default: `Execution`'s defaults (``cuda_graphs=auto``).
         dense_experts: dequantise ``model.quantization=mxfp4``'s experts right after loading, to the values trained
             over (`lightning_ft.model.mxfp4.dequantize_experts`), and skip the training checks: the stock model
             of ``export``, not for training. ``model.quantization=nf4``'s NF4 experts likewise
@@ -474,8 +519,8 @@ class ModelBuilder:
             precision: Lightning's precision setting (e.g. ``bf16-mixed``), or None without a trainer;
                 under mixed precision PEFT's casts of the adapter inputs are skipped
                 (`lightning_ft.model.lora._skip_adapter_input_casts`).
-            sharded: the strategy shards the model afterwards (FSDP2): no CUDA graphs (warned) and no
-                LoRA slots in the expert weights.
+            sharded: the strategy shards the model afterwards (FSDP2): no CUDA graphs (warned where
+                ``strategy.cuda_graphs=true`` asked for them) and no LoRA slots in the expert weights.
             execution: the strategy's options (`lightning_ft.strategies.strategy.Execution`: CUDA graphs,
                 kept and offloaded activations); None: the builder's own.
 
@@ -496,10 +541,10 @@ class ModelBuilder:
         quantization = cfg.get("quantization", "none")
         moe_backend = _moe_backend(self.moe_cfg.get("backend", "hf"), device, quantization, execution, self.lora_cfg)
         if not self.dense_experts:  # export's stock model (no LoRA for an adapter's export) trains nothing
-            check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs, moe_backend)
+            check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs is True, moe_backend)
         if execution.fp8:
             _check_fp8(device, sharded, self.lora_cfg, quantization, bool(self.kernels_cfg.get("lora")))
-        cuda_graphs = execution.cuda_graphs and _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
+        cuda_graphs = _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend, quantization)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
             torch.manual_seed(self.seed)  # every device's generator: the base does not depend on what drew before
@@ -528,9 +573,11 @@ class ModelBuilder:
             calibrate(model.config, device, dtype)
         support = architecture_support(model.config)
         if support.packing is not None:
-            if cuda_graphs:
+            if cuda_graphs and execution.cuda_graphs is True:
                 raise ValueError(f"strategy.cuda_graphs=true needs packed rows, which {model.config.model_type} cannot take "
                                  f"({support.packing}): set strategy.cuda_graphs=false")
+            if cuda_graphs:
+                cuda_graphs = _auto_off(execution, f"{model.config.model_type} cannot take packed rows ({support.packing})")
             rank_zero_warn(f"{model.config.model_type}: one document per padded row, not packed rows ({support.packing})")
             if model._supports_attention_backend:
                 model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
@@ -560,7 +607,7 @@ class ModelBuilder:
             if lora_slots and (augmented := augment_expert_weights(model)):
                 rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
-                _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
+                cuda_graphs = _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend, quantization)
         if execution.fp8:
             linears = convert_to_fp8(model)
             if quantization == "none" or linears:
@@ -594,7 +641,8 @@ class ModelBuilder:
                 keep_projections=execution.keep_projections,
                 keep_max_gib=execution.keep_max_gib,
             )
-            rank_zero_info(f"cuda graphs: {layers} decoder layers replayed from CUDA graphs in training")
+            how = " (auto)" if execution.cuda_graphs == "auto" else ""
+            rank_zero_info(f"cuda graphs: on{how}: {layers} decoder layers replayed from CUDA graphs in training")
             if attention == "varlen":
                 pad_for_graphs = True
                 rank_zero_info(
@@ -613,7 +661,10 @@ class ModelBuilder:
         total = sum(p.numel() for p in model.parameters())
         rank_zero_info(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable")
         fused_ce = bool(self.kernels_cfg.get("fused_linear_cross_entropy")) and support.plain_head is None
-        return BuiltModel(model, fused_ce, pad_for_graphs, support.packing is None, support.plain_head is None, nf4_dequantized)
+        return BuiltModel(
+            model, replace(execution, cuda_graphs=cuda_graphs), fused_ce, pad_for_graphs, support.packing is None,
+            support.plain_head is None, nf4_dequantized,
+        )
 
 
 def _fp8_over_4bit(model: torch.nn.Module, dtype: str) -> None:

@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_ft.strategies.planner import GIB, Plan, budget_bytes, plan
 
-__all__ = ["STRATEGY_NAME", "Execution", "ExecutionMixin", "SingleDeviceStrategy", "make_strategy"]
+__all__ = ["STRATEGY_NAME", "Execution", "ExecutionMixin", "check_cuda_graphs_option", "SingleDeviceStrategy", "make_strategy"]
 
 STRATEGY_NAME = "lightning_ft"
 
@@ -40,7 +40,9 @@ class Execution:
     """How a training step runs (the ``strategy`` config group; `lightning_ft.config.StrategyConfig` documents each key).
 
     Attributes:
-        cuda_graphs: replay each checkpointed decoder layer from CUDA graphs (`lightning_ft.strategies.cuda_graphs`).
+        cuda_graphs: replay each checkpointed decoder layer from CUDA graphs (`lightning_ft.strategies.cuda_graphs`):
+            True, False or ``auto`` (where the run allows them; `lightning_ft.model.build.ModelBuilder` resolves it to a
+            bool before the model loads, and the strategy holds the resolved options from then on).
         keep_attention: with CUDA graphs, keep attention's output and log-sum-exp for the backward (`lightning_ft.strategies.kept`).
         keep_projections: with CUDA graphs, keep the projections' outputs for the backward.
         keep_max_gib: with CUDA graphs, at most this many GiB kept (None: while the memory budget holds).
@@ -56,7 +58,7 @@ class Execution:
             ``triton`` MoE backend.
     """
 
-    cuda_graphs: bool = False
+    cuda_graphs: bool | str = "auto"
     keep_attention: bool = True
     keep_projections: bool = True
     keep_max_gib: float | None = None
@@ -82,20 +84,25 @@ class Execution:
             hint: appended to the no-CUDA error.
 
         Raises:
-            ValueError: ``strategy.activation_offload`` without ``strategy.cuda_graphs``, ``strategy.cuda_graphs``
-                where ``no_cuda`` says why it cannot run (naming every key to change), a ``strategy.keep_max_gib``
+            ValueError: a ``strategy.cuda_graphs`` other than true, false or ``auto``; ``strategy.activation_offload``
+                with ``strategy.cuda_graphs=false``, or with ``auto`` where ``no_cuda`` turns the graphs off;
+                ``strategy.cuda_graphs=true`` where ``no_cuda`` says why it cannot run (naming every key to change), a ``strategy.keep_max_gib``
                 that is not a number of GiB >= 0, a ``strategy.memory_budget_gib`` that is neither ``auto``,
                 null nor a positive number, a ``strategy.host_budget_gib`` that is neither ``auto``, null nor a
                 number >= 0, or ``strategy.fp8`` where ``no_cuda`` says why it cannot run.
         """
         from lightning_ft.strategies.cuda_graphs import keep_max_bytes
 
+        check_cuda_graphs_option(self.cuda_graphs)
         keep_max_bytes(self.keep_max_gib)
         budget_bytes(self.memory_budget_gib, free_bytes=0)
         host_budget_bytes(self.host_budget_gib, available=0)
-        if self.activation_offload and not self.cuda_graphs:
+        if self.activation_offload and self.cuda_graphs is False:
             raise ValueError("strategy.activation_offload=true needs strategy.cuda_graphs=true (the graphed layers offload their inputs)")
-        if self.cuda_graphs and no_cuda:
+        if self.activation_offload and self.cuda_graphs == "auto" and no_cuda:
+            raise ValueError(f"strategy.activation_offload=true needs CUDA graphs, which strategy.cuda_graphs=auto leaves off "
+                             f"without a CUDA device ({no_cuda}): set strategy.activation_offload=false{hint}")
+        if self.cuda_graphs is True and no_cuda:
             keys = "strategy.cuda_graphs=false" + (" strategy.activation_offload=false" if self.activation_offload else "")
             raise ValueError(f"strategy.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
         if self.fp8 and no_cuda:
@@ -108,6 +115,14 @@ class Execution:
         """``strategy.<key>=<value>`` for each option away from its default."""
         default = asdict(Execution())
         return [f"strategy.{k}={v}" for k, v in asdict(self).items() if v != default[k]]
+
+
+def check_cuda_graphs_option(value: Any) -> None:
+    """Raise ValueError naming ``strategy.cuda_graphs`` and its choices where ``value`` is neither True, False nor
+    ``auto`` (YAML's ``true``/``false`` are bools; any other string, or a number, is refused)."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"strategy.cuda_graphs={value!r}: expected one of true, false, auto (auto: CUDA graphs where the "
+                         "run allows them, else eager)")
 
 
 #: ``host_budget_gib=auto``: the host's available memory less this share of it (the data loader, Python, the OS)

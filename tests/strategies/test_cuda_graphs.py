@@ -492,11 +492,69 @@ def test_what_cannot_be_replayed_is_refused_with_the_key_to_change():
     with pytest.raises(ValueError, match="strategy.cuda_graphs=true needs a CUDA device"):
         builder(torch.device("cpu"), execution=Execution(cuda_graphs=True))
     with pytest.raises(ValueError, match="strategy.activation_offload=true needs strategy.cuda_graphs=true"):
+        builder(torch.device("cpu"), execution=Execution(cuda_graphs=False, activation_offload=True))
+    with pytest.raises(ValueError, match=r"needs CUDA graphs, which strategy.cuda_graphs=auto leaves off here \(the model is on cpu\)"):
         builder(torch.device("cpu"), execution=Execution(activation_offload=True))
     with pytest.raises(ValueError, match=r"strategy.keep_max_gib=-2: expected a number of GiB >= 0"):
         Execution(cuda_graphs=True, keep_max_gib=-2).check()
     with pytest.raises(ValueError, match=r"model.cuda_graphs: moved to strategy.cuda_graphs"):  # the model's keys before
         ModelBuilder(model={"cuda_graphs": True}, lora=LORA)
+
+
+def test_auto_graphs_where_the_run_allows_them_else_off_with_one_line_saying_why(monkeypatch):
+    import lightning_ft.model.build as build
+
+    lines = []
+    monkeypatch.setattr(build, "rank_zero_info", lines.append)
+    cuda, auto = torch.device("cuda"), Execution()  # auto is the default
+    graphs = {"gradient_checkpointing": True}
+
+    def off(*args, **kwargs) -> str:
+        lines.clear()
+        assert _use_cuda_graphs(*args, **kwargs) is False
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert _use_cuda_graphs(graphs, auto, LORA, "varlen", cuda, False) and not lines
+    assert off(graphs, auto, LORA, "sdpa", torch.device("cpu")) == "cuda graphs: off (auto): the model is on cpu"
+    assert off(graphs, auto, LORA, "varlen", cuda, True).startswith("cuda graphs: off (auto): strategy=fsdp2")
+    assert "needs model.gradient_checkpointing=true" in off({}, auto, LORA, "varlen", cuda)
+    assert off(graphs, auto, LORA, "flex", cuda).endswith("needs model.attention=auto, cudnn, varlen or sdpa, not flex")
+    assert "lora.dropout=0" in off(graphs, auto, {**LORA, "dropout": 0.05}, "varlen", cuda)
+    assert off(graphs, auto, LORA, "varlen", cuda, False, "native_torch").endswith("set moe.backend=grouped_mm or triton")
+    assert "output_router_logits=false" in off({**graphs, "config": {"output_router_logits": True}}, auto, LORA, "varlen", cuda)
+    assert off(graphs, auto, LORA, "varlen", cuda, False, "triton", "mxfp4") == "cuda graphs: off (auto): model.quantization=mxfp4"
+    assert _use_cuda_graphs(graphs, auto, LORA, "varlen", cuda, False, "triton", "nf4")  # NF4 layers replay
+    lines.clear()
+    assert _use_cuda_graphs(graphs, Execution(cuda_graphs=False), LORA, "varlen", cuda) is False and not lines
+    with pytest.raises(ValueError, match="not supported with model.quantization=mxfp4"):  # true refuses as it did
+        _use_cuda_graphs(graphs, Execution(cuda_graphs=True), LORA, "varlen", cuda, False, "triton", "mxfp4")
+    with pytest.warns(UserWarning, match="skipped under strategy=fsdp2"):  # true under FSDP2: skipped with a warning
+        assert _use_cuda_graphs(graphs, Execution(cuda_graphs=True), LORA, "varlen", cuda, True) is False
+    with pytest.raises(ValueError, match=r"activation_offload=true needs CUDA graphs.*\(needs model.attention"):
+        _use_cuda_graphs(graphs, Execution(activation_offload=True), LORA, "flex", cuda)
+
+
+def test_the_builder_resolves_auto_once_and_hands_the_strategy_the_bool(monkeypatch):
+    import lightning_ft.model.build as build
+
+    lines = []
+    monkeypatch.setattr(build, "rank_zero_info", lines.append)
+    builder = ModelBuilder(model={"init": "random", "config": dict(TINY["llama"]), "gradient_checkpointing": True}, lora={**LORA, "target_parameters": None})
+    built = builder(torch.device("cpu"))
+    assert built.execution == Execution(cuda_graphs=False) and not built.pad_for_graphs
+    assert [line for line in lines if line.startswith("cuda graphs")] == ["cuda graphs: off (auto): the model is on cpu"]
+
+
+@pytest.mark.parametrize("value", ["yes", "on", 1, None])
+def test_cuda_graphs_takes_true_false_or_auto(value):
+    for ok in (True, False, "auto"):
+        Execution(cuda_graphs=ok).check()
+    with pytest.raises(ValueError, match=r"strategy.cuda_graphs=.*: expected one of true, false, auto"):
+        Execution.from_config({"cuda_graphs": value}).check()
+    with pytest.raises(ValueError, match=r"needs CUDA graphs, which strategy.cuda_graphs=auto leaves off without a CUDA device \(cpu\)"):
+        Execution(activation_offload=True).check(no_cuda="cpu")
+    Execution(activation_offload=True).check()  # auto: resolved by the builder, on the device
 
 
 @pytest.mark.gpu
