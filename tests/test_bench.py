@@ -463,6 +463,16 @@ def test_settings_name_fp8_base_weights():
     assert settings_text({**config, "strategy": {"fp8": False}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora"
 
 
+def test_settings_name_the_graphs_a_row_replayed():
+    from lightning_ft.bench.table import settings_text
+
+    config = {"dtype": "bfloat16", "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj"]}, "kernels": {"lora": True}}
+    auto = {**config, "strategy": {"cuda_graphs": "auto", "keep_attention": True, "keep_projections": False}}
+    assert settings_text(auto, "lightning_ft", graphed=True) == "bf16 lora=r16a32:q kernels=lora graphs=keep:attn"
+    assert settings_text(auto, "lightning_ft", graphed=False) == "bf16 lora=r16a32:q kernels=lora"  # auto resolved off
+    assert settings_text({**config, "strategy": {"cuda_graphs": False}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora"
+
+
 def test_results_md_shows_the_offloading_copies_where_a_row_has_them():
     from lightning_ft.bench import runner
 

@@ -352,13 +352,14 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def settings_text(config: dict[str, Any], system: str) -> str:
+def settings_text(config: dict[str, Any], system: str, graphed: bool | None = None) -> str:
     """What ``system`` ran with, in one compact line from a bench config (``results.json``'s ``config``), e.g.
     ``bf16 ckpt lora=r16a32:q,k,v,o+experts kernels=rms_norm,rope,swiglu,lora,flce moe=auto graphs=keep:attn,proj``.
 
     Every system: dtype, gradient checkpointing, the 4-bit base (``nf4``), LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
     MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload, fp8. A key the config
-    lacks is left out."""
+    lacks is left out. ``graphed``: whether the row's layers replayed CUDA graphs (its ``cuda_graphs_*`` columns), which
+    ``strategy.cuda_graphs=auto`` decides per run; None: unknown, taken as on."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
         parts.append("ckpt")
@@ -391,8 +392,8 @@ def settings_text(config: dict[str, Any], system: str) -> str:
     strategy = config.get("strategy") or {
         new.split(".")[1]: model[old.split(".")[1]] for old, new in MOVED_KEYS.items() if old.split(".")[1] in model
     }
-    if strategy.get("cuda_graphs"):  # off (eager): nothing said; auto: where the run allowed them (the cuda_graphs_* columns)
-        graphs = "graphs(auto)" if strategy["cuda_graphs"] == "auto" else "graphs"
+    if strategy.get("cuda_graphs") is True or (strategy.get("cuda_graphs") == "auto" and graphed is not False):  # off: nothing said
+        graphs = "graphs"
         if "keep_attention" not in strategy:  # a recorded config without the keep options: nothing kept
             parts.append(graphs)
         else:
@@ -444,7 +445,13 @@ def table_rows(env: dict[str, Any], config: dict[str, Any], rows: list[dict[str,
         **{column: versions_by_dist.get(dist) for dist, column in VERSIONED.items()},
     }
     return [{**common, **{k: row.get(k) for k in COLUMN_NAMES if k in row},
-             "settings": settings_text(config, row["system"])} for row in rows]
+             "settings": settings_text(config, row["system"], graphed=_graphed(row))} for row in rows]
+
+
+def _graphed(row: dict[str, Any]) -> bool:
+    """Whether a result row's layers replayed CUDA graphs: the bench worker adds the ``cuda_graphs_*`` statistics
+    (`lightning_ft.strategies.cuda_graphs.cuda_graph_stats`) only then."""
+    return any(key.startswith("cuda_graphs_") and value is not None for key, value in row.items())
 
 
 #: each micro-benchmark script's command line, where its JSON does not record one
