@@ -110,7 +110,7 @@ def _tiny_values(values: dict[str, Any], config_class: type) -> dict[str, Any]:
             if isinstance(value, list) and len(value) == old[layers]:
                 values[key] = [values[key][i] for i in kept]
             elif _by_layer(value):
-                values[key] = {type(k)(new): values[key][k] for k in value for new, i in enumerate(kept) if int(k) == i}
+                values[key] = {type(k)(kept.index(int(k))): v for k, v in values[key].items() if int(k) in kept}
         values[layers] = len(kept)
     if values.get("sliding_window"):
         values["sliding_window"] = _PROBE_WINDOW
