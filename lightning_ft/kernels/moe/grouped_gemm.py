@@ -7,7 +7,7 @@
   on the same kernels plus a ragged per-expert weight-gradient kernel. Neither the gathered [S, D]
   input nor the [S, D] expert outputs are kept for backward. Each program maps its row tile to an
   expert from the device offsets (the grid is the host bound ceil(S / BLOCK_M) + min(E, S) - 1 row
-  tiles; idle ones skip the loop), so it is sync-free. Autotuned once per (sizes, dtypes, flags) key
+  tiles times the column tiles, column tiles fastest; idle ones skip the loop), so it is sync-free. Autotuned once per (sizes, dtypes, flags) key
   and cached by Triton (on disk where supported). On the CPU only under ``TRITON_INTERPRET=1``
   (how the tests run it).
 
@@ -155,8 +155,11 @@ def _grouped_gemm_body(
     multiplies it by src_scale[irow(p)] (fp32, one per src row) times the expert's fp32 scale (w_scales_ptr [E],
     stride stride_ws_e) before LoRA and bias.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Column tiles fastest: the programs in flight cover a few row tiles and all their column tiles, so each row
+    # tile (and its expert's weight) is read from DRAM about once and then from L2.
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n_tiles
+    pid_n = tl.program_id(0) % num_n_tiles
     # Row tile -> (expert, rows) from the device offsets, no host sync: expert e owns
     # ceil(n_e / BLOCK_M) consecutive tiles; tiles past the last expert's are idle (expert >= E).
     e = tl.arange(0, BLOCK_E)
@@ -241,8 +244,8 @@ def _grouped_gemm_body(
 _GEMM_AUTOTUNE = dict(
     configs=_configs(
         ("BLOCK_M", "BLOCK_N", "BLOCK_C"),
-        gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4),
-             (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)],  # the last two: fp8 only (`_prune_gemm_configs`)
+        gpu=[(64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3),
+             (128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 256, 128, 8, 3)],  # BLOCK_C = 128: fp8 only
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
@@ -466,7 +469,7 @@ def grouped_gemm(
     def grid(meta):
         # Σ_e ceil(n_e / BLOCK_M) <= ceil(S / BLOCK_M) + min(E, S) - 1: a host-side bound, no sync.
         max_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + min(num_experts, num_rows) - 1
-        return max(1, max_tiles), triton.cdiv(n_dim, meta["BLOCK_N"])
+        return (triton.cdiv(n_dim, meta["BLOCK_N"]) * max(1, max_tiles),)
 
     kernel = _grouped_gemm_kernel if accumulate_into is None else _grouped_gemm_accumulate_kernel
     kernel[grid](
