@@ -18,6 +18,7 @@ from lightning_ft.kernels.fp8 import (
     quantize_rows_reference,
     quantize_rows_triton,
     quantize_weight,
+    transpose_bytes,
 )
 
 BOUND = 0.08
@@ -125,3 +126,19 @@ def test_quantize_rows_kernel_matches_the_torch_quantiser(device, dtype, shape, 
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     else:
         torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-3, atol=2**-9)
+
+
+@pytest.mark.parametrize("shape", [(5, 37), (130, 257), (0, 4), (1, 1)])  # 130 x 257: partial tiles on both edges
+def test_transpose_bytes_matches_torch_bit_for_bit(device, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 100).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(device)
+    out = transpose_bytes(x)
+    assert out.dtype == E4M3 and out.shape == shape[::-1] and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
+def test_transpose_bytes_rejects_what_it_cannot_copy():
+    with pytest.raises(ValueError, match="contiguous 2-D tensor of 1-byte"):
+        transpose_bytes(torch.zeros(4, 6, dtype=E4M3).t())
+    with pytest.raises(ValueError, match="1-byte"):
+        transpose_bytes(torch.zeros(4, 6))

@@ -67,9 +67,9 @@ def _cap(size: int) -> int:
 
 def _prune_gemm_configs(configs, named_args, **kwargs):
     """Fit BLOCK_N / BLOCK_C to the problem; thin LoRA GEMMs (N = R) try only the first two configs; the configs
-    with BLOCK_C = 128 are the fp8 path's only (half the bytes per B tile), whose ``tl.dot`` needs BLOCK_C >= 32."""
+    with BLOCK_C = 128 are the e4m3 x e4m3 path's only (half the bytes per tile), whose ``tl.dot`` needs BLOCK_C >= 32."""
     n_cap = _cap(named_args["N"])
-    if kwargs.get("FP8"):
+    if kwargs.get("FP8_SRC"):
         c_cap = max(32, _cap(named_args["C"]))
     else:
         c_cap, configs = _cap(named_args["C"]), [c for c in configs if c.kwargs["BLOCK_C"] <= 64]
@@ -137,7 +137,7 @@ def _grouped_gemm_body(
     stride_ws_e, stride_ws_row,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, FP8: tl.constexpr,
+    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, FP8: tl.constexpr, FP8_SRC: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -150,10 +150,11 @@ def _grouped_gemm_body(
     gathered[p] (the column tiles of pid_n == 0: each row once). MXFP4: w is an MXFP4 weight (w_ptr its blocks
     [E, rows, bytes], w_scales_ptr its scales [E, rows, groups], both contiguous along their last dim; stride_w_e /
     stride_w_c the blocks' expert and row strides), quantised along C (MXFP4_ALONG_C: w[e, c, n] is stored row n)
-    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. FP8: src and w
-    are e4m3 (w_ptr any strides), the main loop a plain fp8 dot chain into the fp32 accumulator; the epilogue
-    multiplies it by src_scale[irow(p)] (fp32, one per src row) times the expert's fp32 scale (w_scales_ptr [E],
-    stride stride_ws_e) before LoRA and bias.
+    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. FP8: w is e4m3
+    (w_ptr any strides) and the epilogue multiplies the accumulator by the expert's fp32 scale (w_scales_ptr [E],
+    stride stride_ws_e) before LoRA and bias; with FP8_SRC src is e4m3 too, the main loop a plain fp8 dot chain into
+    the fp32 accumulator, and the epilogue's factor also src_scale[irow(p)] (fp32, one per src row); without it
+    each B tile is widened to src's dtype in registers (exact) and the dot runs in that dtype.
     """
     # Column tiles fastest: the programs in flight cover a few row tiles and all their column tiles, so each row
     # tile (and its expert's weight) is read from DRAM about once and then from L2.
@@ -207,14 +208,18 @@ def _grouped_gemm_body(
             b = b.to(src_ptr.dtype.element_ty)  # exact: e2m1 times a power of two
         else:
             b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
-        if FP8:  # e4m3 x e4m3 over one K tile, added to the fp32 accumulator (the interpreter multiplies exactly)
+        if FP8_SRC:  # e4m3 x e4m3 over one K tile, added to the fp32 accumulator (the interpreter multiplies exactly)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_C)
         else:
+            if FP8:
+                b = b.to(src_ptr.dtype.element_ty)  # e4m3 widened: exact in bf16, fp16 and fp32
             a, b = _dot_operands(a, b, DOT_UPCAST)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    if FP8:
+    if FP8_SRC:
         src_scale = tl.load(src_scale_ptr + src_rows, mask=row_mask, other=0.0)
         acc = acc * (src_scale * tl.load(ws_base))[:, None]
+    elif FP8:
+        acc = acc * tl.load(ws_base)
 
     if HAS_LORA:
         r = tl.arange(0, BLOCK_R)
@@ -249,7 +254,7 @@ _GEMM_AUTOTUNE = dict(
         interpret=(16, 64, 64),
     ),
     key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
-         "MXFP4_ALONG_C", "FP8"],
+         "MXFP4_ALONG_C", "FP8", "FP8_SRC"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -357,7 +362,8 @@ def grouped_gemm(
     """Triton grouped GEMM over expert-sorted rows, with optional fused gather, LoRA, bias, scale, scatter.
 
     ``out[orow(p)] = alpha * row_scale[p] * (src[irow(p)] @ w_ECN[e] + scaling * lora_mid[p] @ lora_b_ERN[e] + bias_EN[e])``
-    (with an `Fp8ExpertWeight`, ``src[irow(p)] @ w_ECN[e]`` is ``(srcq[irow(p)] @ Wq[e]) * src_scale[irow(p)] * sw[e]``)
+    (with an `Fp8ExpertWeight`, ``src[irow(p)] @ w_ECN[e]`` is ``(srcq[irow(p)] @ Wq[e]) * src_scale[irow(p)] * sw[e]``
+    for an e4m3 src, ``(src[irow(p)] @ Wq[e]) * sw[e]`` for one in the weight's dtype)
     for the S = ``num_rows`` sorted rows p, e the expert owning row p (from ``offsets_E``),
     ``irow(p) = src_idx_S[p]`` (else p) and ``orow(p) = out_idx_S[p]`` (else p). With
     ``accumulate_into`` the result is added into that tensor in place (``out += ...``, one read and
@@ -365,8 +371,9 @@ def grouped_gemm(
     ``out`` as well, ``out = accumulate_into + ...`` (the same traffic, into another tensor).
 
     Args:
-        src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given. In the weight's dtype; e4m3 with an
-            `Fp8ExpertWeight` (`lightning_ft.kernels.fp8.quantize_rows` of the input, its scales in ``src_scale``).
+        src: [rows, C] input, any strides; read at rows ``src_idx_S`` when given. In the weight's dtype; with an
+            `Fp8ExpertWeight` also e4m3 (`lightning_ft.kernels.fp8.quantize_rows` of the input, its scales in
+            ``src_scale``).
         w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy); or an
             `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
             tile by tile in registers (its ``dtype`` is the compute dtype); or a
@@ -392,9 +399,14 @@ def grouped_gemm(
         bias_EN: [E, N] per-expert bias (any strides and float dtype, read in fp32), added before
             ``row_scale`` and ``alpha``.
         src_scale: [rows] fp32, the row scales of an e4m3 ``src`` (read at ``irow(p)``, as src's rows); with an
-            `Fp8ExpertWeight` only, and then required.
+            e4m3 src only, and then required.
 
-    fp8 path (an `Fp8ExpertWeight`: e4m3 values, one fp32 scale per expert): src arrives quantised per row
+    fp8 path (an `Fp8ExpertWeight`: e4m3 values, one fp32 scale per expert). With a src in the weight's dtype each
+    B tile is widened to it in registers (exact) and the dot runs in that dtype, the expert's scale applied in the
+    epilogue: fp8 storage, 16-bit compute. That is the input gradient's path: its contraction runs along the
+    weight's contiguous dim, so the B tiles are not K-major, which Hopper's fp8 MMA needs; at the Qwen3-30B-A3B
+    expert shape on an H100 that e4m3 x e4m3 product ran at 251 TFLOP/s against 532 for bf16. With an e4m3 src it
+    arrives quantised per row
     (`lightning_ft.kernels.fp8.quantize_rows`, once per GEMM, by the caller: re-quantising each A tile in registers
     costs a pass per N tile and about twice the fp8 MMA's time per element on Hopper), and the main loop is a plain
     e4m3 dot chain into the fp32 accumulator; the epilogue multiplies each row by ``src_scale[irow(p)] * sw[e]``
@@ -412,25 +424,26 @@ def grouped_gemm(
         ``accumulate_into`` when given.
 
     Raises:
-        ValueError: on mismatched sizes or dtypes; an `Fp8ExpertWeight` without an e4m3 ``src`` and its [rows] fp32
+        ValueError: on mismatched sizes or dtypes; an `Fp8ExpertWeight` with an e4m3 ``src`` without its [rows] fp32
             ``src_scale``, a ``src_scale`` without one, or ``gathered_out`` with it (the gathered copy is for the
             thin LoRA GEMMs, in the weight's dtype).
     """
     num_experts, c_dim, n_dim = w_ECN.shape
     dtype, fp8 = w_ECN.dtype, isinstance(w_ECN, Fp8ExpertWeight)
-    if src.shape[-1] != c_dim or src.dtype != (E4M3 if fp8 else dtype):
+    fp8_src = fp8 and src.dtype == E4M3
+    if src.shape[-1] != c_dim or src.dtype not in ((E4M3, dtype) if fp8 else (dtype,)):
         raise ValueError(
             f"src {tuple(src.shape)} {src.dtype} does not match w_ECN {tuple(w_ECN.shape)} {dtype}"
-            + (" (an Fp8ExpertWeight takes e4m3 rows: quantize_rows)" if fp8 else "")
+            + (f" (an Fp8ExpertWeight takes e4m3 rows, quantize_rows, or {dtype} rows)" if fp8 else "")
         )
-    if fp8 and (src_scale is None or src_scale.shape != src.shape[:1] or src_scale.dtype != torch.float32):
+    if fp8_src and (src_scale is None or src_scale.shape != src.shape[:1] or src_scale.dtype != torch.float32):
         got = "none" if src_scale is None else f"{tuple(src_scale.shape)} {src_scale.dtype}"
         raise ValueError(
             f"grouped_gemm: an Fp8ExpertWeight needs src_scale [{src.shape[0]}] fp32 (quantize_rows), got {got}"
         )
-    if src_scale is not None and not fp8:
-        raise ValueError("grouped_gemm: src_scale is for an Fp8ExpertWeight's e4m3 src only")
-    if fp8 and gathered_out is not None:
+    if src_scale is not None and not fp8_src:
+        raise ValueError("grouped_gemm: src_scale is for an e4m3 src with an Fp8ExpertWeight only")
+    if fp8_src and gathered_out is not None:
         raise ValueError("grouped_gemm: gathered_out copies the rows for the LoRA GEMMs; it takes no e4m3 src")
     has_lora = lora_mid_SR is not None
     if has_lora and (lora_b_ERN is None or lora_mid_SR.shape[1] != lora_b_ERN.shape[1]):
@@ -489,7 +502,7 @@ def grouped_gemm(
         w_scales.stride(0), w_scales.stride(1) if w_scales.dim() > 1 else 0,
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
         HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
-        **_dot_options(dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed, FP8=fp8,
+        **_dot_options(dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed, FP8=fp8, FP8_SRC=fp8_src,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
     return out
@@ -561,7 +574,7 @@ def grouped_gemm_reference(
     src_rows_S = src_idx_S if src_idx_S is not None else torch.arange(num_rows, device=src.device)
     rows_SC = src.float()[src_rows_S]  # (e4m3 rows widened first: exact)
     if isinstance(w_ECN, Fp8ExpertWeight):
-        per_row = _fp8_rows_product(rows_SC, src_scale[src_rows_S], w_ECN, expert_S)
+        per_row = _fp8_rows_product(rows_SC, None if src_scale is None else src_scale[src_rows_S], w_ECN, expert_S)
     else:
         dense = w_ECN.dequantize() if isinstance(w_ECN, _QUANTISED_WEIGHTS) else w_ECN
         per_row = torch.einsum("sc,scn->sn", rows_SC, dense.float()[expert_S])
@@ -579,10 +592,12 @@ def grouped_gemm_reference(
 
 
 def _fp8_rows_product(rows_SC, row_scale_S, w_ECN: Fp8ExpertWeight, expert_S) -> torch.Tensor:
-    """fp32 [S, N]: the fp8 path of `grouped_gemm` in torch ops: the e4m3 rows (as fp32) times the expert's e4m3
-    values (as fp32; every product exact), summed in fp32, times the row's scale and the expert's scale."""
+    """fp32 [S, N]: the fp8 path of `grouped_gemm` in torch ops: the rows (fp32: e4m3 or bf16 ones widened) times
+    the expert's e4m3 values (as fp32), summed in fp32, times the row's scale (None: an unquantised src, no row
+    scale) and the expert's scale."""
     product = torch.einsum("sc,scn->sn", rows_SC, w_ECN.logical_values().float()[expert_S])
-    return product * (row_scale_S * w_ECN.scales[expert_S])[:, None]
+    scale = w_ECN.scales[expert_S] if row_scale_S is None else row_scale_S * w_ECN.scales[expert_S]
+    return product * scale[:, None]
 
 
 def grouped_wgrad_reference(
@@ -624,9 +639,11 @@ def _weight_of(ctx, saved):
 
 
 def _base_rows(src: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(src, src_scale) for the base product's `grouped_gemm` with weight ``w``: for an `Fp8ExpertWeight`, src's
-    rows in e4m3 and their fp32 scales (`lightning_ft.kernels.fp8.quantize_rows`: one pass over src per GEMM, a
-    transient copy; the LoRA products and weight gradients keep reading src), else (src, None)."""
+    """(src, src_scale) for the forward base product's `grouped_gemm` with weight ``w``: for an `Fp8ExpertWeight`,
+    src's rows in e4m3 and their fp32 scales (`lightning_ft.kernels.fp8.quantize_rows`: one pass over src per GEMM,
+    a transient copy; the LoRA products and weight gradients keep reading src), else (src, None). The input
+    gradients pass their bf16 rows as they are: the kernel widens the e4m3 weight (its B tiles are not K-major
+    there, which the e4m3 x e4m3 MMA needs to run fast; see `grouped_gemm`)."""
     return quantize_rows(src) if isinstance(w, Fp8ExpertWeight) else (src, None)
 
 
@@ -669,11 +686,9 @@ class _GatherGroupedLinear(torch.autograd.Function):
         if needs_w:  # full fine-tuning of the experts
             dw_ENC = grouped_wgrad(dh_SN, x_TC, offsets_E, rhs_idx_S=token_idx_S)
         if needs_x:
-            dh_base, dh_scale = _base_rows(dh_SN, w_ENC)
-            dx_pairs = grouped_gemm(
-                dh_base, w_ENC, offsets_E, num_rows, out_idx_S=pair_idx_S,
+            dx_pairs = grouped_gemm(  # an fp8 weight widened in the kernel: see `_base_rows`
+                dh_SN, w_ENC, offsets_E, num_rows, out_idx_S=pair_idx_S,
                 lora_mid_SR=mid_SR, lora_b_ERN=lora_a_ERC if mid_SR is not None else None, scaling=ctx.scaling,
-                src_scale=dh_scale,
             )
             dx_TC = dx_pairs.view(-1, ctx.top_k, dx_pairs.shape[-1]).sum(dim=1)
         if needs_a:
@@ -729,11 +744,9 @@ class _ScatterGroupedLinear(torch.autograd.Function):
         if needs_w:  # full fine-tuning of the experts
             dw_ENC = grouped_wgrad(dout_TN, a_SC, offsets_E, lhs_idx_S=token_idx_S, row_scale_S=weight_S)
         if needs_a or needs_weight:
-            dout_base, dout_scale = _base_rows(dout_TN, w_ENC)
-            u_SC = grouped_gemm(
-                dout_base, w_ENC, offsets_E, num_rows, src_idx_S=token_idx_S,
+            u_SC = grouped_gemm(  # an fp8 weight widened in the kernel: see `_base_rows`
+                dout_TN, w_ENC, offsets_E, num_rows, src_idx_S=token_idx_S,
                 lora_mid_SR=gb_SR, lora_b_ERN=lora_a_ERC if gb_SR is not None else None, scaling=ctx.scaling,
-                src_scale=dout_scale,
             )
             if needs_weight:
                 d_weight = (u_SC.float() * a_SC.float()).sum(dim=-1)

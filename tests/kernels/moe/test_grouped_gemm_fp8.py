@@ -80,12 +80,13 @@ def _options(device, experts, n_dim, rows, rank=3, integer=False):
     return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
 
 
+@pytest.mark.parametrize("src_kind", ["e4m3", "widened"])
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "gather_scatter_scale_bias_lora"])
 @pytest.mark.parametrize("direction", ["forward", "input_grad"])
-def test_fp8_grouped_gemm_against_its_reference_and_the_dense_product(device, direction, options):
+def test_fp8_grouped_gemm_against_its_reference_and_the_dense_product(device, direction, options, src_kind):
     """``x W[e]ᵀ`` (forward) and ``dy W[e]`` (input gradient: the contraction along the weight's output channels)
     on an expert with no rows and group sizes off 16, with or without gather, scatter, routing weights, bias and
-    LoRA (kept in fp32 here)."""
+    LoRA (kept in fp32 here); the rows quantised to e4m3 or left in the weight's dtype (the weight widened)."""
     dense, weight = _weight(device, torch.float32)
     w_ECN, dense_ECN = _oriented(direction, weight, dense)
     experts, c_dim, n_dim = w_ECN.shape
@@ -93,7 +94,7 @@ def test_fp8_grouped_gemm_against_its_reference_and_the_dense_product(device, di
     offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32).to(device)
     kwargs = _options(device, experts, n_dim, rows) if options else {}
     src = torch.randn(SRC_ROWS if options else rows, c_dim, generator=torch.Generator().manual_seed(2)).to(device) * 3
-    src_q, src_scale = quantize_rows(src)
+    src_q, src_scale = quantize_rows(src) if src_kind == "e4m3" else (src, None)
     out = grouped_gemm(src_q, w_ECN, offsets, rows, src_scale=src_scale, **kwargs)
     assert out.shape == (rows, n_dim) and out.dtype == torch.float32
     same_math = grouped_gemm_reference(src_q, w_ECN, offsets, rows, src_scale=src_scale, **kwargs)
@@ -106,8 +107,9 @@ def test_fp8_grouped_gemm_against_its_reference_and_the_dense_product(device, di
     assert _rel(out, grouped_gemm_reference(src, dense_ECN, offsets, rows, **kwargs)) < 0.08  # original weight
 
 
+@pytest.mark.parametrize("src_kind", ["e4m3", "widened"])
 @pytest.mark.parametrize("direction", ["forward", "input_grad"])
-def test_fp8_grouped_gemm_is_bitwise_its_reference_on_exact_data(device, direction):
+def test_fp8_grouped_gemm_is_bitwise_its_reference_on_exact_data(device, direction, src_kind):
     """Small-integer e4m3 rows and weights with power-of-two scales, integer LoRA and bias, power-of-two routing
     weights: every product and sum is exact in fp32, so the kernel (gather, scatter, an empty expert, odd group
     sizes, every epilogue term) must give the reference's bits."""
@@ -122,6 +124,8 @@ def test_fp8_grouped_gemm_is_bitwise_its_reference_on_exact_data(device, directi
     rows = sum(COUNTS)
     offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32).to(device)
     kwargs = _options(device, experts, n_dim, rows, integer=True)
+    if src_kind == "widened":  # the same integers in the weight's dtype, no row scales
+        src_q, src_scale = src_q.float(), None
     out = grouped_gemm(src_q, w_ECN, offsets, rows, src_scale=src_scale, **kwargs)
     assert out.abs().amax() > 100  # not a trivially small result
     assert torch.equal(out, grouped_gemm_reference(src_q, w_ECN, offsets, rows, src_scale=src_scale, **kwargs))
@@ -137,25 +141,28 @@ def test_fp8_grouped_gemm_bf16_rows_and_zero_rows(device):
         w_ECN, dense_ECN = _oriented(direction, weight, dense)
         src = torch.randn(rows, w_ECN.shape[1], generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
         src[4] = 0
-        src_q, src_scale = quantize_rows(src)
-        out = grouped_gemm(src_q, w_ECN, offsets, rows, src_scale=src_scale)
-        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and not out[4].any()
-        assert _rel(out, grouped_gemm_reference(src, dense_ECN, offsets, rows)) < 0.08
+        for src_q, src_scale in (quantize_rows(src), (src, None)):  # e4m3 rows; bf16 rows (the weight widened)
+            out = grouped_gemm(src_q, w_ECN, offsets, rows, src_scale=src_scale)
+            assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and not out[4].any()
+            assert _rel(out, grouped_gemm_reference(src, dense_ECN, offsets, rows)) < 0.08
 
 
 def test_fp8_grouped_gemm_refuses_what_makes_no_sense():
-    """An fp8 weight with a bf16 src or without its row scales; row scales with a dense weight; a gathered copy
-    of e4m3 rows (it is for the LoRA GEMMs, in the model's dtype)."""
+    """An fp8 weight with a src neither e4m3 nor in its dtype, with row scales for an unquantised src, or an e4m3
+    src without its row scales; row scales with a dense weight; a gathered copy of e4m3 rows (it is for the LoRA
+    GEMMs, in the model's dtype)."""
     dense, weight = _weight("cpu", torch.bfloat16)
     rows = sum(COUNTS)
     offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
     src = torch.randn(rows, C_IN, dtype=torch.bfloat16)
     src_q, src_scale = quantize_rows(src)
-    with pytest.raises(ValueError, match="an Fp8ExpertWeight takes e4m3 rows"):
+    with pytest.raises(ValueError, match=r"an Fp8ExpertWeight takes e4m3 rows, quantize_rows, or torch.bfloat16 rows"):
+        grouped_gemm(src.float(), weight.transpose(1, 2), offsets, rows)
+    with pytest.raises(ValueError, match="src_scale is for an e4m3 src with an Fp8ExpertWeight only"):
         grouped_gemm(src, weight.transpose(1, 2), offsets, rows, src_scale=src_scale)
     with pytest.raises(ValueError, match=r"needs src_scale \[26\] fp32 \(quantize_rows\), got none"):
         grouped_gemm(src_q, weight.transpose(1, 2), offsets, rows)
-    with pytest.raises(ValueError, match="src_scale is for an Fp8ExpertWeight's e4m3 src only"):
+    with pytest.raises(ValueError, match="src_scale is for an e4m3 src with an Fp8ExpertWeight only"):
         grouped_gemm(src, dense.transpose(1, 2), offsets, rows, src_scale=src_scale)
     with pytest.raises(ValueError, match="gathered_out .* takes no e4m3 src"):
         grouped_gemm(src_q, weight.transpose(1, 2), offsets, rows, src_scale=src_scale, gathered_out=torch.empty_like(src))
