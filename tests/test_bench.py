@@ -484,3 +484,18 @@ def test_results_md_shows_the_offloading_copies_where_a_row_has_them():
     head, _, no_offload, row = offloading.splitlines()
     assert head.endswith("| offload d2h GB/s | offload h2d GB/s | offload wait ms/step |")
     assert no_offload.endswith("| – | – | – |") and row.endswith("| 21.53 | 19.20 | 3.12 |")
+
+
+def test_bench_report_keeps_rows_of_another_path_apart_and_names_it(tmp_path):
+    """Rows of one system that ran another path (fp8, another MoE backend) are each shown, named in the system cell;
+    a table with one path per system names none."""
+    from lightning_ft.bench.report import latest_rows, markdown_table
+
+    base = _table_row(seq_len=8192, settings="bf16 ckpt moe=auto")
+    triton_fp8 = {**base, "settings": "bf16 ckpt moe=triton graphs fp8", "ms_per_step": 400.0}
+    rows = [base, triton_fp8, {**base, "ms_per_step": 450.0}]  # the last: a later row of the first path
+    shown = latest_rows(rows)
+    assert [r["ms_per_step"] for r in shown] == [450.0, 400.0]
+    text = markdown_table(shown, rows)
+    assert "| `lightning_ft` moe=auto | 450.0" in text and "| `lightning_ft` moe=triton fp8 | 400.0" in text
+    assert "`lightning_ft` moe=auto" not in markdown_table(latest_rows(rows[:1]), rows[:1])

@@ -3,7 +3,7 @@
 It leads with speed at equal memory, where memory-matched rows exist (bench ``memory_matched=SYSTEM``):
 each such ``lightning_ft`` row beside the peer whose measured peak was its memory budget, same run and
 length (`equal_memory_section`). For each table (the ``table`` column, one per bench preset) the report
-shows the latest row of each (system, layers, seq_len, memory_matched): date order, and file order among rows of the same date. Each row's ratios
+shows the latest row of each (system, variant, layers, seq_len, memory_matched): date order, and file order among rows of the same date. Each row's ratios
 (× ``hf_peft``, × ``unsloth``, memory) are against the peer's row of the same run and length; a
 peer that did not run in that run gives no ratio. The table's text is the leading comment of its
 preset (``configs/bench/<table>.yaml``); the plot (tokens/s and peak memory against the length)
@@ -45,20 +45,37 @@ This file is generated: `python -m lightning_ft bench report` rebuilds it and th
 [results.csv](results.csv), to which every GPU bench run appends its rows (see [README.md](README.md))."""
 
 
+VARIANT_SETTINGS = ("fp8", "moe=")  # settings that pick another path of one system: rows of each are kept apart
+
+
+def variant(row: dict[str, Any]) -> str:
+    """The row's settings among `VARIANT_SETTINGS` (e.g. ``"moe=triton fp8"``), "" for none."""
+    return " ".join(t for t in (row.get("settings") or "").split() if t == "fp8" or t.startswith("moe="))
+
+
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The latest row of each (system, layers, seq_len, memory_matched) of ``rows`` (one table's), by date and then file
-    order; sorted by length, then `SYSTEM_ORDER` (a memory-matched row after the system's own)."""
+    """The latest row of each (system, `variant`, layers, seq_len, memory_matched) of ``rows`` (one table's), by date and
+    then file order; sorted by length, then `SYSTEM_ORDER` (a memory-matched row after the system's own), then variant."""
     latest: dict[tuple, dict[str, Any]] = {}
     for index, row in sorted(enumerate(rows), key=lambda item: (item[1]["date"], item[0])):
-        latest[(row["system"], row["layers"], row["seq_len"], row.get("memory_matched"))] = row
+        latest[(row["system"], variant(row), row["layers"], row["seq_len"], row.get("memory_matched"))] = row
     rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
     return sorted(latest.values(), key=lambda r: (r["layers"], r["seq_len"], rank.get(r["system"], len(rank)), r["system"],
-                                                  r.get("memory_matched") or ""))
+                                                  r.get("memory_matched") or "", variant(r)))
 
 
-def _system_cell(row: dict[str, Any]) -> str:
+def _variants_shown(shown: list[dict[str, Any]]) -> set[str]:
+    """The systems of ``shown`` with rows of more than one `variant` (their cells name it)."""
+    seen: dict[str, set[str]] = {}
+    for r in shown:
+        seen.setdefault(r["system"], set()).add(variant(r))
+    return {system for system, variants in seen.items() if len(variants) > 1}
+
+
+def _system_cell(row: dict[str, Any], named: set[str] = frozenset()) -> str:
     matched = row.get("memory_matched")
-    return f"`{row['system']}`" + (f" at `{matched}`'s memory" if matched else "")
+    kind = f" {variant(row)}" if row["system"] in named and variant(row) else ""
+    return f"`{row['system']}`{kind}" + (f" at `{matched}`'s memory" if matched else "")
 
 
 def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
@@ -114,7 +131,7 @@ def markdown_table(shown: list[dict[str, Any]], rows: list[dict[str, Any]]) -> s
     head = ["tokens", "layers", "system", "ms/step (min–max)", "tokens/s", *[f"× {p}" for p in peers], "MFU",
             "peak GiB allocated / reserved", *[f"memory × {p}" for p in peers], "loss", "run (commit)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("system", "run (commit)") else "---:" for h in head) + "|"]
-    other_run = False
+    other_run, named = False, _variants_shown(shown)
     for r in shown:
         ok = r["status"] == "ok"
         if ok:
@@ -130,7 +147,7 @@ def markdown_table(shown: list[dict[str, Any]], rows: list[dict[str, Any]]) -> s
             speed.append(_ratio(r["tokens_per_s"], base and base["tokens_per_s"]) + mark)
             mem.append(_ratio(r["peak_mem_gib"], base and base["peak_mem_gib"]) + mark)
             other_run = other_run or bool(mark)
-        cells = [str(r["seq_len"]), str(r["layers"]), _system_cell(r), ms, _num(r["tokens_per_s"] if ok else None, ",.0f"),
+        cells = [str(r["seq_len"]), str(r["layers"]), _system_cell(r, named), ms, _num(r["tokens_per_s"] if ok else None, ",.0f"),
                  *speed, _num(r["mfu"] if ok and r["mfu"] is not None else None, ".1%"), memory, *mem,
                  _num(r["loss_last"] if ok else None, ".4f"), f"{r['date'][:10]} ({r['commit']})"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -147,13 +164,15 @@ def plot(shown: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
-    for system, matched in dict.fromkeys((r["system"], r.get("memory_matched")) for r in shown):
-        ok = sorted((r for r in shown if (r["system"], r.get("memory_matched")) == (system, matched) and r["status"] == "ok"),
-                    key=lambda r: r["seq_len"])
+    named = _variants_shown(shown)
+    for system, matched, kind in dict.fromkeys((r["system"], r.get("memory_matched"), variant(r)) for r in shown):
+        ok = sorted((r for r in shown if (r["system"], r.get("memory_matched"), variant(r)) == (system, matched, kind)
+                     and r["status"] == "ok"), key=lambda r: r["seq_len"])
         if not ok:
             continue
         seqs = [r["seq_len"] for r in ok]
-        style = {"marker": "o", "label": system + (f" at {matched}'s memory" if matched else ""), "linestyle": "--" if matched else "-",
+        label = system + (f" {kind}" if kind and system in named else "") + (f" at {matched}'s memory" if matched else "")
+        style = {"marker": "o", "label": label, "linestyle": "--" if matched else "-",
                  "color": f"C{SYSTEM_ORDER.index(system) if system in SYSTEM_ORDER else len(SYSTEM_ORDER)}"}
         axes[0].plot(seqs, [r["tokens_per_s"] for r in ok], **style)
         with_mem = [r for r in ok if r["peak_mem_gib"] is not None]
