@@ -59,7 +59,7 @@ from lightning_ft.model.router import (
     load_balancing_loss_function,
     router_module_names,
 )
-from lightning_ft.model.support import architecture_support, fast_path_lines
+from lightning_ft.model.support import architecture_support, fast_path_lines, tiny_config
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
 from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
@@ -155,6 +155,7 @@ def load_causal_lm(
             f"model {name_or_path or hf_config.model_type!r}: a {hf_config.model_type!r} config is not a causal LM "
             f"(transformers has no AutoModelForCausalLM class for it)"
         )
+    _check_causal(hf_config, trust_remote_code)
     if vocab_size is not None:
         if init == "random" and "vocab_size" not in overrides and not name_or_path:
             hf_config.vocab_size = -(-vocab_size // 64) * 64
@@ -192,6 +193,42 @@ def load_causal_lm(
     if quantization == "mxfp4" and not keep_mxfp4:
         _quantize_experts(model, "loading")
     return model
+
+
+def _check_causal(hf_config: Any, trust_remote_code: bool) -> None:
+    """Refuse a config that declares ``is_decoder=False`` (BERT's family: its causal LM class is an encoder then) where
+    a model built from it lets a token see later ones: training on the next token would read the answer (the loss
+    falls towards zero; transformers only warns). Probed on `lightning_ft.model.support.tiny_config` of the config,
+    on the CPU with the random state kept: whether changing the last token changes earlier logits. Configs whose
+    models are causal whatever the flag (GPT-NeoX; BART's causal LM sets it) pass; a probe that cannot run checks
+    nothing.
+
+    Raises:
+        ValueError: naming ``model.config.is_decoder`` and the fix.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if "is_decoder" not in hf_config.to_dict() or hf_config.is_decoder is not False:
+        return
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(0)
+            probe = AutoModelForCausalLM.from_config(tiny_config(hf_config), trust_remote_code=trust_remote_code).eval()
+            vocab = probe.config.vocab_size
+            ids = torch.arange(1, 7)[None] % vocab
+            changed = ids.clone()
+            changed[0, -1] = (ids[0, -1] + 1) % vocab
+            with torch.no_grad():
+                before, after = probe(input_ids=ids).logits[0, :-1], probe(input_ids=changed).logits[0, :-1]
+            # float noise is ~1e-7 of the logits (fp32); a later token's reach through tiny random weights ~1e-3
+            sees_later = bool((before - after).abs().max() > 1e-5 * before.abs().max())
+    except Exception:  # noqa: BLE001 - a config the probe cannot shrink or run: nothing known
+        return
+    if sees_later:
+        raise ValueError(
+            f"model.config.is_decoder is false: the {hf_config.model_type!r} model then lets each token see the later "
+            "ones, so training on the next token would read the answer; set model.config.is_decoder=true"
+        )
 
 
 def _takes_attention_functions(config: Any) -> bool:

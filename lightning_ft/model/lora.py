@@ -53,8 +53,8 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
     """Wrap ``model`` with PEFT LoRA adapters (or load an existing adapter to train further).
 
     ``lora`` keys: ``rank``, ``alpha``, ``dropout``, ``target_modules`` (a list of module names,
-    ``all-linear``, or, as PEFT reads any other string, a regular expression that must match a
-    module's whole name), ``target_parameters`` (a list of names of 3-D expert parameters, e.g.
+    ``all-linear`` (`all_linear_targets`), or, as PEFT reads any other string, a regular expression that must match
+    a module's whole name), ``target_parameters`` (a list of names of 3-D expert parameters, e.g.
     ``mlp.experts.gate_up_proj``; optional), ``modules_to_save`` (names of whole modules, e.g.
     ``embed_tokens``, ``lm_head`` or a router ``mlp.gate``, that train in full and are saved in the
     adapter file: PEFT's ``LoraConfig.modules_to_save``, a trainable copy of each; optional),
@@ -89,6 +89,8 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         _check_lora_targets("lora.target_modules", target_modules, leaves)
     elif target_modules.lower() != "all-linear":  # PEFT's shorthand, any case
         _check_lora_regex("lora.target_modules", target_modules, [name for name, _ in model.named_modules() if name], leaves)
+    else:
+        target_modules = all_linear_targets(model)
     if isinstance(lora.get("target_parameters"), str):  # PEFT takes a list only (TypeError for a str)
         name = lora["target_parameters"]
         raise ValueError(f"lora.target_parameters={name!r}: expected a list of parameter names, such as lora.target_parameters=[{name}]")
@@ -110,6 +112,63 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def all_linear_targets(model: torch.nn.Module) -> str | list[str]:
+    """``lora.target_modules=all-linear`` for ``model``: PEFT's ``all-linear`` (every ``nn.Linear`` and GPT-2
+    ``Conv1D`` but the output layer) without the subclasses of ``nn.Linear`` that transformers defines with a
+    ``forward`` that is not a linear map of the last dim (`_runs_as_linear`), which PEFT's LoRA layer would run as
+    one: Phi-MoE's and Llama 4's routers (they return a tuple), DeepSeek-V4's grouped output projection (a training
+    step of each failed with them wrapped). Subclasses that compute ``F.linear`` (Falcon's) and quantised linears
+    (bitsandbytes' ``Linear4bit``) are kept, as PEFT wraps them.
+
+    Returns:
+        ``"all-linear"`` where nothing is left out (PEFT expands it), else the module names to target: a layer
+        suffix (``q_proj``) where no left-out module shares it, else the full names; the left-out ones are logged.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not output]
+    verdicts: dict[type, bool] = {}
+    left_out = {}
+    for name, module in linear:
+        cls = type(module)
+        if cls is torch.nn.Linear or not isinstance(module, torch.nn.Linear) or not cls.__module__.startswith("transformers."):
+            continue
+        if cls.forward is not torch.nn.Linear.forward and not verdicts.setdefault(cls, _runs_as_linear(module)):
+            left_out[name] = cls.__name__
+    if not left_out:
+        return "all-linear"
+    targets = set()
+    for name, _ in linear:
+        if name in left_out:
+            continue
+        suffix = name.rsplit(".", 1)[-1]
+        shared = any(n == suffix or n.endswith("." + suffix) for n in left_out)
+        targets.add(name if shared else suffix)
+    kinds = sorted({f"{n.rsplit('.', 1)[-1]} ({cls})" for n, cls in left_out.items()})
+    rank_zero_info(
+        f"lora.target_modules=all-linear: leaving out {', '.join(kinds)}: nn.Linear subclasses whose forward is not a "
+        "plain linear map, which PEFT's LoRA would run as one"
+    )
+    return sorted(targets)
+
+
+def _runs_as_linear(module: torch.nn.Linear) -> bool:
+    """Whether ``module``'s own forward on a random [2, 3, in_features] input returns ``F.linear`` of it (a tensor
+    within 1e-3); a weight that is not a 16/32-bit float (quantised: its layer's business) counts as linear."""
+    weight = module.weight
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.device.type == "meta":
+        return True
+    x = torch.randn(2, 3, module.in_features, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    try:  # the random state kept: a router may draw jitter noise in training mode
+        with torch.no_grad(), torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []):
+            y = module(x)
+    except Exception:  # noqa: BLE001 - a forward that takes no [..., in_features] input is no linear map of it
+        return False
+    expected = torch.nn.functional.linear(x, weight, module.bias)
+    return isinstance(y, torch.Tensor) and y.shape == expected.shape and torch.allclose(y.float(), expected.float(), rtol=1e-3, atol=1e-3)
 
 
 def active_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -231,3 +231,25 @@ def test_model_quantization_mxfp4_keeps_an_mxfp4_checkpoint_s_experts_as_they_ar
         assert model.state_dict().keys() == reference.state_dict().keys()
         for name, weight in reference.state_dict().items():
             assert torch.equal(model.state_dict()[name], weight), name
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_an_encoder_config_built_as_a_causal_lm_is_refused_unless_it_is_a_decoder(model_type):
+    """BERT's family reads ``is_decoder=False`` as an encoder, whose tokens see the later ones: the next-token loss
+    would read the answer. ``is_decoder=true`` builds; GPT-NeoX, causal whatever its flag says, builds as it is."""
+    from transformers import AutoConfig
+
+    from lightning_ft.model.build import load_causal_lm
+    from lightning_ft.model.support import tiny_config
+
+    def config(name, **values):
+        return {**{k: v for k, v in tiny_config(AutoConfig.for_model(name)).to_dict().items() if k != "transformers_version"},
+                "model_type": name, **values}
+
+    state = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=rf"model.config.is_decoder is false: the '{model_type}' model then lets each token "
+                                         r"see the later ones.*set model.config.is_decoder=true"):
+        load_causal_lm(None, init="random", config=config(model_type))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe leaves the seeded random state alone
+    assert load_causal_lm(None, init="random", config=config(model_type, is_decoder=True)).config.is_decoder
+    assert load_causal_lm(None, init="random", config=config("gpt_neox")).config.is_decoder is False

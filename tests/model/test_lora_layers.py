@@ -123,3 +123,26 @@ def test_an_adapter_recreated_after_patching_or_a_hooked_base_layer_gets_peft_fo
     model = _peft_model()
     _lora_layers(model)[0].base_layer.register_forward_hook(lambda module, args, out: out * 0)
     assert apply_kernels(model, {"lora": True}) == ["lora: 1 x peft lora.Linear"]  # v_proj only
+
+
+def test_all_linear_leaves_out_transformers_linear_subclasses_with_a_forward_of_their_own(caplog):
+    """Phi-MoE's router is an ``nn.Linear`` returning a tuple: ``all-linear`` wraps every other linear (not the head)
+    and the step runs; a model without such a subclass passes PEFT's ``all-linear`` through."""
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_ft.model.lora import add_lora, all_linear_targets
+    from lightning_ft.model.support import tiny_config
+
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
+    assert all_linear_targets(AutoModelForCausalLM.from_config(tiny_config(AutoConfig.for_model("llama")))) == "all-linear"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(AutoConfig.for_model("phimoe")))
+    with caplog.at_level(logging.INFO):
+        model = add_lora(model, lora)
+    assert "leaving out router (PhimoeTopKRouter): nn.Linear subclasses whose forward is not a plain linear map" in caplog.text
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert "router" not in wrapped and "lm_head" not in wrapped and {"q_proj", "o_proj"} <= wrapped
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n and "self_attn" in n)

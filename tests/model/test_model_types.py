@@ -69,7 +69,6 @@ SKIPPED = {  # model_type -> why the walk leaves it out
     "xmod": "needs a default language adapter set on the model (set_default_language) before any forward",
 }
 _SSM = ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h")
-_LINEAR_SUBCLASS = ("phimoe", "llama4", "llama4_text", "deepseek_v4")
 
 REPRESENTATIVE = [
     "llama", "qwen2", "mistral", "phi3", "gemma3_text", "gpt_oss",  # patch tables (gpt-oss: sinks, windows, MoE)
@@ -97,14 +96,14 @@ def _model_cfg(model_type):
 
 
 def _lora_targets(model_type):
-    """``all-linear``, but where PEFT cannot take some of the linears the rest of them: an SSM's ``out_proj`` (PEFT
-    refuses LoRA on Mamba's), a subclass of ``nn.Linear`` with a forward of its own (PEFT's LoRA layer runs it as a
-    plain linear: Phi-MoE's and Llama 4's routers return tuples, DeepSeek-V4's output projection is grouped)."""
-    if model_type not in _SSM and model_type not in _LINEAR_SUBCLASS:
+    """``all-linear`` (which leaves out transformers' ``nn.Linear`` subclasses with a forward of their own: Phi-MoE's
+    and Llama 4's routers, DeepSeek-V4's grouped projection), but for an SSM the linears without its ``out_proj``
+    (PEFT refuses LoRA on Mamba's)."""
+    if model_type not in _SSM:
         return "all-linear"
     model = AutoModelForCausalLM.from_config(_config(model_type))
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
-    return sorted(names - {"lm_head"} - ({"out_proj"} if model_type in _SSM else set()))
+    return sorted(names - {"lm_head", "out_proj"})
 
 
 def _stock_loss_sum(model):
