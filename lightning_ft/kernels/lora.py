@@ -192,12 +192,17 @@ class _InputGradient:
             return None
         dh = torch.cat([t[1] for t in terms], dim=1) if len(terms) > 1 else terms[0][1]
         lora_A = torch.cat([t[2] for t in terms], dim=0) if len(terms) > 1 else terms[0][2]
-        dx = dh @ lora_A  # the thin products first: the base GEMMs' epilogues add into their sum
+        # fp8 bases first (``_scaled_mm`` adds into no output): their products start the sum; then the thin products
+        # and the 16-bit bases add into it in their GEMMs' epilogues (addmm_), no elementwise pass of their own
+        dx = None
+        for dy, _, _, weight, weight_scale in terms:
+            if weight_scale is not None:
+                product = fp8_input_grad(dy, weight, weight_scale).to(dh.dtype)
+                dx = product if dx is None else dx.add_(product)
+        dx = dh @ lora_A if dx is None else dx.addmm_(dh, lora_A)
         for dy, _, _, weight, weight_scale in terms:
             if weight_scale is None:
                 dx.addmm_(dy, weight)
-            else:  # fp8 base: its own product, then added
-                dx.add_(fp8_input_grad(dy, weight, weight_scale))
         return dx.view(self.shape)
 
 
@@ -258,8 +263,11 @@ class _KeptLoRALinear(torch.autograd.Function):
                 ctx.input_grad.add(dy2, dh, lora_A.to(dtype), base_weight, weight_scale)
                 dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
-                base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)
-                dx = base.to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
+                if weight_scale is not None and ctx.x_dtype == dtype:  # the thin product added in its GEMM's epilogue
+                    dx = fp8_input_grad(dy2, weight, weight_scale).to(dtype).addmm_(dh, lora_A.to(dtype))
+                else:
+                    base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)
+                    dx = base.to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
                 dx = dx.view(*dy.shape[:-1], -1)
         if needs_b:
             db = ((dy2.t() @ h2) * ctx.scaling).to(lora_B.dtype)  # as addmm's backward for a transposed mat2

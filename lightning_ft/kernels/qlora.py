@@ -122,12 +122,11 @@ class _QLoRALinear(torch.autograd.Function):
             if needs_a:
                 da = dh.t() @ x
             if needs_x:
-                dx = dh @ lora_A
                 base = _base_weight(ctx.weight, dy.dtype, fp8_scale)
                 if fp8_scale is None:
-                    dx.addmm_(dy, base)
-                else:
-                    dx.add_(fp8_input_grad(dy, base, fp8_scale))
+                    dx = (dh @ lora_A).addmm_(dy, base)
+                else:  # the fp8 product first (``_scaled_mm`` adds into no output); the thin one adds in its epilogue
+                    dx = fp8_input_grad(dy, base, fp8_scale).to(dh.dtype).addmm_(dh, lora_A)
         if needs_b:
             db = (dy.t() @ h) * ctx.scaling
         return dx, None, None, da, db, None, None, None
