@@ -226,8 +226,9 @@ def _check_causal(hf_config: Any, trust_remote_code: bool) -> None:
         return
     if sees_later:
         raise ValueError(
-            f"model.config.is_decoder is false: the {hf_config.model_type!r} model then lets each token see the later "
-            "ones, so training on the next token would read the answer; set model.config.is_decoder=true"
+            f"model.config.is_decoder is false (the default of {hf_config.model_type!r} configs): the model then lets "
+            "each token see the later ones, so training on the next token would read the answer; set it on the command "
+            "line with +model.config.is_decoder=true"
         )
 
 

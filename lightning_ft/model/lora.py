@@ -197,6 +197,8 @@ def _check_lora_targets(key: str, targets: list[str], names: list[str]) -> None:
         return any(n == target or n.endswith("." + target) for n in names)
 
     unmatched = [t for t in targets if not matched(t)]
+    if key == "lora.target_modules" and any(t.lower() == "all-linear" for t in unmatched):
+        raise ValueError(f"{key}: all-linear is a name for PEFT's shorthand, not a layer: pass it alone, {key}=all-linear")
     if unmatched:
         groups = _lora_groups() if key == "lora.target_modules" else {}
         fitting = [group for group, group_targets in groups.items() if group_targets and all(map(matched, group_targets))]

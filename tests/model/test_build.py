@@ -19,6 +19,7 @@ CPU = torch.device("cpu")
     [
         ("target_modules", ["q_proj", "vv_proj"], r"lora.target_modules: \['vv_proj'\] are not in the model; its layers have: .*self_attn.q_proj"),
         ("target_parameters", ["mlp.experts.foo"], r"lora.target_parameters: \['mlp.experts.foo'\] are not in the model; .*: mlp.experts.down_proj, mlp.experts.gate_up_proj$"),
+        ("target_modules", ["all-linear"], r"lora.target_modules: all-linear is a name for PEFT's shorthand, not a layer: pass it alone, lora.target_modules=all-linear$"),
     ],
 )
 def test_a_lora_target_that_matches_nothing_is_refused_by_key(key, targets, message):
@@ -247,8 +248,8 @@ def test_an_encoder_config_built_as_a_causal_lm_is_refused_unless_it_is_a_decode
                 "model_type": name, **values}
 
     state = torch.random.get_rng_state()
-    with pytest.raises(ValueError, match=rf"model.config.is_decoder is false: the '{model_type}' model then lets each token "
-                                         r"see the later ones.*set model.config.is_decoder=true"):
+    with pytest.raises(ValueError, match=rf"model.config.is_decoder is false \(the default of '{model_type}' configs\): the "
+                                         r"model then lets each token see the later ones.*\+model.config.is_decoder=true$"):
         load_causal_lm(None, init="random", config=config(model_type))
     assert torch.equal(torch.random.get_rng_state(), state)  # the probe leaves the seeded random state alone
     assert load_causal_lm(None, init="random", config=config(model_type, is_decoder=True)).config.is_decoder
