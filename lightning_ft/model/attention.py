@@ -486,12 +486,21 @@ def packed_attention_forward(
         ([1, T, Hq, Dv] output, None).
 
     Raises:
-        ValueError: several rows, or attention dropout with auto/cudnn/varlen/flex.
+        ValueError: several rows, keys that are not the row's tokens (more or fewer keys than queries: e.g. DeepSeek-V4's
+            compressed keys appended to long rows, which no per-document mask covers), or attention dropout with
+            auto/cudnn/varlen/flex.
     """
     if packed_batch is None:
         return unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]} rows")
+    if key.shape[-2] != query.shape[-2]:
+        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise ValueError(
+            f"{model_type}: its attention has {key.shape[-2]} keys for the row's {query.shape[-2]} tokens (entries of its "
+            "own joined to the keys, such as compressed keys), which a packed row of several documents cannot mask per "
+            "document; this architecture cannot train on packed rows of this length"
+        )
     window, sinks, softcap = kwargs.get("sliding_window"), kwargs.get("s_aux"), kwargs.get("softcap")
     if softcap is not None and backend in VARLEN_FAMILY:
         fallback = "flex" if query.device.type == "cuda" else "sdpa"

@@ -22,6 +22,9 @@ from lightning_ft.model.support import architecture_support, tiny_config
         ("cohere", None, "the model changes its logits after the LM head"),
         ("deepseek_v3", None, None),  # MLA: value heads narrower than query/key heads
         ("glm4_moe_lite", None, None),  # MLA, dense / sparse layers per mlp_layer_types
+        # compressed keys joined to the row's own: refused by the packed attention, so padded rows
+        ("deepseek_v4", r"its forward fails on a packed row \(ValueError: deepseek_v4: its attention has 8 keys for the "
+                        r"row's 7 tokens", None),
     ],
 )
 def test_each_architecture_is_checked_on_a_tiny_copy(model_type, packing, plain_head):
