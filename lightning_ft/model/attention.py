@@ -499,7 +499,7 @@ def packed_attention_forward(
         raise ValueError(
             f"{model_type}: its attention has {key.shape[-2]} keys for the row's {query.shape[-2]} tokens (entries of its "
             "own joined to the keys, such as compressed keys), which a packed row of several documents cannot mask per "
-            "document; this architecture cannot train on packed rows of this length"
+            "document, so it needs padded rows (one document each)"
         )
     window, sinks, softcap = kwargs.get("sliding_window"), kwargs.get("s_aux"), kwargs.get("softcap")
     if softcap is not None and backend in VARLEN_FAMILY:

@@ -15,7 +15,7 @@ shortcuts compute what its own code computes:
 
 `architecture_support` answers both from the real config: it builds a tiny copy of the
 architecture (`tiny_config`: the config's structure with small sizes, each distinct layer type
-kept, sliding windows shrunk to 2 tokens so they act on the probe) with random fp32 weights on the
+kept, sliding windows and key-compression rates shrunk to 2 tokens so they act on the probe) with random fp32 weights on the
 CPU, runs two documents packed and each alone, and compares with transformers' own eager
 implementation (atol 1e-5). A few hundred milliseconds, once per architecture and process. Where
 the tiny copy cannot be built, both answers are no: the model trains as transformers computes it.
@@ -72,7 +72,7 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
 def tiny_config(config: Any) -> Any:
     """``config`` with small sizes (hidden 32, 2 heads of 16, vocab 64, 4 experts of top 2) and one layer per
     distinct entry of its ``layer_types`` and ``mlp_layer_types`` (2 layers without them), every per-layer field
-    cut to those layers, sliding windows of 2 tokens.
+    cut to those layers, sliding windows and key-compression rates (DeepSeek-V4) of 2 tokens.
 
     Only fields the config has are changed; the rest of its structure (activation, norms, biases,
     RoPE type, tied embeddings, which layers are sparse or slide) is kept.
@@ -114,6 +114,8 @@ def _tiny_values(values: dict[str, Any], config_class: type) -> dict[str, Any]:
         values[layers] = len(kept)
     if values.get("sliding_window"):
         values["sliding_window"] = _PROBE_WINDOW
+    if isinstance(values.get("compress_rates"), dict):  # DeepSeek-V4's compressed keys: from 2 tokens on, as windows
+        values["compress_rates"] = {kind: min(rate, _PROBE_WINDOW) for kind, rate in values["compress_rates"].items()}
     if values.get("kv_lora_rank") is not None:  # MLA (DeepSeek-V3): keys and values come in every query head, and
         values["num_key_value_heads"] = values["num_attention_heads"]  # the rotary tables span the RoPE part only
         if aliases.get("head_dim") != "qk_rope_head_dim":  # GLM-4.7-Flash's config aliases the two
