@@ -16,10 +16,11 @@
 `lightning_ft.kernels.moe._common`; the plain-torch reference of the backend is ``native_torch``, those of
 the two launchers `grouped_gemm_reference` and `grouped_wgrad_reference`.
 
-fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): the callers quantise the GEMM's
-input once per row (`lightning_ft.kernels.fp8.quantize_rows`) and the same kernel runs a plain e4m3 dot chain,
-the row and per-expert weight scales applied in the epilogue (see `grouped_gemm`); split LoRA, the thin launches
-and the weight gradients stay in the activations' dtype. MXFP4 experts
+fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): in the forward the callers quantise
+the GEMM's input once per row (`lightning_ft.kernels.fp8.quantize_rows`) and the same kernel runs a plain e4m3 dot
+chain, the row and per-expert weight scales applied in the epilogue; the input gradients pass their rows as they are
+and the kernel widens the e4m3 weight tiles to bf16 (see `grouped_gemm`); split LoRA, the thin launches and the
+weight gradients stay in the activations' dtype. MXFP4 experts
 (`lightning_ft.kernels.mxfp4.Mxfp4Weight`): the B-tile loads dequantise them in registers. NF4 experts
 (`lightning_ft.kernels.nf4.Nf4ExpertWeight`): dequantised whole into the reused 4-bit buffer before each launch
 (`Nf4ExpertWeight.dense_in_buffer`), then read as a dense weight.
