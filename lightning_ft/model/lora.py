@@ -67,7 +67,8 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         ValueError: a name in ``target_modules``, ``target_parameters`` or ``modules_to_save`` matches nothing in
             ``model`` (PEFT would drop it silently, or only warn, and train without that adapter), a
             ``target_modules`` string that is no regular expression or matches no module name (PEFT
-            would raise only after loading), or a ``target_parameters`` string.
+            would raise only after loading), or a ``target_parameters`` string; a ``modules_to_save`` module that
+            the targets also give LoRA (PEFT's all-linear on a router that ``moe.train_router`` trains in full).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -111,7 +112,15 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except TypeError as err:  # PEFT wrapped a module both as a LoRA target and as a trained copy
+        if "modules_to_save cannot be applied" not in str(err) or not modules_to_save:
+            raise
+        raise ValueError(
+            f"lora.modules_to_save={list(modules_to_save)} (moe.train_router adds the routers there): PEFT's lora.target_modules="
+            f"{lora['target_modules']} already puts LoRA on one of them ({err}); name the targets instead (e.g. lora=moe)"
+        ) from err
 
 
 def all_linear_targets(model: torch.nn.Module) -> str | list[str]:

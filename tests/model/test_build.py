@@ -254,3 +254,11 @@ def test_an_encoder_config_built_as_a_causal_lm_is_refused_unless_it_is_a_decode
     assert torch.equal(torch.random.get_rng_state(), state)  # the probe leaves the seeded random state alone
     assert load_causal_lm(None, init="random", config=config(model_type, is_decoder=True)).config.is_decoder
     assert load_causal_lm(None, init="random", config=config("gpt_neox")).config.is_decoder is False
+
+
+def test_a_router_trained_in_full_that_all_linear_also_targets_is_refused_by_key():
+    """moe.train_router puts the routers in lora.modules_to_save; PEFT's all-linear on Qwen3-MoE also gives the router
+    weight LoRA, and PEFT then fails with a TypeError deep in its wrapping: a ValueError naming both keys instead."""
+    with pytest.raises(ValueError, match=r"lora.modules_to_save=\['mlp.gate'\] \(moe.train_router adds the routers there\): "
+                                         r"PEFT's lora.target_modules=all-linear already puts LoRA on one of them .*e.g. lora=moe\)$"):
+        ModelBuilder(model=TINY_MODEL, lora={**LORA, "target_modules": "all-linear"}, moe={"train_router": True}, seed=0)(CPU)
