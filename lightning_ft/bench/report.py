@@ -45,11 +45,9 @@ This file is generated: `python -m lightning_ft bench report` rebuilds it and th
 [results.csv](results.csv), to which every GPU bench run appends its rows (see [README.md](README.md))."""
 
 
-VARIANT_SETTINGS = ("fp8", "moe=")  # settings that pick another path of one system: rows of each are kept apart
-
-
 def variant(row: dict[str, Any]) -> str:
-    """The row's settings among `VARIANT_SETTINGS` (e.g. ``"moe=triton fp8"``), "" for none."""
+    """The row's settings that pick another path of one system, whose rows are kept apart: ``fp8`` and ``moe=...``
+    (e.g. ``"moe=triton fp8"``), "" for none."""
     return " ".join(t for t in (row.get("settings") or "").split() if t == "fp8" or t.startswith("moe="))
 
 

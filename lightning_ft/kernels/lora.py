@@ -263,10 +263,10 @@ class _KeptLoRALinear(torch.autograd.Function):
                 ctx.input_grad.add(dy2, dh, lora_A.to(dtype), base_weight, weight_scale)
                 dtoken = torch.empty_like(token)
             if needs_x:  # each path cast back to x's dtype, then summed there (as autograd sums the two)
+                base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)
                 if weight_scale is not None and ctx.x_dtype == dtype:  # the thin product added in its GEMM's epilogue
-                    dx = fp8_input_grad(dy2, weight, weight_scale).to(dtype).addmm_(dh, lora_A.to(dtype))
+                    dx = base.addmm_(dh, lora_A.to(dtype))
                 else:
-                    base = dy2 @ weight.to(dtype) if weight_scale is None else fp8_input_grad(dy2, weight, weight_scale).to(dtype)
                     dx = base.to(ctx.x_dtype) + (dh @ lora_A.to(dtype)).to(ctx.x_dtype)
                 dx = dx.view(*dy.shape[:-1], -1)
         if needs_b:
