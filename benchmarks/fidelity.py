@@ -11,12 +11,14 @@ overrides plus each side's own, and compares:
   ``data.val_fraction``): relative difference at most ``--val-tol``.
 
 The same seed gives both runs the same initial weights (a random init is drawn before any conversion, and
-a checkpoint is the same file), the same adapter initialisation and the same batches. Usage (fp8 against
-bf16 and the fused 4-bit base against PEFT + bitsandbytes, 300 steps of GSM8K each):
+a checkpoint is the same file), the same adapter initialisation and the same batches. fp8 trains over its base
+weights rounded to e4m3: ``--e4m3-base`` loads that rounded base in both runs (`save_e4m3_base`), so that the
+reference starts from the weights the fp8 run holds. Usage (fp8 against bf16 and the fused 4-bit base against
+PEFT + bitsandbytes, 300 steps of GSM8K each):
 
     python benchmarks/fidelity.py --name fp8 --reference strategy.fp8=false --candidate strategy.fp8=true \\
-        --record benchmarks/fidelity.csv -- +experiment=llama3_8b data.path=../shared/data/gsm8k_train.jsonl \\
-        data.val_path=../shared/data/gsm8k_test.jsonl trainer.max_steps=300
+        --e4m3-base --record benchmarks/fidelity.csv -- +experiment=qwen3_0_6b data=jsonl \\
+        data.path=../shared/data/gsm8k_train.jsonl data.val_path=../shared/data/gsm8k_test.jsonl trainer.max_steps=300
     python benchmarks/fidelity.py --name qlora --reference kernels=none --candidate kernels=all \\
         --record benchmarks/fidelity.csv -- +experiment=qwen3_14b_qlora data.path=... data.val_path=... trainer.max_steps=300
 
@@ -108,6 +110,52 @@ def planned_config(overrides: list[str]) -> dict[str, Any]:
     return yaml.safe_load(proc.stdout)
 
 
+def save_e4m3_base(config: dict[str, Any], out: Path) -> list[str]:
+    """Save ``config``'s base model to ``out`` with the weight of each layer LoRA wraps rounded to its e4m3 value, as
+    ``strategy.fp8`` stores it (per-output-channel scales, `lightning_ft.kernels.fp8.quantize_weight`, dequantised to
+    ``model.dtype``); return the overrides that load it.
+
+    ``strategy.fp8`` trains over the rounded weights, so a bf16 reference on the unrounded ones starts from another
+    model. On a pretrained checkpoint the two are nearly the same function; on a random init they are two
+    different random networks, whose losses differ by more than fp8's arithmetic does. Loading this checkpoint in
+    both runs (``--e4m3-base``) starts them from the very same weights (converting a rounded weight gives the same
+    e4m3 values back), so the comparison measures the fp8 arithmetic alone. A random init is drawn with the
+    config's ``seed`` on the GPU where there is one, as ``fit`` draws it.
+
+    Returns:
+        ``model.name_or_path=<out>`` and ``model.init=pretrained``.
+    """
+    import torch
+
+    from lightning_ft.data.tokenization import load_tokenizer
+    from lightning_ft.kernels.fp8 import quantize_weight
+    from lightning_ft.model.build import load_causal_lm
+    from lightning_ft.model.lora import add_lora
+
+    cfg = config["model"]
+    tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg["name_or_path"])
+    torch.manual_seed(config.get("seed") or 0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = load_causal_lm(cfg.get("name_or_path"), init=cfg.get("init", "pretrained"), config=cfg.get("config"),
+                               dtype=cfg.get("dtype", "float32"), vocab_size=len(tokenizer),
+                               trust_remote_code=cfg.get("trust_remote_code", False))
+    model = add_lora(model, config["lora"])
+    rounded = 0
+    with torch.no_grad():
+        for module in model.modules():
+            base = getattr(module, "base_layer", None)
+            if type(base) is torch.nn.Linear:
+                values, scales = quantize_weight(base.weight)
+                base.weight.copy_((values.float() * scales[:, None]).to(base.weight.dtype))
+                rounded += 1
+    if not rounded:
+        raise ValueError("--e4m3-base: the config's LoRA wraps no nn.Linear, so strategy.fp8 would convert nothing")
+    model.unload().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"fidelity: {rounded} LoRA base weights rounded to e4m3, saved to {out}", flush=True)
+    return [f"model.name_or_path={out}", "model.init=pretrained"]
+
+
 def preflight(configs: dict[str, dict[str, Any]], window: int) -> None:
     """Refuse, before anything trains, a pair of runs that could not be compared: a side without validation data,
     different ``trainer.max_steps``, or fewer steps than one smoothing window.
@@ -174,6 +222,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=7200, help="seconds per run (default: %(default)s)")
     parser.add_argument("--work", default=None, help="folder of the two runs (default: a temporary one, deleted after)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--e4m3-base", action="store_true",
+                        help="load, in both runs, the base with its LoRA-wrapped weights rounded to e4m3 (save_e4m3_base; for fp8)")
     parser.add_argument("--record", default=None, help="append the figures as a row to this CSV (benchmarks/fidelity.csv)")
     parser.add_argument("common", nargs="*", help="overrides both runs take (after --)")
     args = parser.parse_args()
@@ -200,8 +250,11 @@ def main() -> None:
     date = datetime.now(timezone.utc)
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="fidelity_"))
     work.mkdir(parents=True, exist_ok=True)
+    common = args.common
     try:
-        result = check(args.common, sides["reference"], sides["candidate"], work, args.window,
+        if args.e4m3_base:
+            common = [*common, *save_e4m3_base(planned_config(common), work / "e4m3_base")]
+        result = check(common, sides["reference"], sides["candidate"], work, args.window,
                        args.every, args.curve_tol, args.val_tol, args.timeout)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
         # a temporary folder is kept then: the message names the failed run's log in it

@@ -144,3 +144,35 @@ def test_fidelity_refuses_runs_that_could_not_be_compared_before_training(tmp_pa
     )
     assert proc.returncode == 2 and f"fidelity.py: error: {message}" in proc.stderr, proc.stderr[-1500:]
     assert not (tmp_path / "runs").exists()
+
+
+def test_e4m3_base_rounds_the_lora_wrapped_weights_to_what_fp8_stores_and_nothing_else(tmp_path):
+    """``--e4m3-base``'s checkpoint: each LoRA-wrapped weight is its e4m3 value (converting it again gives the same
+    e4m3 bytes and scales, up to bf16's rounding of the dequantised value), the other weights are the random init's."""
+    import torch
+
+    from lightning_ft.data.tokenization import load_tokenizer
+    from lightning_ft.kernels.fp8 import quantize_weight
+    from lightning_ft.model.build import load_causal_lm
+
+    config = _script().planned_config(["model.dtype=bfloat16"])  # the default job: tiny Qwen3-MoE, q/k/v/o LoRA
+    overrides = _script().save_e4m3_base(config, tmp_path / "base")
+    assert overrides == [f"model.name_or_path={tmp_path / 'base'}", "model.init=pretrained"]
+    rounded = load_causal_lm(str(tmp_path / "base"), dtype="bfloat16")
+    torch.manual_seed(config["seed"])
+    cfg = config["model"]
+    initial = load_causal_lm(None, init="random", config=cfg["config"], dtype="bfloat16",
+                             vocab_size=len(load_tokenizer(cfg["tokenizer"])))
+    targets = set(config["lora"]["target_modules"])
+    changed = 0
+    for (name, w), (name0, w0) in zip(rounded.named_parameters(), initial.named_parameters(), strict=True):
+        assert name == name0
+        if name.split(".")[-2] in targets:
+            values, scales = quantize_weight(w0)
+            assert torch.equal(w, (values.float() * scales[:, None]).bfloat16()), name
+            again, scales_again = quantize_weight(w)
+            assert (again.float() != values.float()).float().mean() < 1e-3 and torch.allclose(scales_again, scales, rtol=1e-2)
+            changed += not torch.equal(w, w0)
+        else:
+            assert torch.equal(w, w0), name
+    assert changed == 4 * config["model"]["config"]["num_hidden_layers"]
