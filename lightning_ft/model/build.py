@@ -59,7 +59,7 @@ from lightning_ft.model.router import (
     load_balancing_loss_function,
     router_module_names,
 )
-from lightning_ft.model.support import architecture_support, fast_path_lines, tiny_config
+from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
 from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
@@ -155,7 +155,7 @@ def load_causal_lm(
             f"model {name_or_path or hf_config.model_type!r}: a {hf_config.model_type!r} config is not a causal LM "
             f"(transformers has no AutoModelForCausalLM class for it)"
         )
-    _check_causal(hf_config, trust_remote_code)
+    _check_causal(hf_config)
     if vocab_size is not None:
         if init == "random" and "vocab_size" not in overrides and not name_or_path:
             hf_config.vocab_size = -(-vocab_size // 64) * 64
@@ -195,36 +195,19 @@ def load_causal_lm(
     return model
 
 
-def _check_causal(hf_config: Any, trust_remote_code: bool) -> None:
+def _check_causal(hf_config: Any) -> None:
     """Refuse a config that declares ``is_decoder=False`` (BERT's family: its causal LM class is an encoder then) where
-    a model built from it lets a token see later ones: training on the next token would read the answer (the loss
-    falls towards zero; transformers only warns). Probed on `lightning_ft.model.support.tiny_config` of the config,
-    on the CPU with the random state kept: whether changing the last token changes earlier logits. Configs whose
-    models are causal whatever the flag (GPT-NeoX; BART's causal LM sets it) pass; a probe that cannot run checks
-    nothing.
+    a model built from it lets a token see later ones (`lightning_ft.model.support.ArchitectureSupport.causal`, probed
+    on a tiny copy with the random state kept): training on the next token would read the answer (the loss falls
+    towards zero; transformers only warns). Configs whose models are causal whatever the flag (GPT-NeoX; BART's causal
+    LM sets it) pass; a tiny copy that does not build checks nothing.
 
     Raises:
         ValueError: naming ``model.config.is_decoder`` and the fix.
     """
-    from transformers import AutoModelForCausalLM
-
     if "is_decoder" not in hf_config.to_dict() or hf_config.is_decoder is not False:
         return
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-            torch.manual_seed(0)
-            probe = AutoModelForCausalLM.from_config(tiny_config(hf_config), trust_remote_code=trust_remote_code).eval()
-            vocab = probe.config.vocab_size
-            ids = torch.arange(1, 7)[None] % vocab
-            changed = ids.clone()
-            changed[0, -1] = (ids[0, -1] + 1) % vocab
-            with torch.no_grad():
-                before, after = probe(input_ids=ids).logits[0, :-1], probe(input_ids=changed).logits[0, :-1]
-            # float noise is ~1e-7 of the logits (fp32); a later token's reach through tiny random weights ~1e-3
-            sees_later = bool((before - after).abs().max() > 1e-5 * before.abs().max())
-    except Exception:  # noqa: BLE001 - a config the probe cannot shrink or run: nothing known
-        return
-    if sees_later:
+    if architecture_support(hf_config).causal is not None:
         raise ValueError(
             f"model.config.is_decoder is false (the default of {hf_config.model_type!r} configs): the model then lets "
             "each token see the later ones, so training on the next token would read the answer; set it on the command "
@@ -286,16 +269,21 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
 
 
 def _moe_backend(requested: str, device: torch.device, quantization: str, execution: Execution, lora: dict[str, Any]) -> str:
-    """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format only ``triton``
-    reads: ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on dense experts, on a device Triton runs on.
+    """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format ``triton`` reads:
+    ``model.quantization=mxfp4`` (only ``triton`` reads it), or ``strategy.fp8`` with LoRA on dense experts
+    (`_fp8_experts`; ``grouped_mm`` reads them too, when asked for), on a device Triton runs on.
     Otherwise as given (``auto`` then resolves by the hardware, `lightning_ft.kernels.moe.select_backend`; nf4's
     experts resolve ``auto`` after loading: `nf4_experts_backend`)."""
-    fp8_experts = execution.fp8 and quantization == "none" and bool(lora.get("target_parameters"))
-    held = "mxfp4" if quantization == "mxfp4" else "fp8" if fp8_experts else None
+    held = "mxfp4" if quantization == "mxfp4" else "fp8" if _fp8_experts(execution, quantization, lora) else None
     if requested != "auto" or held is None or not (device.type == "cuda" or (INTERPRETER and device.type == "cpu")):
         return requested
-    rank_zero_info(f"moe: backend auto -> triton, the backend that reads {held} experts")
+    rank_zero_info(f"moe: backend auto -> triton, which reads {held} experts")
     return "triton"
+
+
+def _fp8_experts(execution: Execution, quantization: str, lora: dict[str, Any]) -> bool:
+    """Whether ``strategy.fp8`` will hold the MoE experts in e4m3: dense experts (no 4-bit or MXFP4 base) with LoRA."""
+    return execution.fp8 and quantization == "none" and bool(lora.get("target_parameters"))
 
 
 def _quant_method(hf_config: Any) -> str | None:
@@ -641,7 +629,8 @@ class ModelBuilder:
         if moe_backend != "hf":
             backend = apply_moe(model, backend=moe_backend)
             rank_zero_info(f"moe: {backend} experts backend")
-            lora_slots = backend == "grouped_mm" and self.moe_cfg.get("lora_slots", True) and not sharded
+            lora_slots = backend == "grouped_mm" and self.moe_cfg.get("lora_slots", True) and not sharded \
+                and not _fp8_experts(execution, quantization, self.lora_cfg)  # e4m3 experts have no slots
             if lora_slots and (augmented := augment_expert_weights(model)):
                 rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)

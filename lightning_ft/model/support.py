@@ -17,7 +17,9 @@ shortcuts compute what its own code computes:
 architecture (`tiny_config`: the config's structure with small sizes, each distinct layer type
 kept, sliding windows and key-compression rates shrunk to 2 tokens so they act on the probe) with random fp32 weights on the
 CPU, runs two documents packed and each alone, and compares with transformers' own eager
-implementation (atol 1e-5). A few hundred milliseconds, once per architecture and process. Where
+implementation (atol 1e-5). The same copy tells whether the model is causal: whether changing a
+document's last token changes its earlier logits (BERT's family built with ``is_decoder=False``
+is not; `lightning_ft.model.build` refuses it). A few hundred milliseconds, once per architecture and process. Where
 the tiny copy cannot be built, both answers are no: the model trains as transformers computes it.
 Without packing the rows run padded (`lightning_ft.data.packing.PackedBatch.padded_rows`) through
 the model's stock attention.
@@ -56,10 +58,12 @@ _ATOL = 1e-5
 
 @dataclass(frozen=True)
 class ArchitectureSupport:
-    """Whether an architecture takes packed rows and the chunked CE; each ``None`` where it does, else why not."""
+    """Whether an architecture takes packed rows and the chunked CE, and whether it is causal; each ``None`` where it
+    does (is), else why not. ``causal`` is None also where the tiny copy could not tell (it did not build)."""
 
     packing: str | None
     plain_head: str | None
+    causal: str | None = None
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -232,7 +236,19 @@ def _probe(config: Any) -> ArchitectureSupport:
         plain = all(torch.allclose(head(h), out, atol=_ATOL, rtol=0) for h, out in zip(alone, logits))
         plain_head = None if plain else "the model changes its logits after the LM head (e.g. logit softcapping or scaling)"
         packing = _packing_differs(stock, alone, collate_packed([(d[0].tolist(),) * 2 for d in docs]), register_packed_attention())
-    return ArchitectureSupport(packing, plain_head)
+        causal = _later_token_seen(stock, docs[1], logits[1])
+    return ArchitectureSupport(packing, plain_head, causal)
+
+
+def _later_token_seen(stock: torch.nn.Module, ids: torch.Tensor, logits: torch.Tensor) -> str | None:
+    """Why ``stock`` is not causal (changing the last of ``ids`` changes the earlier ``logits``), or None."""
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % stock.config.vocab_size
+    before, after = logits[0, :-1], stock(input_ids=changed, use_cache=False).logits[0, :-1]
+    # float noise is ~1e-7 of the logits (fp32); a later token's reach through tiny random weights ~1e-3
+    if (before - after).abs().max() > 1e-5 * before.abs().max():
+        return "each token sees the later ones (changing the last token changes the earlier logits)"
+    return None
 
 
 def _packing_differs(stock: torch.nn.Module, alone: list[torch.Tensor], batch: Any, attention: str) -> str | None:

@@ -32,9 +32,10 @@ e4m3 with one fp32 scale per expert (`lightning_ft.kernels.fp8.Fp8ExpertWeight` 
 the experts module as the frozen parameters ``<name>_fp8`` (uint8 [E, N, C]) and ``<name>_fp8_scale`` (int32 bits
 of fp32 [E]); the dense parameter
 stays as a placeholder of its shape and dtype (a zero-stride view of one element, as PEFT reads them; nothing
-computes with it). The ``triton`` MoE backend reads them (`fp8_expert_weight`) in its grouped GEMM's fp8 path
-(`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`), the only backend that does (eager or replayed from CUDA
-graphs): elsewhere the experts stay in bf16 (`fp8_experts_blocker` says why). ``export --merge`` builds
+computes with it). The ``triton`` and ``grouped_mm`` MoE backends read them (`fp8_expert_weight`) in our grouped
+GEMM's fp8 path (`lightning_ft.kernels.moe.grouped_gemm.grouped_gemm`; ``grouped_mm`` around it keeps its
+orchestration: kept activations, fused thin LoRA products, no LoRA slots), eager or replayed from CUDA graphs:
+with ``hf`` or ``native_torch`` the experts stay in bf16 (`fp8_experts_blocker` says why). ``export --merge`` builds
 the bf16 base again, so the adapter is merged into the weights the fp8 ones were quantised from, as for the
 linear layers.
 
@@ -184,9 +185,9 @@ def fp8_expert_weight(experts: torch.nn.Module, name: str) -> Fp8ExpertWeight | 
 
 def fp8_experts_blocker(backend: str) -> str | None:
     """Why the MoE experts under LoRA cannot be held in fp8 with this ``moe.backend`` (resolved), naming the setting
-    that would allow it; None where they can (``triton``, with or without CUDA graphs)."""
-    if backend != "triton":
-        return f"only moe.backend=triton reads fp8 experts (moe.backend={backend}): set moe.backend=triton"
+    that would allow it; None where they can (``triton`` or ``grouped_mm``, with or without CUDA graphs)."""
+    if backend not in ("triton", "grouped_mm"):
+        return f"only moe.backend=triton or grouped_mm reads fp8 experts (moe.backend={backend}): set moe.backend=triton"
     return None
 
 

@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from lightning_ft.kernels.moe import BACKENDS, grouped_mm
 from lightning_ft.strategies import kept
-from lightning_ft.model.moe import apply_moe, augment_expert_weights, revert_moe
+from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8, revert_moe
 from lightning_ft.model.patching import PATCH_TABLES, moe_classes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -376,19 +376,24 @@ def test_lora_slots_hold_each_backward_s_own_factors(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("augmented", [False, True], ids=["plain", "lora_slots"])
-def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(augmented, dtype, device, monkeypatch):
+@pytest.mark.parametrize(("weights", "dtype"), [
+    ("plain", torch.float32), ("plain", torch.bfloat16), ("lora_slots", torch.float32), ("lora_slots", torch.bfloat16),
+    ("fp8", torch.bfloat16),
+])  # fmt: skip
+def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(weights, dtype, device, monkeypatch):
     """What the CUDA graphs do with kept ``projections``: a forward (no grad) keeps the gate/up output
     and its thin LoRA product (the first forward's become the buffers, a later one computes into
     them); the recompute takes them, runs no gate/up GEMM and no gather of the tokens, and gives the
     plain block's output, input gradient and every LoRA gradient (the same kernels on the same inputs),
-    with and without LoRA slots in the expert weights (`augment_expert_weights`).
+    with and without LoRA slots in the expert weights (`augment_expert_weights`), and with the experts in fp8
+    (`convert_experts_to_fp8`: the base products on our grouped GEMM's fp8 path).
     Sizes are multiples of 16 bytes in bf16 (else grouped_mm falls back to the native loop)."""
     block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24).to(dtype)
     apply_moe(block, "grouped_mm")
-    if augmented:
+    if weights == "lora_slots":
         assert augment_expert_weights(block) == 2
+    if weights == "fp8":
+        assert convert_experts_to_fp8(block) == (2, None)
     x = torch.rand(3, 10, 40, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     want_out, want_dx, want_grads = _block_step(block, x, grad)
@@ -403,15 +408,18 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(augmented, dtype, d
     assert keep.kept[0][0] is h_SF and keep.kept[0][1] is xa_SR
     assert h_SF.shape == (3 * 10 * 2, 2 * 24) and xa_SR.shape[0] == 60  # S = T * top_k rows, [gate | up]
     assert keep.nbytes == h_SF.nbytes + xa_SR.nbytes
-    weights, permuted = [], []
-    real, real_permute = grouped_mm._GROUPED_MM, grouped_mm.permute_tokens
-    monkeypatch.setattr(grouped_mm, "_GROUPED_MM", lambda a, b, **kw: weights.append(tuple(b.shape)) or real(a, b, **kw))
+    shapes, permuted = [], []
+    real, real_permute, real_base = grouped_mm._GROUPED_MM, grouped_mm.permute_tokens, grouped_mm._base_product
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM", lambda a, b, **kw: shapes.append(tuple(b.shape)) or real(a, b, **kw))
     monkeypatch.setattr(grouped_mm, "permute_tokens", lambda *args, **kw: permuted.append(args) or real_permute(*args, **kw))
+    if weights == "fp8":  # the base products run on the fp8 path: seen as [E, C, N] too
+        monkeypatch.setattr(grouped_mm, "_base_product",
+                            lambda x, w, *a: shapes.append(tuple(w.shape[:1]) + tuple(w.shape[:0:-1])) or real_base(x, w, *a))
     with kept.keeping(keep, recompute=True):
         got_out, got_dx, got_grads = _block_step(block, x, grad)
     # no gate/up GEMM ([E, D (+ slots), 2I]); down's ran
-    assert not [shape for shape in weights if len(shape) == 3 and shape[1] >= 40 and shape[2] == 48], weights
-    assert [shape for shape in weights if len(shape) == 3 and shape[1] in range(24, 33) and shape[2] == 40], weights
+    assert not [shape for shape in shapes if len(shape) == 3 and shape[1] >= 40 and shape[2] == 48], shapes
+    assert [shape for shape in shapes if len(shape) == 3 and shape[1] in range(24, 33) and shape[2] == 40], shapes
     assert not permuted  # x is read through the routing: no [S, D] copy of the tokens
     exact = dict(rtol=0, atol=0)
     torch.testing.assert_close(forward_out, want_out, **exact)

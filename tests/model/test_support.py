@@ -31,6 +31,15 @@ def test_each_architecture_is_checked_on_a_tiny_copy(model_type, packing, plain_
     support = architecture_support(AutoConfig.for_model(model_type))
     for got, expected in ((support.packing, packing), (support.plain_head, plain_head)):
         assert got is None if expected is None else got is not None and re.match(expected, got)
+    assert support.causal is None
+
+
+@pytest.mark.parametrize(("model_type", "causal"), [("bert", False), ("roberta", False), ("gpt_neox", True)])
+def test_a_config_built_as_an_encoder_is_found_not_causal(model_type, causal):
+    """``is_decoder=False`` (the config's default) builds BERT's family as an encoder; GPT-NeoX is causal whatever it says."""
+    support = architecture_support(AutoConfig.for_model(model_type, is_decoder=False))
+    assert support.causal is None if causal else support.causal.startswith("each token sees the later ones")
+    assert architecture_support(AutoConfig.for_model(model_type, is_decoder=True)).causal is None
 
 
 def test_the_check_leaves_every_generator_as_it_was(monkeypatch):

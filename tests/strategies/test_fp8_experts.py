@@ -1,4 +1,4 @@
-"""fp8 MoE experts (strategy.fp8 on the triton MoE backend): conversion, a training step against bf16, plain PEFT
+"""fp8 MoE experts (strategy.fp8 on the triton and grouped_mm MoE backends): conversion, a training step against bf16, plain PEFT
 adapters, where the experts stay in bf16 and why, `moe.backend=auto`.
 
     python -m pytest -q tests/strategies/test_fp8_experts.py            (CPU, Triton interpreted)
@@ -70,8 +70,9 @@ def _assert_close_step(step, reference, grad_bound=0.08):
         assert torch.isfinite(grad).all() and _rel(grad, grads_ref[name]) < grad_bound, name
 
 
-def test_training_step_over_fp8_experts_matches_bf16_and_the_adapter_is_plain_peft(tmp_path):
-    model = _build()
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_training_step_over_fp8_experts_matches_bf16_and_the_adapter_is_plain_peft(tmp_path, backend):
+    model = _build(backend)
     logits_ref, loss_ref, grads_ref = _step(model)
     gate_up = _experts(model).gate_up_proj.detach().clone()
     assert convert_experts_to_fp8(model) == (EXPERT_WEIGHTS, None)
@@ -128,24 +129,26 @@ def test_gpt_oss_experts_transposed_with_biases_in_fp8():
         assert _rel(grad, reference_lora[name]) < 0.10, name
 
 
-def test_the_builder_converts_the_experts_under_strategy_fp8_and_logs_it(monkeypatch, caplog):
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_the_builder_converts_the_experts_under_strategy_fp8_and_logs_it(monkeypatch, caplog, backend):
     """ModelBuilder with strategy.fp8 (its device check passed by hand: the CPU has no fp8 GEMMs): the linear
-    layers under LoRA and the experts under LoRA in fp8, each count logged."""
+    layers under LoRA and the experts under LoRA in fp8, each count logged; grouped_mm lays out no LoRA slots for them."""
     import lightning_ft.model.build as build
 
     monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
     caplog.set_level(logging.INFO)
-    model = _build(execution=Execution(fp8=True))
+    model = _build(backend, execution=Execution(fp8=True))
     assert "fp8: 6 frozen LoRA base weights in e4m3" in caplog.text  # q/v/o of 2 layers
     assert f"fp8: {EXPERT_WEIGHTS} frozen expert weights under LoRA in e4m3" in caplog.text
+    assert f"moe: {backend} experts backend" in caplog.text and "spare rows and columns" not in caplog.text
     assert all(fp8_expert_weight(_experts(model, i), n) is not None for i in (0, 1) for n in ("gate_up_proj", "down_proj"))
 
 
-def test_fp8_experts_stay_in_bf16_off_the_triton_backend_saying_why(monkeypatch, caplog):
+def test_fp8_experts_stay_in_bf16_off_the_triton_and_grouped_mm_backends_saying_why(monkeypatch, caplog):
     for backend in ("hf", "native_torch"):
         model = _build(backend=backend)
-        assert convert_experts_to_fp8(model) == (0, f"only moe.backend=triton reads fp8 experts (moe.backend={backend}): "
-                                                    "set moe.backend=triton")
+        assert convert_experts_to_fp8(model) == (0, f"only moe.backend=triton or grouped_mm reads fp8 experts "
+                                                    f"(moe.backend={backend}): set moe.backend=triton")
         assert fp8_expert_weight(_experts(model), "gate_up_proj") is None
     import lightning_ft.model.build as build
 
@@ -153,19 +156,19 @@ def test_fp8_experts_stay_in_bf16_off_the_triton_backend_saying_why(monkeypatch,
     caplog.set_level(logging.INFO)
     model = _build(backend="native_torch", execution=Execution(fp8=True))  # the builder logs it and goes on
     assert "fp8: 6 frozen LoRA base weights in e4m3" in caplog.text
-    assert "fp8: the MoE experts stay in bfloat16: only moe.backend=triton reads fp8 experts" in caplog.text
+    assert "fp8: the MoE experts stay in bfloat16: only moe.backend=triton or grouped_mm reads fp8 experts" in caplog.text
     assert fp8_expert_weight(_experts(model), "down_proj") is None
 
 
 def test_moe_backend_auto_is_triton_where_the_experts_are_held_in_fp8(monkeypatch, caplog):
-    """``moe.backend=auto`` (the MoE experiments') takes the one backend that reads fp8 experts, logged; without LoRA on
+    """``moe.backend=auto`` (the MoE experiments') takes the triton backend for fp8 experts, logged; without LoRA on
     the experts, auto resolves by the hardware as before; CUDA graphs replay the fp8 experts too."""
     import lightning_ft.model.build as build
 
     monkeypatch.setattr(build, "check_fp8_device", lambda device: None)
     caplog.set_level(logging.INFO)
     model = _build(backend="auto", execution=Execution(fp8=True))
-    assert "moe: backend auto -> triton, the backend that reads fp8 experts" in caplog.text
+    assert "moe: backend auto -> triton, which reads fp8 experts" in caplog.text
     assert f"fp8: {EXPERT_WEIGHTS} frozen expert weights under LoRA in e4m3" in caplog.text
     assert fp8_expert_weight(_experts(model, 1), "gate_up_proj") is not None
     cpu = torch.device("cpu")
@@ -175,23 +178,25 @@ def test_moe_backend_auto_is_triton_where_the_experts_are_held_in_fp8(monkeypatc
     assert build._moe_backend("grouped_mm", cpu, "none", Execution(fp8=True), LORA_MOE) == "grouped_mm"  # as asked
 
 
-def test_fp8_expert_weights_are_refused_by_the_other_backends():
+def test_fp8_expert_weights_are_refused_by_native_torch():
     model = _build()
     convert_experts_to_fp8(model)
     experts = _experts(model)
     x = torch.randn(4, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fp8 expert weights run on the triton MoE backend only, not native_torch"):
+    with pytest.raises(ValueError, match="fp8 expert weights run on the triton and grouped_mm MoE backends, not native_torch: "
+                                         "set moe.backend=triton"):
         moe_experts(x, torch.ones(4, 1), None, fp8_expert_weight(experts, "gate_up_proj"), experts.down_proj, torch.nn.SiLU(),
                     backend="native_torch")
 
 
 @pytest.mark.gpu
-def test_fp8_experts_training_step_on_hopper():
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_fp8_experts_training_step_on_hopper(backend):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs sm90+ (row-wise torch._scaled_mm)")
     with torch.device("cuda"):  # built where it runs, as Lightning's configure_model does
-        model = _build(device="cuda", execution=Execution(fp8=True))
-        reference = _build(device="cuda")
+        model = _build(backend, device="cuda", execution=Execution(fp8=True))
+        reference = _build(backend, device="cuda")
     assert convert_to_fp8(reference) == 6  # q/v/o of 2 layers, as in the fp8 build: only the experts differ
     assert sum(fp8_expert_weight(_experts(model, i), n) is not None for i in (0, 1) for n in ("gate_up_proj", "down_proj")) == 4
     # on an H100 the largest LoRA gradient difference was 9.0% (layer 1's experts' B): the fp8 linear layers and

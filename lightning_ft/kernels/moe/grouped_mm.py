@@ -18,8 +18,12 @@
   dtype (bf16 on sm90/sm100 in torch 2.10's sources); elsewhere torch itself loops over a host copy
   of ``offs``.
 
+Frozen fp8 expert weights (`lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``) run the same
+orchestration (kept activations, the thin LoRA products and their fused gathers) with the base products on our
+grouped GEMM's fp8 path instead (`_base_product`, `_base_input_grad`); they have no LoRA slots.
+
 Math, shapes and split LoRA: `lightning_ft.kernels.moe._common`; the plain-torch reference of the
-backend is ``native_torch``, which also runs where grouped_mm cannot.
+backend is ``native_torch``, which also runs where grouped_mm cannot (not over fp8 weights: refused there).
 
 Sources: ``torch._grouped_mm`` stride rules (``GroupedMMUtils.h``).
 """
@@ -36,6 +40,7 @@ import triton
 import triton.testing
 
 from lightning_ft.kernels._utils import row_padded, triton_can_run
+from lightning_ft.kernels.fp8 import Fp8ExpertWeight
 from lightning_ft.kernels.moe._common import (
     _INTERPRET,
     ExpertBiases,
@@ -45,7 +50,7 @@ from lightning_ft.kernels.moe._common import (
     _refuse_host_sync_in_capture,
     _swiglu,
 )
-from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
+from lightning_ft.kernels.moe.grouped_gemm import _base_rows, _saved_weight, _weight_of, grouped_gemm, grouped_wgrad
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import permute_tokens, sum_pairs, unpermute_tokens, unread_output
 
@@ -342,7 +347,7 @@ class _GroupedMMLinear(torch.autograd.Function):
                 lambda: _GROUPED_MM(x_SC, a_ERC.transpose(1, 2), offs=offsets_E),
                 lambda: grouped_gemm(x_SC, a_ERC.transpose(1, 2), offsets_E, x_SC.shape[0]),
             ).mul_(scaling)
-        ctx.save_for_backward(x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E)
+        ctx.save_for_backward(x_SC, *_saved_weight(ctx, w_ENC), a_ERC, b_ENR, xa_SR, offsets_E)
         if not compute_output:
             return x_SC.new_empty(x_SC.shape[0], w_ENC.shape[1])
         x_aug = _padded_rows(x_SC, a_ERC.shape[1]) if w_aug is not None else None
@@ -352,8 +357,7 @@ class _GroupedMMLinear(torch.autograd.Function):
             w_aug[:, :n_dim, c_dim:].copy_(b_ENR)  # B's slot, filled where it is read
             y_SN = _GROUPED_MM(x_aug, w_aug[:, :n_dim].transpose(1, 2), offs=offsets_E)  # no out=: ``store`` copies
         else:
-            w_ECN = w_ENC.transpose(1, 2)
-            y_SN = _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
+            y_SN = _base_product(x_SC, w_ENC, offsets_E, copy_weights)
             if xa_SR is not None:  # B as [E, R, N]: a view (the Triton kernel takes any strides)
                 y_SN = _add_thin_grouped(y_SN, xa_SR, b_ENR.transpose(1, 2), offsets_E, dest_SN=dest_y_SN)
         if store is not None:
@@ -365,7 +369,7 @@ class _GroupedMMLinear(torch.autograd.Function):
         x_SC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E = ctx.saved_tensors
         dyb_SR = ctx.handoff.take(dy_SN) if ctx.handoff is not None else None
         grads = _grouped_mm_linear_backward(
-            dy_SN, x_SC, None, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
+            dy_SN, x_SC, None, _weight_of(ctx, w_ENC), a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
             ctx.needs_input_grad[:4], ctx.w_aug, dyb_SR,
         )  # fmt: skip
         return *grads, None, None, None, None, None, None, None, None, None
@@ -391,14 +395,14 @@ class _KeptGroupedMMLinear(torch.autograd.Function):
         inv_pair_S, top_k, w_aug,
     ):  # fmt: skip
         ctx.scaling, ctx.copy_weights, ctx.top_k, ctx.w_aug = scaling, copy_weights, top_k, w_aug
-        ctx.save_for_backward(x_TC, w_ENC, a_ERC, b_ENR, kept_xa_SR, offsets_E, token_idx_S, inv_pair_S)
+        ctx.save_for_backward(x_TC, *_saved_weight(ctx, w_ENC), a_ERC, b_ENR, kept_xa_SR, offsets_E, token_idx_S, inv_pair_S)
         return kept_y_SN.view_as(kept_y_SN)
 
     @staticmethod
     def backward(ctx, dy_SN):
         x_TC, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, token_idx_S, inv_pair_S = ctx.saved_tensors
         dx_SC, dw_ENC, da_ERC, db_ENR = _grouped_mm_linear_backward(
-            dy_SN, x_TC, token_idx_S, w_ENC, a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
+            dy_SN, x_TC, token_idx_S, _weight_of(ctx, w_ENC), a_ERC, b_ENR, xa_SR, offsets_E, ctx.scaling, ctx.copy_weights,
             ctx.needs_input_grad[:4], ctx.w_aug,
         )  # fmt: skip
         dx_TC = sum_pairs(dx_SC, inv_pair_S, ctx.top_k) if dx_SC is not None else None
@@ -422,9 +426,7 @@ def _grouped_mm_linear_backward(
     x_SC = functools.cache(lambda: x.index_select(0, token_idx_S) if gathered else x)
 
     if needs_x and dy_aug is None:
-        # in "copies" mode, the layout the probe found correct: a view of the contiguous [E, C, N]
-        w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
-        dx_SC = _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
+        dx_SC = _base_input_grad(dy_SN, w_ENC, offsets_E, copy_weights)
     if a_ERC is not None and (needs_x or needs_a):
         if dyb_SR is None:
             dyb_SR = _thin_product(  # s dy B_e: [S, R]
@@ -456,6 +458,26 @@ def _grouped_mm_linear_backward(
     if needs_w:  # full fine-tuning of the experts
         dw_ENC = _GROUPED_MM(dy_SN.t(), x_SC(), offs=offsets_E)
     return dx_SC, dw_ENC, da_ERC, db_ENR
+
+
+def _base_product(x_SC, w_ENC, offsets_E, copy_weights) -> torch.Tensor:
+    """x_SC W_e^T [S, N] on expert-sorted rows: grouped_mm over the dense weight's transposed view (in "copies" mode,
+    the contiguous copy the probe found correct), or for an `Fp8ExpertWeight` our grouped GEMM's fp8 path over x's
+    rows in e4m3 (`grouped_gemm._base_rows`: one quantisation pass)."""
+    if isinstance(w_ENC, Fp8ExpertWeight):
+        x_base, x_scale = _base_rows(x_SC, w_ENC)
+        return grouped_gemm(x_base, w_ENC.transpose(1, 2), offsets_E, x_SC.shape[0], src_scale=x_scale)
+    w_ECN = w_ENC.transpose(1, 2)
+    return _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
+
+
+def _base_input_grad(dy_SN, w_ENC, offsets_E, copy_weights) -> torch.Tensor:
+    """dy_SN W_e [S, C]: grouped_mm (in "copies" mode over a view of the contiguous [E, C, N]), or for an
+    `Fp8ExpertWeight` our grouped GEMM with the e4m3 weight widened in its tiles (dy as it is: see `grouped_gemm`)."""
+    if isinstance(w_ENC, Fp8ExpertWeight):
+        return grouped_gemm(dy_SN, w_ENC, offsets_E, dy_SN.shape[0])
+    w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
+    return _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
 
 
 def padded_rank(rank: int, dtype: torch.dtype) -> int:
@@ -645,7 +667,13 @@ def experts_grouped_mm(
     dtype = x_TD.dtype
     mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
-    if mode == "unsupported" or not _grouped_mm_aligned(dtype, sizes, (w_gate_up_EFD, w_down_EDI)):
+    dense = tuple(w for w in (w_gate_up_EFD, w_down_EDI) if not isinstance(w, Fp8ExpertWeight))
+    if mode == "unsupported" or not _grouped_mm_aligned(dtype, sizes, dense):
+        if len(dense) < 2:  # native_torch computes over dense weights only
+            raise ValueError(
+                f"fp8 experts of sizes {sizes} at {dtype} on {x_TD.device.type}: grouped_mm cannot run them here (mode "
+                f"{mode}, sizes must be multiples of 16 bytes): set moe.backend=triton"
+            )
         _log_once(
             f"grouped_mm-fallback-{x_TD.device.type}-{dtype}-{sizes}",
             logging.WARNING,
