@@ -320,7 +320,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
     """The run's model as ``fit`` builds it (`ModelBuilder`, same config and seed) with stock transformers
     modules: no kernel or MoE patch, no CUDA graphs or gradient checkpointing, transformers' SDPA attention;
     ``model.quantization=mxfp4``'s experts dequantised (the values the run trained over), and ``nf4``'s where the
-    run kept them in NF4 (``moe.backend=triton``, or ``auto`` on CUDA: `nf4_experts_backend`; how many:
+    run kept them in NF4 (``moe.backend=triton`` or ``grouped_mm``, or ``auto`` on CUDA: `holds_nf4_experts`; how many:
     ``BuiltModel.nf4_experts_dequantized``).
 
     Args:
@@ -330,7 +330,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
     import torch
 
     from lightning_ft.config import MOVED_KEYS
-    from lightning_ft.model.build import ModelBuilder, nf4_experts_backend
+    from lightning_ft.model.build import ModelBuilder, holds_nf4_experts, nf4_experts_backend
     from lightning_ft.strategies.strategy import Execution
 
     stock = {"gradient_checkpointing": False, "attention": "sdpa"}  # and no CUDA graphs (the strategy's cuda_graphs=false)
@@ -344,7 +344,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         seed=cfg.get("seed"),
         execution=Execution(cuda_graphs=False),
         dense_experts=True,  # model.quantization=mxfp4 or nf4: the stock experts read dense weights
-        experts_in_nf4=nf4_experts_backend(cfg.get("moe.backend") or "hf", on_cuda) == "triton",  # as the run held them
+        experts_in_nf4=holds_nf4_experts(nf4_experts_backend(cfg.get("moe.backend") or "hf", on_cuda)),  # as the run held them
     )
     return builder(device=torch.device(device))
 

@@ -64,7 +64,7 @@ from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda
 from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
 
-__all__ = ["BuiltModel", "ModelBuilder", "load_causal_lm", "nf4_experts_backend"]
+__all__ = ["BuiltModel", "ModelBuilder", "holds_nf4_experts", "load_causal_lm", "nf4_experts_backend"]
 
 
 #: model.init
@@ -244,9 +244,15 @@ def nf4_experts_backend(requested: str, on_cuda: bool) -> str:
     return "triton" if requested == "auto" and on_cuda else requested
 
 
+def holds_nf4_experts(backend: str) -> bool:
+    """Whether the MoE ``backend`` (resolved by `nf4_experts_backend`) reads NF4 experts (``triton`` and ``grouped_mm``
+    do); with another a ``model.quantization=nf4`` run keeps its experts in ``model.dtype``."""
+    return backend in ("triton", "grouped_mm")
+
+
 def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dtype: str, device: torch.device) -> str:
     """``model.quantization=nf4`` on an MoE model: its experts quantised to NF4 where ``keep`` says (None: where the
-    backend, ``auto`` resolved by `nf4_experts_backend`, is ``triton``; `lightning_ft.model.nf4_experts`), the count
+    backend, ``auto`` resolved by `nf4_experts_backend`, reads them: `holds_nf4_experts`; `lightning_ft.model.nf4_experts`), the count
     and bytes logged; else left in ``dtype``, logged where ``keep`` is None (a training run's choice). Returns the
     MoE backend to apply."""
     if not nf4_experts.experts_modules(model):
@@ -254,7 +260,7 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
     if keep is None and moe_backend != (backend := nf4_experts_backend(moe_backend, device.type == "cuda")):
         rank_zero_info(f"moe: backend {moe_backend} -> {backend}, the backend that reads NF4 experts")
         moe_backend = backend
-    if keep or (keep is None and moe_backend == "triton"):
+    if keep or (keep is None and holds_nf4_experts(moe_backend)):
         after = nf4_experts.quantize_experts(model)  # those a checkpoint's load did not quantise (a random init's)
         count = sum(nf4_experts.nf4_weight(e, n) is not None for e in nf4_experts.experts_modules(model)
                     for n in ("gate_up_proj", "down_proj"))
@@ -263,7 +269,7 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
                            f"{_bytes_held(*nf4_experts.experts_bytes(model))}")
     elif keep is None:
         why = "takes triton, which keeps them in NF4 too, on CUDA only" if moe_backend == "auto" else \
-            "reads dense weights (moe.backend=triton keeps them in NF4 too)"
+            "reads dense weights (moe.backend=triton or grouped_mm keeps them in NF4 too)"
         rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} {why}")
     return moe_backend
 
@@ -502,8 +508,8 @@ class ModelBuilder:
             of ``export``, not for training. ``model.quantization=nf4``'s NF4 experts likewise
             (`lightning_ft.model.nf4_experts.dequantize_experts`).
         experts_in_nf4: with ``model.quantization=nf4``, quantise the MoE experts to NF4 too
-            (`lightning_ft.model.nf4_experts`); None: where ``moe.backend=triton`` (the backend that reads them; with
-            another the experts stay in ``model.dtype``, logged). ``export`` passes what the run's backend made.
+            (`lightning_ft.model.nf4_experts`); None: where the backend reads them (`holds_nf4_experts`: ``triton``,
+            ``grouped_mm``; with another the experts stay in ``model.dtype``, logged). ``export`` passes what the run's backend made.
 
     Raises:
         ValueError: ``model`` has a key the strategy owns now (`lightning_ft.config.MOVED_KEYS`), naming its new key.
@@ -575,7 +581,7 @@ class ModelBuilder:
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
             torch.manual_seed(self.seed)  # every device's generator: the base does not depend on what drew before
         experts_in_nf4 = self.experts_in_nf4 if self.experts_in_nf4 is not None else \
-            nf4_experts_backend(moe_backend, device.type == "cuda") == "triton"
+            holds_nf4_experts(nf4_experts_backend(moe_backend, device.type == "cuda"))
         model = load_causal_lm(
             cfg.get("name_or_path"),
             init=cfg.get("init", "pretrained"),

@@ -130,7 +130,7 @@ def _expert_math(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, 
     """(w_gate_up_EFD, w_down_EDI, act_fn, biases) of an experts module as `moe_experts` takes them:
     a transposed layout's weights as transposed views (MXFP4 ones, ``model.quantization=mxfp4``, as the
     `lightning_ft.kernels.mxfp4.Mxfp4Weight` of their buffers; NF4 ones, ``model.quantization=nf4`` on the
-    triton backend, as the `lightning_ft.kernels.nf4.Nf4ExpertWeight` of theirs; fp8 ones (``strategy.fp8``) as
+    triton or grouped_mm backend, as the `lightning_ft.kernels.nf4.Nf4ExpertWeight` of theirs; fp8 ones (``strategy.fp8``) as
     their `lightning_ft.kernels.fp8.Fp8ExpertWeight`); gpt-oss's activation and biases."""
     transposed = _experts_layout(experts)["is_transposed"]  # gpt-oss's
 
@@ -231,6 +231,8 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
             continue
         for name, lora in loras.items():
             weight = getattr(experts, name)
+            if nf4_weight(experts, name) is not None:  # the parameter is a placeholder: NF4 weights have no slots
+                continue
             rank = padded_rank(lora.lora_A.shape[0] // lora.num_experts, weight.dtype)
             if not weight.requires_grad and augment_expert_weight(weight, rank):
                 count += 1

@@ -378,15 +378,16 @@ def test_lora_slots_hold_each_backward_s_own_factors(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("weights", "dtype"), [
     ("plain", torch.float32), ("plain", torch.bfloat16), ("lora_slots", torch.float32), ("lora_slots", torch.bfloat16),
-    ("fp8", torch.bfloat16),
+    ("fp8", torch.bfloat16), ("nf4", torch.float32), ("nf4", torch.bfloat16),
 ])  # fmt: skip
 def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(weights, dtype, device, monkeypatch):
     """What the CUDA graphs do with kept ``projections``: a forward (no grad) keeps the gate/up output
     and its thin LoRA product (the first forward's become the buffers, a later one computes into
     them); the recompute takes them, runs no gate/up GEMM and no gather of the tokens, and gives the
     plain block's output, input gradient and every LoRA gradient (the same kernels on the same inputs),
-    with and without LoRA slots in the expert weights (`augment_expert_weights`), and with the experts in fp8
-    (`convert_experts_to_fp8`: the base products on our grouped GEMM's fp8 path).
+    with and without LoRA slots in the expert weights (`augment_expert_weights`), with the experts in fp8
+    (`convert_experts_to_fp8`: the base products on our grouped GEMM's fp8 path) and in NF4
+    (`nf4_experts.quantize_experts`: dequantised into the shared buffer before each base product).
     Sizes are multiples of 16 bytes in bf16 (else grouped_mm falls back to the native loop)."""
     block = _peft_block(2, device, hidden_size=40, moe_intermediate_size=24).to(dtype)
     apply_moe(block, "grouped_mm")
@@ -394,6 +395,11 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(weights, dtype, dev
         assert augment_expert_weights(block) == 2
     if weights == "fp8":
         assert convert_experts_to_fp8(block) == (2, None)
+    if weights == "nf4":
+        pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
+        from lightning_ft.model import nf4_experts
+
+        assert nf4_experts.quantize_experts(block) == 2 and augment_expert_weights(block) == 0  # no slots
     x = torch.rand(3, 10, 40, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     want_out, want_dx, want_grads = _block_step(block, x, grad)

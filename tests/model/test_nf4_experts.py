@@ -1,4 +1,5 @@
-"""model.quantization=nf4 on an MoE model (model/nf4_experts.py): the frozen experts in NF4 on the triton MoE backend."""
+"""model.quantization=nf4 on an MoE model (model/nf4_experts.py): the frozen experts in NF4 on the triton and grouped_mm
+MoE backends."""
 
 import pytest
 import torch
@@ -50,16 +51,18 @@ def test_random_init_keeps_the_experts_as_bitsandbytes_quantises_them_in_qloras_
     assert dense_bytes == 2 * weights and held == weights // 2 + weights // 64 + EXPERT_WEIGHTS * (4 + 273 * 4 + 2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
 @pytest.mark.parametrize(("dtype", "device"), [
     ("float32", "cpu"), ("bfloat16", "cpu"), pytest.param("bfloat16", "cuda", marks=pytest.mark.gpu),
 ])  # fmt: skip
-def test_logits_and_lora_gradients_equal_the_dequantised_twin(dtype, device):
-    """The model with NF4 experts and the same model with them dequantised to dense weights (both on the triton
+def test_logits_and_lora_gradients_equal_the_dequantised_twin(dtype, device, backend):
+    """The model with NF4 experts and the same model with them dequantised to dense weights (both on the same
     backend) give the same logits and LoRA gradients: the NF4 weights are dequantised into the reused buffer and
     then run the dense twin's launches, so bitwise on the CPU; on CUDA to 1e-2 of each tensor's largest value (the
     rest of the step, attention's backward included, need not repeat bit for bit on the GPU). The expert LoRA's B
-    is made non-zero so that every factor gets a gradient."""
-    model, twin = _build(dtype=dtype, device=device), _build(dtype=dtype, device=device)
+    is made non-zero so that every factor gets a gradient. (The twin's dense weights get no LoRA slots on
+    grouped_mm: it dequantises after the build.)"""
+    model, twin = _build(backend=backend, dtype=dtype, device=device), _build(backend=backend, dtype=dtype, device=device)
     assert nf4_weight(_experts(model, 1), "down_proj") is not None and dequantize_experts(twin) == EXPERT_WEIGHTS
     assert_same_step(lora_step(model), lora_step(twin), 2 * EXPERT_WEIGHTS, rtol=1e-2 if device == "cuda" else 0.0)
 
@@ -79,18 +82,19 @@ def test_moe_backend_auto_takes_triton_for_nf4_experts_on_cuda_only_as_export_re
 
 
 def test_other_backends_keep_the_experts_dense_and_refuse_nf4_weights(caplog):
-    """moe.backend other than triton: the linear layers in NF4, the experts in model.dtype (logged once); the
-    experts function refuses NF4 weights outside the triton backend."""
+    """moe.backend other than triton and grouped_mm: the linear layers in NF4, the experts in model.dtype (logged once);
+    the experts function refuses NF4 weights there."""
     with caplog.at_level("INFO", logger=LOGGER):
         model = _build(backend="native_torch")
     assert caplog.messages.count("quantization: the MoE experts stay in float32: moe.backend=native_torch reads dense "
-                                 "weights (moe.backend=triton keeps them in NF4 too)") == 1
+                                 "weights (moe.backend=triton or grouped_mm keeps them in NF4 too)") == 1
     experts = _experts(model)
     assert nf4_weight(experts, "gate_up_proj") is None and experts.gate_up_proj.untyped_storage().nbytes() == 4 * 48 * 32 * 4
     weight = nf4_weight(_experts(_build()), "gate_up_proj")
     x = torch.randn(3, 32)
     topk = torch.tensor([[0, 1], [1, 2], [3, 0]])
-    with pytest.raises(ValueError, match="NF4 expert weights run on the triton MoE backend only, not native_torch: set moe.backend=triton"):
+    with pytest.raises(ValueError, match="NF4 expert weights run on the triton and grouped_mm MoE backends, not native_torch: "
+                                         "set moe.backend=triton"):
         moe_experts(x, torch.rand(3, 2), sort_by_expert(topk, 4), weight, torch.randn(4, 32, 24), torch.nn.functional.silu,
                     backend="native_torch")
 
