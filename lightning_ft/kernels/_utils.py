@@ -1,4 +1,5 @@
-"""Launch helpers shared by the kernels: where Triton can run, warps per block, persistent grid size, padded rows."""
+"""Launch helpers shared by the kernels: where Triton can run, warps per block, persistent grid size, padded rows, the
+reused buffer 4-bit weights are dequantised into."""
 
 from __future__ import annotations
 
@@ -60,3 +61,34 @@ def row_padded(num_rows: int, num_cols: int, pad: int, like: torch.Tensor) -> to
     (`lightning_ft.kernels.moe.grouped_mm.augment_expert_weight`). index_select writes such rows
     about as fast as contiguous ones on Hopper, so the padding costs no bandwidth."""
     return like.new_empty(num_rows, num_cols + pad)[:, :num_cols] if pad else like.new_empty(num_rows, num_cols)
+
+
+_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_RECORDED: list[torch.Tensor] = []  # buffers a CUDA graph wrote: kept alive, as replays write them at their address
+
+
+def dequant_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``numel`` elements of the reused flat buffer for (device, dtype), grown to at least ``numel``: where a
+    4-bit weight (NF4, `lightning_ft.kernels.nf4`; MXFP4, `lightning_ft.kernels.mxfp4`) is dequantised whole right
+    before the GEMM that reads it, so one weight at a time is dense.
+
+    Under CUDA graphs (`lightning_ft.strategies.cuda_graphs`) the recorded kernels write the buffer at its
+    address on every replay, so a recorded buffer stays allocated after it is outgrown, and it may not grow
+    while a graph records (its new memory would come from the graphs' private pool). The graphs record a layer
+    only after it ran eagerly, which sized the buffer for its weights.
+
+    Raises:
+        RuntimeError: the buffer must grow while the current stream records a CUDA graph.
+    """
+    buffer = _BUFFERS.get((device, dtype))
+    recording = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if buffer is None or buffer.numel() < numel:
+        if recording:
+            raise RuntimeError(
+                f"the 4-bit dequantisation buffer ({dtype}) must grow to {numel} elements while a CUDA graph records: "
+                "run the layer eagerly first (lightning_ft.strategies.cuda_graphs does), or set strategy.cuda_graphs=false"
+            )
+        buffer = _BUFFERS[(device, dtype)] = torch.empty(numel, device=device, dtype=dtype)
+    if recording and not any(buffer is kept for kept in _RECORDED):
+        _RECORDED.append(buffer)
+    return buffer[:numel]

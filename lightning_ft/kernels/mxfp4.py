@@ -14,9 +14,13 @@ weight is the same in any compute dtype. Quantisation (`quantize_mxfp4`) follows
 exponent is ``floor(log2(amax)) - 2`` (2 = e2m1's largest exponent), elements are divided by the scale,
 rounded to the nearest e2m1 value (ties to the even code) and saturated at ±6.
 
-`Mxfp4Weight` carries one 3-D expert weight in this layout to the Triton grouped GEMM
-(`lightning_ft.kernels.moe.grouped_gemm`), whose B-tile loads (`mxfp4_tile`) dequantise in registers, so the
-frozen experts stay in ~a quarter of bf16's bytes (4.25 bits per weight).
+`Mxfp4Weight` carries one 3-D expert weight in this layout to the grouped GEMMs, so the frozen experts stay in ~a
+quarter of bf16's bytes (4.25 bits per weight). Before each GEMM it is dequantised whole into the reused 4-bit buffer
+(`dequantize_mxfp4`, `lightning_ft.kernels._utils.dequant_buffer`: one expert weight at a time is dense) and read as a
+dense weight. Why not in the GEMM's tile loads: on an H100 a grouped GEMM that decoded each B tile in registers
+(`mxfp4_tile`) ran at about 100 TFLOP/s at gpt-oss's expert shapes, a fifth of the dense bf16 kernel, while the
+whole weight's decode is one pass over its bytes (as NF4's, `lightning_ft.kernels.nf4`, measured 13× faster per step
+than a decode in the tile loads).
 
 Sources: OCP Microscaling Formats (MX) v1.0 specification (e2m1, e8m0, block 32, shared-exponent rule);
 transformers 5 ``integrations/mxfp4.py`` (``FP4_VALUES``, ``_convert_moe_packed_tensors``: the nibble order
@@ -31,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MXFP4_BLOCK", "Mxfp4Weight", "dequantize_mxfp4_reference", "mxfp4_tile", "quantize_mxfp4"]
+from lightning_ft.kernels._utils import dequant_buffer, triton_can_run, warn_fallback
+
+__all__ = ["MXFP4_BLOCK", "Mxfp4Weight", "dequantize_mxfp4", "dequantize_mxfp4_reference", "mxfp4_tile", "quantize_mxfp4"]
 
 MXFP4_BLOCK = 32  # elements per e8m0 scale
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of codes 0..7; bit 3 is the sign
@@ -113,6 +119,42 @@ class Mxfp4Weight(NamedTuple):
         dense = dequantize_mxfp4_reference(self.blocks.unflatten(-1, (-1, 16)), self.scales, self.dtype)
         return dense.transpose(1, 2) if self.transposed else dense
 
+    def dense_in_buffer(self) -> torch.Tensor:
+        """The dense logical weight in ``dtype``, dequantised whole into the shared reused buffer (`dequantize_mxfp4`:
+        `dequantize`'s values) and valid until the next dequantisation into it; a transposed view when transposed."""
+        dense = dequantize_mxfp4(self.blocks, self.scales, self.dtype)
+        return dense.transpose(1, 2) if self.transposed else dense
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(blocks [..., N, C/2], scales [..., N, C/32]) uint8 -> the stored dense W [..., N, C] in ``dtype``, written into
+    the shared reused buffer of the device and dtype (`lightning_ft.kernels._utils.dequant_buffer`: overwritten by the
+    next dequantisation) by a Triton kernel, one pass over the bytes; the reference where Triton cannot run. Equal to
+    `dequantize_mxfp4_reference` (the values are exact in every float dtype).
+
+    Raises:
+        ValueError: blocks and scales whose shapes do not match (C/2 bytes and C/32 scales per row).
+    """
+    *lead, half = blocks.shape
+    cols = 2 * half
+    if tuple(scales.shape) != (*lead, cols // MXFP4_BLOCK) or cols % MXFP4_BLOCK:
+        raise ValueError(f"dequantize_mxfp4: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"(expected scales [..., N, C / {MXFP4_BLOCK}] for C = 2 * blocks' last dim)")
+    rows = blocks[..., 0].numel()
+    out = dequant_buffer(rows * cols, blocks.device, dtype).view(rows, cols)
+    blocks_2d, scales_2d = blocks.reshape(rows, half), scales.reshape(rows, cols // MXFP4_BLOCK)
+    if not triton_can_run(blocks):
+        warn_fallback("dequantize_mxfp4", blocks.device)
+        out.copy_(dequantize_mxfp4_reference(blocks_2d.unflatten(-1, (-1, 16)), scales_2d, dtype))
+    else:
+        block_rows, block_cols = 16, 256
+        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+        _dequantize_mxfp4_kernel[grid](
+            blocks_2d, scales_2d, out, rows, cols, blocks_2d.stride(0), scales_2d.stride(0), out.stride(0),
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=4,
+        )
+    return out.view(*lead, cols)
+
 
 @triton.jit
 def mxfp4_tile(blocks_ptr, scales_ptr, rows, qcols, stride_b_row, stride_s_row, mask):
@@ -131,3 +173,16 @@ def mxfp4_tile(blocks_ptr, scales_ptr, rows, qcols, stride_b_row, stride_s_row, 
     power = (tl.maximum(scale, 1) << 23).to(tl.float32, bitcast=True)
     value = value * power
     return tl.where(scale == 0, value * 0.5, value)
+
+
+@triton.jit
+def _dequantize_mxfp4_kernel(
+    blocks_ptr, scales_ptr, out_ptr, n_rows, n_cols, stride_b_row, stride_s_row, stride_out_row,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    """One program: a [BLOCK_ROWS, BLOCK_COLS] tile of the dense weight (`mxfp4_tile`), stored in out's dtype (exact)."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    values = mxfp4_tile(blocks_ptr, scales_ptr, rows, cols, stride_b_row, stride_s_row, mask)
+    tl.store(out_ptr + rows * stride_out_row + cols, values.to(out_ptr.dtype.element_ty), mask=mask)

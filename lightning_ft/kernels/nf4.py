@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels._utils import triton_can_run, warn_fallback
+from lightning_ft.kernels._utils import dequant_buffer, triton_can_run, warn_fallback
 from lightning_ft.kernels.fp8 import E4M3, e4m3_cast, e4m3_row_scales, quantize_rows_reference
 
 __all__ = ["Nf4ExpertWeight", "Quant4bitWeight", "dequantize_4bit", "dequantize_4bit_reference", "e4m3_scales_4bit"]
@@ -196,35 +196,6 @@ class Nf4ExpertWeight(NamedTuple):
         return dense.transpose(1, 2) if self.transposed else dense
 
 
-_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-_RECORDED: list[torch.Tensor] = []  # buffers a CUDA graph wrote: kept alive, as replays write them at their address
-
-
-def _buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The first ``numel`` elements of the reused flat buffer for (device, dtype), grown to at least ``numel``.
-
-    Under CUDA graphs (`lightning_ft.strategies.cuda_graphs`) the recorded kernels write the buffer at its
-    address on every replay, so a recorded buffer stays allocated after it is outgrown, and it may not grow
-    while a graph records (its new memory would come from the graphs' private pool). The graphs record a layer
-    only after it ran eagerly, which sized the buffer for its weights.
-
-    Raises:
-        RuntimeError: the buffer must grow while the current stream records a CUDA graph.
-    """
-    buffer = _BUFFERS.get((device, dtype))
-    recording = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if buffer is None or buffer.numel() < numel:
-        if recording:
-            raise RuntimeError(
-                f"the 4-bit dequantisation buffer ({dtype}) must grow to {numel} elements while a CUDA graph records: "
-                "run the layer eagerly first (lightning_ft.strategies.cuda_graphs does), or set strategy.cuda_graphs=false"
-            )
-        buffer = _BUFFERS[(device, dtype)] = torch.empty(numel, device=device, dtype=dtype)
-    if recording and not any(buffer is kept for kept in _RECORDED):
-        _RECORDED.append(buffer)
-    return buffer[:numel]
-
-
 def dequantize_4bit(
     weight: Quant4bitWeight, dtype: torch.dtype, reuse: bool = True, fp8_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -256,7 +227,7 @@ def dequantize_4bit(
             f"dequantize_4bit: e4m3 takes a 2-D weight and its [N] fp32 fp8_scale, other dtypes none; got {dtype}, "
             f"weight {weight.shape}, fp8_scale {None if fp8_scale is None else tuple(fp8_scale.shape)}"
         )
-    out = _buffer(n, packed.device, dtype) if reuse else torch.empty(n, device=packed.device, dtype=dtype)
+    out = dequant_buffer(n, packed.device, dtype) if reuse else torch.empty(n, device=packed.device, dtype=dtype)
     if not triton_can_run(packed):
         warn_fallback("dequantize_4bit", packed.device)
         if e4m3:

@@ -1,10 +1,10 @@
-"""MXFP4 (`lightning_ft.kernels.mxfp4`): the reference against transformers' dequantisation, the quantiser, and the
-Triton grouped GEMM reading MXFP4 expert weights against the dequantise-then-dense path."""
+"""MXFP4 (`lightning_ft.kernels.mxfp4`): the reference against transformers' dequantisation, the quantiser, the Triton
+dequantisation into the reused buffer, and the grouped GEMM reading MXFP4 expert weights against the dense path."""
 
 import pytest
 import torch
 
-from lightning_ft.kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4_reference, quantize_mxfp4
+from lightning_ft.kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4, dequantize_mxfp4_reference, quantize_mxfp4
 from packed_weight_checks import assert_grouped_gemm_reads
 
 
@@ -69,14 +69,33 @@ def test_weight_view_shapes_and_transpose():
         weight.transpose(0, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dequantize_into_the_buffer_equals_the_reference(device, dtype):
+    """The Triton kernel writes every nibble and each e8m0 byte from 2 to 254 as the reference does, bitwise, over odd
+    row counts and tiles (below 2 the smallest values are subnormal, which Triton's CPU interpreter flushes to zero in
+    bf16; 0, 1 and 255 are no scales `quantize_mxfp4` writes for finite weights of normal range); the result lives in
+    the reused buffer (a second weight overwrites it); mismatched shapes are refused."""
+    blocks, scales = _random_mxfp4(3, 37, 9, scale_range=(2, 255))  # [E, N, C/32, 16]: C = 288, rows = 111
+    blocks, scales = blocks.flatten(-2).to(device), scales.to(device)
+    dense = dequantize_mxfp4(blocks, scales, dtype)
+    assert dense.shape == (3, 37, 288) and dense.dtype == dtype
+    assert torch.equal(dense, dequantize_mxfp4_reference(blocks.unflatten(-1, (-1, 16)), scales, dtype))
+    weight = Mxfp4Weight(blocks, scales, dtype)
+    assert torch.equal(weight.dense_in_buffer(), dense) and torch.equal(weight.transpose(1, 2).dense_in_buffer(), dense.transpose(1, 2))
+    other, other_scales = _random_mxfp4(2, 5, 1, seed=1, scale_range=(120, 130))
+    again = dequantize_mxfp4(other.flatten(-2).to(device), other_scales.to(device), dtype)
+    assert again.data_ptr() == dense.data_ptr()  # the same reused buffer
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[..., :-1], dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("quantised_along_c", [True, False], ids=["forward", "input_grad"])
 def test_grouped_gemm_reads_mxfp4_weights(device, dtype, quantised_along_c):
     """The Triton grouped GEMM on an `Mxfp4Weight` (both orientations: x·Wᵀ with W quantised along the
     contracted dim, as the forward reads it, and dy·W, as the input gradient reads it) equals the same kernel
-    on the dequantised dense weight (bitwise under the interpreter: the tiles dequantise exactly; on CUDA each
-    is autotuned apart, so the summation order may differ) and the plain-torch reference; odd sizes, gather,
-    scatter, routing weights, LoRA, bias; expert 1 has no rows."""
+    on the dequantised dense weight (it dequantises into the reused buffer, exactly, and runs that kernel) and the
+    plain-torch reference; odd sizes, gather, scatter, routing weights, LoRA, bias; expert 1 has no rows."""
     experts = 4
     c_dim, n_dim = (64, 37) if quantised_along_c else (37, 64)
     stored = (n_dim, c_dim) if quantised_along_c else (c_dim, n_dim)

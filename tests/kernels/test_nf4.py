@@ -184,13 +184,13 @@ def test_grouped_gemm_reads_nf4_expert_weights(device, dtype, contract_stored_ro
     buffer and is bitwise the same call on the dequantised dense weight, on every device, and the plain-torch
     reference's result to rounding (`assert_grouped_gemm_reads`: gather, scatter, routing weights, LoRA, bias,
     groups of 9, 0, 14, 3 rows; fp32: 1e-5; bf16: the bf16 output's rounding)."""
-    import lightning_ft.kernels.nf4 as nf4
+    from lightning_ft.kernels import _utils
 
     stored = _expert_weight((4, 37, 70), dtype, device)  # [E, N, C]: C = 70 straddles the 64-blocks
     w_ECN = stored if contract_stored_rows else stored.transpose(1, 2)
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
     assert_grouped_gemm_reads(w_ECN, device, dtype, tolerance, bitwise_everywhere=True)
-    in_buffer = nf4._BUFFERS[(stored.packed.device, dtype)][: 4 * 37 * 70]  # what the first call dequantised there
+    in_buffer = _utils._BUFFERS[(stored.packed.device, dtype)][: 4 * 37 * 70]  # what the first call dequantised there
     assert torch.equal(in_buffer.view(4, 37, 70), stored.dequantize())
 
 

@@ -221,7 +221,7 @@ def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_b
     between steps."""
     if quantization == "nf4":
         pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
-    from lightning_ft.kernels import nf4
+    from lightning_ft.kernels import _utils
 
     cuda = device == "cuda"
     if moe_backend == "triton" and not (cuda or TRITON_ON_CPU):
@@ -239,7 +239,7 @@ def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_b
         _step_matches_eager(module, name, step, cuda)
     assert state.captures >= layers  # recorded and replayed
     if cuda and quantization == "nf4":  # the graphs wrote the reused dequantisation buffer, kept alive for their replays
-        assert nf4._RECORDED
+        assert _utils._RECORDED
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])

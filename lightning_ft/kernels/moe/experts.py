@@ -86,8 +86,8 @@ def moe_experts(
         w_gate_up_EFD: [E, 2I, D] gate and up weights (frozen or not; any strides: gpt-oss's
             transposed ``gate_up_proj`` as its ``transpose(1, 2)`` view).
         w_down_EDI: [E, D, I] down weights (likewise). Either weight may be a frozen
-            `lightning_ft.kernels.mxfp4.Mxfp4Weight` (``triton`` backend only: dequantised in its GEMMs' tile loads;
-            its ``dtype`` is the compute dtype), or an `lightning_ft.kernels.nf4.Nf4ExpertWeight` (``triton`` or
+            `lightning_ft.kernels.mxfp4.Mxfp4Weight` (``triton`` backend only: dequantised whole into a shared buffer
+            before each GEMM; its ``dtype`` is the compute dtype), or an `lightning_ft.kernels.nf4.Nf4ExpertWeight` (``triton`` or
             ``grouped_mm``: dequantised whole into a shared buffer before each GEMM), or a frozen
             `lightning_ft.kernels.fp8.Fp8ExpertWeight` (``triton`` or ``grouped_mm``: our grouped GEMM's fp8 path).
         act_fn: the gate activation (transformers' ``experts.act_fn``), or a `ClampedSwiGLU`

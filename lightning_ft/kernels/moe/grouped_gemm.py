@@ -20,10 +20,9 @@ fp8 experts (an `lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``): i
 the GEMM's input once per row (`lightning_ft.kernels.fp8.quantize_rows`) and the same kernel runs a plain e4m3 dot
 chain, the row and per-expert weight scales applied in the epilogue; the input gradients pass their rows as they are
 and the kernel widens the e4m3 weight tiles to bf16 (see `grouped_gemm`); split LoRA, the thin launches and the
-weight gradients stay in the activations' dtype. MXFP4 experts
-(`lightning_ft.kernels.mxfp4.Mxfp4Weight`): the B-tile loads dequantise them in registers. NF4 experts
-(`lightning_ft.kernels.nf4.Nf4ExpertWeight`): dequantised whole into the reused 4-bit buffer before each launch
-(`Nf4ExpertWeight.dense_in_buffer`), then read as a dense weight.
+weight gradients stay in the activations' dtype. MXFP4 and NF4 experts (`lightning_ft.kernels.mxfp4.Mxfp4Weight`,
+`lightning_ft.kernels.nf4.Nf4ExpertWeight`): dequantised whole into the reused 4-bit buffer before each launch
+(their ``dense_in_buffer``), then read as a dense weight.
 
 Sources: the Triton matmul tutorial for tiling (and its fp8 variant: e4m3 operands, fp32 accumulator); row-wise
 ("per-token") activation scales as in NVIDIA Transformer Engine and torchao's float8 training, applied after
@@ -41,7 +40,7 @@ import triton.language as tl
 from lightning_ft.kernels.fp8 import E4M3, Fp8ExpertWeight, quantize_rows
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, _lora_args, _swiglu
 from lightning_ft.kernels.moe.routing import unread_output
-from lightning_ft.kernels.mxfp4 import Mxfp4Weight, mxfp4_tile
+from lightning_ft.kernels.mxfp4 import Mxfp4Weight
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_wgrad", "grouped_wgrad_reference"]
@@ -135,10 +134,10 @@ def _grouped_gemm_body(
     stride_mid_m, stride_mid_r,
     stride_lb_e, stride_lb_r, stride_lb_n,
     stride_bias_e, stride_bias_n,
-    stride_ws_e, stride_ws_row,
+    stride_ws_e,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr, STORE_GATHERED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    MXFP4: tl.constexpr, MXFP4_ALONG_C: tl.constexpr, FP8: tl.constexpr, FP8_SRC: tl.constexpr,
+    FP8: tl.constexpr, FP8_SRC: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -148,10 +147,7 @@ def _grouped_gemm_body(
     SCATTER else p; scale = row_scale if ROW_SCALE else 1; w is [E, C, N], lora_b [E, R, N], mid
     [S, R]; fp32 accumulation, stored in out's dtype; ACCUMULATE adds acc[orow(p)] first (in fp32;
     acc is out itself for an in-place sum). STORE_GATHERED also writes the src rows it loads to
-    gathered[p] (the column tiles of pid_n == 0: each row once). MXFP4: w is an MXFP4 weight (w_ptr its blocks
-    [E, rows, bytes], w_scales_ptr its scales [E, rows, groups], both contiguous along their last dim; stride_w_e /
-    stride_w_c the blocks' expert and row strides), quantised along C (MXFP4_ALONG_C: w[e, c, n] is stored row n)
-    or along N (stored row c); each B tile is dequantised in registers (`mxfp4_tile`) to src's dtype. FP8: w is e4m3
+    gathered[p] (the column tiles of pid_n == 0: each row once). FP8: w is e4m3
     (w_ptr any strides) and the epilogue multiplies the accumulator by the expert's fp32 scale (w_scales_ptr [E],
     stride stride_ws_e) before LoRA and bias; with FP8_SRC src is e4m3 too, the main loop a plain fp8 dot chain into
     the fp32 accumulator, and the epilogue's factor also src_scale[irow(p)] (fp32, one per src row); without it
@@ -200,15 +196,7 @@ def _grouped_gemm_body(
                     a,
                     mask=row_mask[:, None] & k_mask[None, :],
                 )
-        if MXFP4:
-            b_mask = k_mask[:, None] & col_mask[None, :]
-            if MXFP4_ALONG_C:
-                b = mxfp4_tile(w_base, ws_base, cols[None, :], k[:, None], stride_w_c, stride_ws_row, b_mask)
-            else:
-                b = mxfp4_tile(w_base, ws_base, k[:, None], cols[None, :], stride_w_c, stride_ws_row, b_mask)
-            b = b.to(src_ptr.dtype.element_ty)  # exact: e2m1 times a power of two
-        else:
-            b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
+        b = _load_tile(w_base, k, cols, stride_w_c, stride_w_n, k_mask, col_mask)
         if FP8_SRC:  # e4m3 x e4m3 over one K tile, added to the fp32 accumulator (the interpreter multiplies exactly)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_C)
         else:
@@ -254,8 +242,8 @@ _GEMM_AUTOTUNE = dict(
              (128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 256, 128, 8, 3)],  # BLOCK_C = 128: fp8 only
         interpret=(16, 64, 64),
     ),
-    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "MXFP4",
-         "MXFP4_ALONG_C", "FP8", "FP8_SRC"],
+    key=["N", "C", "GATHER", "SCATTER", "ROW_SCALE", "HAS_LORA", "HAS_BIAS", "ACCUMULATE", "STORE_GATHERED", "FP8",
+         "FP8_SRC"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
     **_AUTOTUNE_KW,
 )
@@ -376,11 +364,10 @@ def grouped_gemm(
             `Fp8ExpertWeight` also e4m3 (`lightning_ft.kernels.fp8.quantize_rows` of the input, its scales in
             ``src_scale``).
         w_ECN: [E, C, N] weights, any strides (pass ``w_ENC.transpose(1, 2)``: no copy); or an
-            `lightning_ft.kernels.mxfp4.Mxfp4Weight` of that logical shape (either orientation), dequantised
-            tile by tile in registers (its ``dtype`` is the compute dtype); or a
-            `lightning_ft.kernels.nf4.Nf4ExpertWeight` of that logical shape (either orientation), dequantised whole
-            into the reused buffer first (`Nf4ExpertWeight.dense_in_buffer`: a transposed one as a transposed view)
-            and then read as the dense weight, so bitwise the call with `Nf4ExpertWeight.dequantize`; or an
+            `lightning_ft.kernels.mxfp4.Mxfp4Weight` or `lightning_ft.kernels.nf4.Nf4ExpertWeight` of that logical
+            shape (either orientation; its ``dtype`` is the compute dtype), dequantised whole into the reused buffer
+            first (``dense_in_buffer``: a transposed one as a transposed view) and then read as the dense weight, so
+            bitwise the call with its ``dequantize()``; or an
             `lightning_ft.kernels.fp8.Fp8ExpertWeight` of that logical shape (either orientation): the fp8 path
             below.
         offsets_E: [E] int32 cumulative row ends; ``offsets_E[-1] == num_rows``.
@@ -461,19 +448,15 @@ def grouped_gemm(
     acc = accumulate_into if accumulate_into is not None else out
     rank = lora_mid_SR.shape[1] if has_lora else 0
     mid = lora_mid_SR if has_lora else src
-    if isinstance(w_ECN, Nf4ExpertWeight):
+    if isinstance(w_ECN, (Nf4ExpertWeight, Mxfp4Weight)):
         # dequantised whole into the reused buffer, then the dense GEMM: on an H100 (Qwen3-30B-A3B × 12 layers, 8K
-        # tokens) a step took 238 ms this way against 3,215 ms with a per-element decode in the B-tile loads
+        # tokens) an NF4 step took 238 ms this way against 3,215 ms with a per-element decode in the B-tile loads; an
+        # MXFP4 decode in the tile loads ran at about 100 TFLOP/s, a fifth of this kernel on dense bf16
         w_ECN = w_ECN.dense_in_buffer()
-    mxfp4 = isinstance(w_ECN, Mxfp4Weight)
     w, w_scales = w_ECN, w_ECN  # a dense weight's scale pointer is not read: any tensor
-    if mxfp4:
-        w, w_scales = w_ECN.blocks, w_ECN.scales
-        if w.stride(-1) != 1 or w_scales.stride(-1) != 1:
-            raise ValueError("grouped_gemm: an Mxfp4Weight's blocks and scales must be contiguous along their last dim")
-    elif fp8:
+    if fp8:
         w, w_scales = w_ECN.logical_values(), w_ECN.scales
-    w_strides = (w.stride(0), w.stride(1), 1) if mxfp4 else (w.stride(0), w.stride(1), w.stride(2))
+    w_strides = (w.stride(0), w.stride(1), w.stride(2))
     lora_b = lora_b_ERN if has_lora else src[None]
     gathered = gathered_out if gathered_out is not None else src
     bias = bias_EN if bias_EN is not None else src
@@ -500,10 +483,10 @@ def grouped_gemm(
         mid.stride(0), mid.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         bias.stride(0), bias.stride(-1),
-        w_scales.stride(0), w_scales.stride(1) if w_scales.dim() > 1 else 0,
+        w_scales.stride(0),
         GATHER=src_idx_S is not None, SCATTER=out_idx_S is not None, ROW_SCALE=row_scale_S is not None,
         HAS_LORA=has_lora, HAS_BIAS=bias_EN is not None, ACCUMULATE=accumulate_into is not None, STORE_GATHERED=gathered_out is not None,
-        **_dot_options(dtype), MXFP4=mxfp4, MXFP4_ALONG_C=mxfp4 and w_ECN.transposed, FP8=fp8, FP8_SRC=fp8_src,
+        **_dot_options(dtype), FP8=fp8, FP8_SRC=fp8_src,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )
     return out
