@@ -214,10 +214,11 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         _check_factory_keys(group, cfg.get(group))
     if no_cuda and not interpreter_requested():
         interpreter = "or TRITON_INTERPRET=1 (Triton's CPU interpreter, slow)"
-        if cfg.model.get("quantization") == "mxfp4":  # before moe.backend's own refusal, which would send it back here
-            raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton reads, and "
-                             f"Triton needs a CUDA device ({no_cuda}) {interpreter}: run on a GPU, or set "
-                             f"model.quantization=none (the experts in model.dtype)")
+        if cfg.model.get("quantization") == "mxfp4" and cfg.moe.backend in ("auto", "triton"):
+            # before moe.backend's own refusal, which would send it back here
+            raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton reads, and "
+                             f"Triton needs a CUDA device ({no_cuda}) {interpreter}: run on a GPU, set moe=grouped_mm "
+                             f"(reads them too, and runs here), or set model.quantization=none (the experts in model.dtype)")
         if cfg.moe.backend == "triton":
             raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}) {interpreter}: use moe=native_torch")
 

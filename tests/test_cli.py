@@ -210,14 +210,23 @@ def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, mes
 
 @pytest.mark.parametrize("moe", ["auto", "triton"])
 def test_mxfp4_on_the_cpu_without_the_interpreter_is_refused_before_the_data_loads(tmp_path, monkeypatch, moe):
-    """MXFP4 experts need moe.backend=triton, which needs Triton: one message naming both ways out, not a refusal
-    that sends the user to moe=triton and another that sends them back."""
+    """MXFP4 experts on moe.backend=triton need Triton: one message naming the ways out (grouped_mm among them), not a
+    refusal that sends the user to moe=triton and another that sends them back."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     proc = run_cli(tmp_path, "model=gpt_oss_tiny", "model.quantization=mxfp4", f"moe={moe}", ok=False)
-    assert re.search(r"^error: model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton reads, "
+    assert re.search(r"^error: model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton reads, "
                      r"and Triton needs a CUDA device \(trainer.accelerator=cpu\) or TRITON_INTERPRET=1 \(Triton's CPU "
-                     r"interpreter, slow\): run on a GPU, or set model.quantization=none", proc.stderr, re.M), proc.stderr[-2000:]
+                     r"interpreter, slow\): run on a GPU, set moe=grouped_mm \(reads them too, and runs here\), or set "
+                     r"model.quantization=none", proc.stderr, re.M), proc.stderr[-2000:]
     assert "data:" not in proc.stderr + proc.stdout and not (tmp_path / "summary.json").exists()
+
+
+def test_mxfp4_experts_train_on_grouped_mm_on_the_cpu_without_the_interpreter(tmp_path, monkeypatch):
+    """The way out that message names: grouped_mm reads MXFP4 experts (dequantised by the plain-torch reference here)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    proc = run_cli(tmp_path, *FAST, "model=gpt_oss_tiny", "model.quantization=mxfp4", "moe=grouped_mm", "trainer.max_steps=2")
+    assert "expert weights quantised to MXFP4" in proc.stdout + proc.stderr
+    assert summary(tmp_path)["steps"] == 2
 
 
 def test_top_level_help_lists_the_commands_with_an_example_each(capsys):

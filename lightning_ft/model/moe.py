@@ -231,8 +231,8 @@ def augment_expert_weights(model: torch.nn.Module) -> int:
             continue
         for name, lora in loras.items():
             weight = getattr(experts, name)
-            if nf4_weight(experts, name) is not None:  # the parameter is a placeholder: NF4 weights have no slots
-                continue
+            if nf4_weight(experts, name) is not None or mxfp4_weight(experts, name) is not None:
+                continue  # the parameter is a placeholder: 4-bit weights have no slots
             rank = padded_rank(lora.lora_A.shape[0] // lora.num_experts, weight.dtype)
             if not weight.requires_grad and augment_expert_weight(weight, rank):
                 count += 1

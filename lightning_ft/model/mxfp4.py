@@ -12,8 +12,8 @@ Everything else stays in ``model.dtype``.
   blocks and scales as they are (`keeping_mxfp4`: transformers' dequantising load op keeps them instead);
 - a random init or a 16/32-bit checkpoint is quantised after loading (`quantize_experts`, OCP rounding).
 
-The experts run on the ``triton`` MoE backend only, which dequantises each weight whole into a reused buffer right
-before each of its GEMMs (forward and input gradient; the frozen experts get no weight gradient;
+The experts run on the ``triton`` or ``grouped_mm`` MoE backend, which dequantises each weight whole into a reused
+buffer right before each of its GEMMs (forward and input gradient; the frozen experts get no weight gradient;
 `lightning_ft.kernels.mxfp4.dequantize_mxfp4`). ``export --merge`` writes
 dense experts (`dequantize_experts`). Caveat: casting the model to another dtype (``model.to``) materialises
 each placeholder at its dense size (zeros, still unread): build the model in the dtype it trains in.

@@ -99,7 +99,7 @@ def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_
     Raises:
         ValueError: ``nf4`` or ``mxfp4`` without LoRA (the 4-bit weights cannot train), under FSDP2 (``sharded``: it
             would shard the packed bytes without their scales); ``mxfp4`` with ``strategy.cuda_graphs`` (not checked
-            over MXFP4 experts) or a ``moe.backend`` other than ``triton`` (the one that reads MXFP4); each naming the
+            over MXFP4 experts) or a ``moe.backend`` other than ``triton`` or ``grouped_mm`` (those that read MXFP4); each naming the
             setting to change. ``nf4`` runs under CUDA graphs (the dequantisation buffer is recorded at its address,
             `lightning_ft.kernels.nf4`)
     """
@@ -113,9 +113,9 @@ def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_
     if cuda_graphs and quantization == "mxfp4":
         raise ValueError("strategy.cuda_graphs=true is not supported with model.quantization=mxfp4 yet: "
                          "set strategy.cuda_graphs=false")
-    if quantization == "mxfp4" and moe_backend != "triton":
-        raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton reads "
-                         f"(moe.backend={moe_backend}): set moe.backend=triton")
+    if quantization == "mxfp4" and moe_backend not in ("triton", "grouped_mm"):
+        raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton or "
+                         f"grouped_mm reads (moe.backend={moe_backend}): set moe.backend=triton")
 
 
 def bnb_nf4_config(dtype: torch.dtype) -> Any:

@@ -86,9 +86,9 @@ def moe_experts(
         w_gate_up_EFD: [E, 2I, D] gate and up weights (frozen or not; any strides: gpt-oss's
             transposed ``gate_up_proj`` as its ``transpose(1, 2)`` view).
         w_down_EDI: [E, D, I] down weights (likewise). Either weight may be a frozen
-            `lightning_ft.kernels.mxfp4.Mxfp4Weight` (``triton`` backend only: dequantised whole into a shared buffer
-            before each GEMM; its ``dtype`` is the compute dtype), or an `lightning_ft.kernels.nf4.Nf4ExpertWeight` (``triton`` or
-            ``grouped_mm``: dequantised whole into a shared buffer before each GEMM), or a frozen
+            `lightning_ft.kernels.mxfp4.Mxfp4Weight` or `lightning_ft.kernels.nf4.Nf4ExpertWeight` (``triton`` or
+            ``grouped_mm``: dequantised whole into a shared buffer before each GEMM; its ``dtype`` is the compute
+            dtype), or a frozen
             `lightning_ft.kernels.fp8.Fp8ExpertWeight` (``triton`` or ``grouped_mm``: our grouped GEMM's fp8 path).
         act_fn: the gate activation (transformers' ``experts.act_fn``), or a `ClampedSwiGLU`
             (gpt-oss: gate and up interleaved in the gate/up output).
@@ -115,19 +115,17 @@ def moe_experts(
         [T, D] in ``x_TD``'s dtype; computed in the weights' dtype with autocast off.
 
     Raises:
-        ValueError: for an unknown backend, MXFP4 weights with a backend other than ``triton``, or NF4 or fp8 weights
-            with ``native_torch`` (or with ``grouped_mm`` where it cannot run the shapes).
+        ValueError: for an unknown backend, or MXFP4, NF4 or fp8 weights with ``native_torch`` (or with ``grouped_mm``
+            where it cannot run the shapes).
         RuntimeError: ``triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose one of {BACKENDS}")
     for w in (w_gate_up_EFD, w_down_EDI):
-        if isinstance(w, (Fp8ExpertWeight, Nf4ExpertWeight)) and backend == "native_torch":
-            kind = "fp8" if isinstance(w, Fp8ExpertWeight) else "NF4"
+        if isinstance(w, (Fp8ExpertWeight, Nf4ExpertWeight, Mxfp4Weight)) and backend == "native_torch":
+            kind = {Fp8ExpertWeight: "fp8", Nf4ExpertWeight: "NF4", Mxfp4Weight: "MXFP4"}[type(w)]
             raise ValueError(f"{kind} expert weights run on the triton and grouped_mm MoE backends, not native_torch: "
                              "set moe.backend=triton")
-        if backend != "triton" and isinstance(w, Mxfp4Weight):
-            raise ValueError(f"MXFP4 expert weights run on the triton MoE backend only, not {backend}: set moe.backend=triton")
     if backend == "triton" and x_TD.device.type != "cuda" and not _INTERPRET:
         raise RuntimeError(
             f"the triton MoE backend got {x_TD.device.type} tensors; it runs on CUDA (or the CPU under "

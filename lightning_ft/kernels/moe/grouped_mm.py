@@ -20,12 +20,13 @@
 
 Frozen fp8 expert weights (`lightning_ft.kernels.fp8.Fp8ExpertWeight`, ``strategy.fp8``) run the same
 orchestration (kept activations, the thin LoRA products and their fused gathers) with the base products on our
-grouped GEMM's fp8 path instead (`_base_product`, `_base_input_grad`); NF4 ones
-(`lightning_ft.kernels.nf4.Nf4ExpertWeight`, ``model.quantization=nf4``) are dequantised whole into a shared
-buffer before each base product and run on grouped_mm. Neither has LoRA slots.
+grouped GEMM's fp8 path instead (`_base_product`, `_base_input_grad`); NF4 and MXFP4 ones
+(`lightning_ft.kernels.nf4.Nf4ExpertWeight`, `lightning_ft.kernels.mxfp4.Mxfp4Weight`: ``model.quantization=nf4``,
+``mxfp4``) are dequantised whole into a shared buffer before each base product and run on grouped_mm. None of them
+has LoRA slots.
 
 Math, shapes and split LoRA: `lightning_ft.kernels.moe._common`; the plain-torch reference of the
-backend is ``native_torch``, which also runs where grouped_mm cannot (not over fp8 or NF4 weights: refused there).
+backend is ``native_torch``, which also runs where grouped_mm cannot (not over quantised weights: refused there).
 
 Sources: ``torch._grouped_mm`` stride rules (``GroupedMMUtils.h``).
 """
@@ -43,6 +44,7 @@ import triton.testing
 
 from lightning_ft.kernels._utils import row_padded, triton_can_run
 from lightning_ft.kernels.fp8 import Fp8ExpertWeight
+from lightning_ft.kernels.mxfp4 import Mxfp4Weight
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 from lightning_ft.kernels.moe._common import (
     _INTERPRET,
@@ -465,25 +467,25 @@ def _grouped_mm_linear_backward(
 
 def _base_product(x_SC, w_ENC, offsets_E, copy_weights) -> torch.Tensor:
     """x_SC W_e^T [S, N] on expert-sorted rows: grouped_mm over the dense weight's transposed view (in "copies" mode,
-    the contiguous copy the probe found correct; an `Nf4ExpertWeight` dequantised whole into the shared buffer first,
-    `Nf4ExpertWeight.dense_in_buffer`, as the triton backend does), or for an `Fp8ExpertWeight` our grouped GEMM's fp8
+    the contiguous copy the probe found correct; an `Nf4ExpertWeight` or `Mxfp4Weight` dequantised whole into the shared
+    buffer first, ``dense_in_buffer``, as the triton backend does), or for an `Fp8ExpertWeight` our grouped GEMM's fp8
     path over x's rows in e4m3 (`grouped_gemm._base_rows`: one quantisation pass)."""
     if isinstance(w_ENC, Fp8ExpertWeight):
         x_base, x_scale = _base_rows(x_SC, w_ENC)
         return grouped_gemm(x_base, w_ENC.transpose(1, 2), offsets_E, x_SC.shape[0], src_scale=x_scale)
-    if isinstance(w_ENC, Nf4ExpertWeight):
+    if isinstance(w_ENC, (Nf4ExpertWeight, Mxfp4Weight)):
         w_ENC = w_ENC.dense_in_buffer()
     w_ECN = w_ENC.transpose(1, 2)
     return _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
 
 
 def _base_input_grad(dy_SN, w_ENC, offsets_E, copy_weights) -> torch.Tensor:
-    """dy_SN W_e [S, C]: grouped_mm (in "copies" mode over a view of the contiguous [E, C, N]; NF4 dequantised into
-    the shared buffer first, as in `_base_product`), or for an
+    """dy_SN W_e [S, C]: grouped_mm (in "copies" mode over a view of the contiguous [E, C, N]; NF4 and MXFP4
+    dequantised into the shared buffer first, as in `_base_product`), or for an
     `Fp8ExpertWeight` our grouped GEMM with the e4m3 weight widened in its tiles (dy as it is: see `grouped_gemm`)."""
     if isinstance(w_ENC, Fp8ExpertWeight):
         return grouped_gemm(dy_SN, w_ENC, offsets_E, dy_SN.shape[0])
-    if isinstance(w_ENC, Nf4ExpertWeight):
+    if isinstance(w_ENC, (Nf4ExpertWeight, Mxfp4Weight)):
         w_ENC = w_ENC.dense_in_buffer()
     w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
     return _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
@@ -676,11 +678,11 @@ def experts_grouped_mm(
     dtype = x_TD.dtype
     mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
-    dense = tuple(w for w in (w_gate_up_EFD, w_down_EDI) if not isinstance(w, (Fp8ExpertWeight, Nf4ExpertWeight)))
+    dense = tuple(w for w in (w_gate_up_EFD, w_down_EDI) if not isinstance(w, (Fp8ExpertWeight, Nf4ExpertWeight, Mxfp4Weight)))
     if mode == "unsupported" or not _grouped_mm_aligned(dtype, sizes, dense):
         if len(dense) < 2:  # native_torch computes over dense weights only
             raise ValueError(
-                f"fp8 or NF4 experts of sizes {sizes} at {dtype} on {x_TD.device.type}: grouped_mm cannot run them here "
+                f"fp8, NF4 or MXFP4 experts of sizes {sizes} at {dtype} on {x_TD.device.type}: grouped_mm cannot run them here "
                 f"(mode {mode}, sizes must be multiples of 16 bytes): set moe.backend=triton"
             )
         _log_once(
