@@ -276,8 +276,8 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
 
 def _moe_backend(requested: str, device: torch.device, quantization: str, execution: Execution, lora: dict[str, Any]) -> str:
     """``moe.backend``, with ``auto`` as ``triton`` (logged) where the experts are held in a format ``triton`` reads:
-    ``model.quantization=mxfp4`` (only ``triton`` reads it), or ``strategy.fp8`` with LoRA on dense experts
-    (`_fp8_experts`; ``grouped_mm`` reads them too, when asked for), on a device Triton runs on.
+    ``model.quantization=mxfp4``, or ``strategy.fp8`` with LoRA on dense experts (`_fp8_experts`), on a device Triton
+    runs on (``grouped_mm`` reads both too, when asked for).
     Otherwise as given (``auto`` then resolves by the hardware, `lightning_ft.kernels.moe.select_backend`; nf4's
     experts resolve ``auto`` after loading: `nf4_experts_backend`)."""
     held = "mxfp4" if quantization == "mxfp4" else "fp8" if _fp8_experts(execution, quantization, lora) else None
