@@ -132,6 +132,9 @@ def save_e4m3_base(config: dict[str, Any], out: Path) -> list[str]:
     from lightning_ft.model.build import load_causal_lm
     from lightning_ft.model.lora import add_lora
 
+    if not (config.get("lora") or {}).get("enabled", True):
+        raise ValueError("--e4m3-base rounds the weights LoRA wraps (those strategy.fp8 converts), and the common config "
+                         "has lora.enabled=false: give the runs LoRA")
     cfg = config["model"]
     tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg["name_or_path"])
     torch.manual_seed(config.get("seed") or 0)
@@ -156,9 +159,10 @@ def save_e4m3_base(config: dict[str, Any], out: Path) -> list[str]:
     return [f"model.name_or_path={out}", "model.init=pretrained"]
 
 
-def preflight(configs: dict[str, dict[str, Any]], window: int) -> None:
+def preflight(configs: dict[str, dict[str, Any]], window: int, every: int = 1) -> None:
     """Refuse, before anything trains, a pair of runs that could not be compared: a side without validation data,
-    different ``trainer.max_steps``, or fewer steps than one smoothing window.
+    different ``trainer.max_steps``, or no step to compare at (fewer than one smoothing window, or none of them a
+    multiple of ``every`` from the first full window on).
 
     Raises:
         ValueError: naming the side and the setting to change.
@@ -175,6 +179,10 @@ def preflight(configs: dict[str, dict[str, Any]], window: int) -> None:
     n = next(iter(steps.values()))
     if isinstance(n, int) and 0 < n < window:
         raise ValueError(f"trainer.max_steps={n} is less than one smoothing window (--window {window}): no step to compare")
+    first = -(-window // every) * every  # the first compared step: a multiple of --every with a full window
+    if isinstance(n, int) and 0 < n < first:
+        raise ValueError(f"trainer.max_steps={n}: the first step compared would be {first} (the first multiple of --every "
+                         f"{every} from --window {window} on): lower --every or train more steps")
 
 
 def check(common: list[str], reference: list[str], candidate: list[str], work: Path, window: int, every: int,
@@ -182,7 +190,9 @@ def check(common: list[str], reference: list[str], candidate: list[str], work: P
     """Both runs and their comparison: the figures of a `lightning_ft.bench.table.FIDELITY` row."""
     start = time.perf_counter()
     runs = {}
-    for side, overrides in (("reference", reference), ("candidate", candidate)):
+    # the candidate first: the setting under test is the likelier to be refused (e.g. fp8 off Hopper), before a whole
+    # reference run is spent
+    for side, overrides in (("candidate", candidate), ("reference", reference)):
         print(f"fidelity: {side}: fit {shlex.join(common + overrides)}", flush=True)
         runs[side] = _fit(work / side, [*common, *overrides], work / f"{side}.log", timeout)
     ref, cand = runs["reference"], runs["candidate"]
@@ -244,7 +254,8 @@ def main() -> None:
         except TableError as err:
             sys.exit(f"fidelity: --record {err}")
     try:
-        preflight({side: planned_config([*args.common, *overrides]) for side, overrides in sides.items()}, args.window)
+        preflight({side: planned_config([*args.common, *overrides]) for side, overrides in sides.items()}, args.window,
+                  args.every)
     except (ValueError, subprocess.TimeoutExpired) as err:
         parser.error(str(err))
     date = datetime.now(timezone.utc)

@@ -212,15 +212,22 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
+    quantization, backend = cfg.model.get("quantization"), cfg.moe.backend
+    if quantization == "mxfp4" and backend not in ("auto", "triton", "grouped_mm"):  # before the data loads
+        raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton or grouped_mm "
+                         f"reads (moe.backend={backend}): set moe=grouped_mm, or moe=triton on a GPU")
     if no_cuda and not interpreter_requested():
         interpreter = "or TRITON_INTERPRET=1 (Triton's CPU interpreter, slow)"
-        if cfg.model.get("quantization") == "mxfp4" and cfg.moe.backend in ("auto", "triton"):
+        if quantization == "mxfp4" and backend in ("auto", "triton"):
             # before moe.backend's own refusal, which would send it back here
-            raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton reads, and "
-                             f"Triton needs a CUDA device ({no_cuda}) {interpreter}: run on a GPU, set moe=grouped_mm "
-                             f"(reads them too, and runs here), or set model.quantization=none (the experts in model.dtype)")
-        if cfg.moe.backend == "triton":
-            raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}) {interpreter}: use moe=native_torch")
+            chosen = "moe.backend=auto takes triton, which reads them, and" if backend == "auto" else \
+                "moe.backend=triton reads them, and"
+            raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4; {chosen} Triton needs a CUDA device "
+                             f"({no_cuda}) {interpreter}: run on a GPU, set moe=grouped_mm (reads them too, and runs "
+                             f"here), or set model.quantization=none (the experts in model.dtype)")
+        if backend == "triton":
+            raise ValueError(f"moe.backend=triton needs a CUDA device ({no_cuda}) {interpreter}: use moe=grouped_mm or "
+                             f"moe=native_torch")
 
 
 def _check_factory_keys(group: str, node: DictConfig | None) -> None:

@@ -197,7 +197,9 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("data.overflow=dropp", r"data.overflow=dropp: .*did you mean data.overflow=drop\?"),
         ("train.on_nonfinite=ski", r"train.on_nonfinite=ski: expected one of stop, skip; did you mean train.on_nonfinite=skip\?"),
         ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\) or TRITON_INTERPRET=1 \(Triton's CPU "
-                       r"interpreter, slow\): use moe=native_torch$"),
+                       r"interpreter, slow\): use moe=grouped_mm or moe=native_torch$"),
+        ("model.quantization=mxfp4", r"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton or "
+                                     r"grouped_mm reads \(moe.backend=hf\): set moe=grouped_mm, or moe=triton on a GPU$"),
     ],
 )
 def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, message, monkeypatch):
@@ -214,7 +216,8 @@ def test_mxfp4_on_the_cpu_without_the_interpreter_is_refused_before_the_data_loa
     refusal that sends the user to moe=triton and another that sends them back."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     proc = run_cli(tmp_path, "model=gpt_oss_tiny", "model.quantization=mxfp4", f"moe={moe}", ok=False)
-    assert re.search(r"^error: model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton reads, "
+    chosen = "moe.backend=auto takes triton, which reads them" if moe == "auto" else "moe.backend=triton reads them"
+    assert re.search(rf"^error: model.quantization=mxfp4 keeps the experts in MXFP4; {chosen}, "
                      r"and Triton needs a CUDA device \(trainer.accelerator=cpu\) or TRITON_INTERPRET=1 \(Triton's CPU "
                      r"interpreter, slow\): run on a GPU, set moe=grouped_mm \(reads them too, and runs here\), or set "
                      r"model.quantization=none", proc.stderr, re.M), proc.stderr[-2000:]

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: both sides' overrides of the short failing runs: two steps, a validation split
-SHORT = ("trainer.max_steps=2", "data.val_fraction=0.1")  # with --window 1
+SHORT = ("trainer.max_steps=2", "data.val_fraction=0.1")  # with --window 1 --every 1
 #: the runs' environment: the kernels' torch references on the CPU, not Triton's interpreter (the conftest turns it on)
 ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -76,7 +76,7 @@ def test_fidelity_runs_both_sides_records_a_row_and_fails_past_its_bound(tmp_pat
 def test_fidelity_names_a_failed_run_and_its_log(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "model.attention=nope",
-         "--candidate", "lora.dropout=0.0", "--window", "1", "--work", str(tmp_path), "--", *SHORT],
+         "--candidate", "lora.dropout=0.0", "--window", "1", "--every", "1", "--work", str(tmp_path), "--", *SHORT],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert proc.returncode == 1
@@ -89,7 +89,7 @@ def test_fidelity_keeps_its_temporary_runs_when_one_fails_and_quotes_overrides_a
     space is one override, shown quoted."""
     proc = subprocess.run(
         [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "data=jsonl 'data.path=/no such.jsonl'",
-         "--candidate", "lora.dropout=0.0", "--window", "1", "--", *SHORT],
+         "--candidate", "lora.dropout=0.0", "--window", "1", "--every", "1", "--", *SHORT],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**ENV, "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 1
@@ -125,21 +125,24 @@ def test_fidelity_refuses_an_unbalanced_quote_in_a_side_before_training(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("common, candidate, message", [
+@pytest.mark.parametrize("common, candidate, message, flags", [
     (("trainer.max_steps=4",), "kernels=all",
      "the reference run has no validation data, so no final validation loss: give both runs data.val_path or "
-     "data.val_fraction"),
+     "data.val_fraction", ()),
     (("trainer.max_steps=4", "data.val_fraction=0.1"), "trainer.max_steps=3",
      "the runs would train different numbers of steps (reference trainer.max_steps=4, candidate trainer.max_steps=3): "
-     "give both the same"),
+     "give both the same", ()),
     (("trainer.max_steps=4", "data.val_fraction=0.1"), "kernels=all",
-     "trainer.max_steps=4 is less than one smoothing window (--window 20): no step to compare"),
+     "trainer.max_steps=4 is less than one smoothing window (--window 20): no step to compare", ()),
+    (("trainer.max_steps=25", "data.val_fraction=0.1"), "kernels=all",
+     "trainer.max_steps=25: the first step compared would be 30 (the first multiple of --every 15 from --window 20 on): "
+     "lower --every or train more steps", ("--every", "15")),
 ])
-def test_fidelity_refuses_runs_that_could_not_be_compared_before_training(tmp_path, common, candidate, message):
+def test_fidelity_refuses_runs_that_could_not_be_compared_before_training(tmp_path, common, candidate, message, flags):
     """Each side's config as Hydra composes it (``fit --cfg job``) is checked before anything trains."""
     proc = subprocess.run(
         [sys.executable, "benchmarks/fidelity.py", "--name", "x", "--reference", "kernels=none", "--candidate", candidate,
-         "--work", str(tmp_path / "runs"), "--", *common],
+         "--work", str(tmp_path / "runs"), *flags, "--", *common],
         cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV,
     )
     assert proc.returncode == 2 and f"fidelity.py: error: {message}" in proc.stderr, proc.stderr[-1500:]
@@ -176,3 +179,5 @@ def test_e4m3_base_rounds_the_lora_wrapped_weights_to_what_fp8_stores_and_nothin
         else:
             assert torch.equal(w, w0), name
     assert changed == 4 * config["model"]["config"]["num_hidden_layers"]
+    with pytest.raises(ValueError, match="--e4m3-base rounds the weights LoRA wraps .* lora.enabled=false: give the runs LoRA"):
+        _script().save_e4m3_base({**config, "lora": {**config["lora"], "enabled": False}}, tmp_path / "none")

@@ -268,7 +268,8 @@ def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dt
             rank_zero_info(f"quantization: {count} expert weights quantised to NF4{'' if after else ' as they loaded'}: "
                            f"{_bytes_held(*nf4_experts.experts_bytes(model))}")
     elif keep is None:
-        why = "takes triton, which keeps them in NF4 too, on CUDA only" if moe_backend == "auto" else \
+        why = "takes triton, which keeps them in NF4 too, on CUDA only (moe.backend=grouped_mm keeps them in NF4 " \
+            "anywhere)" if moe_backend == "auto" else \
             "reads dense weights (moe.backend=triton or grouped_mm keeps them in NF4 too)"
         rank_zero_info(f"quantization: the MoE experts stay in {dtype}: moe.backend={moe_backend} {why}")
     return moe_backend

@@ -115,7 +115,7 @@ def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_
                          "set strategy.cuda_graphs=false")
     if quantization == "mxfp4" and moe_backend not in ("triton", "grouped_mm"):
         raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton or "
-                         f"grouped_mm reads (moe.backend={moe_backend}): set moe.backend=triton")
+                         f"grouped_mm reads (moe.backend={moe_backend}): set moe.backend=grouped_mm, or triton on a GPU")
 
 
 def bnb_nf4_config(dtype: torch.dtype) -> Any:

@@ -58,7 +58,8 @@ def test_logits_and_lora_gradients_equal_the_dequantised_twin(backend):
 
 
 def test_bad_mxfp4_settings_are_refused():
-    with pytest.raises(ValueError, match=r"only moe.backend=triton or grouped_mm reads \(moe.backend=native_torch\): set moe.backend=triton"):
+    with pytest.raises(ValueError, match=r"only moe.backend=triton or grouped_mm reads \(moe.backend=native_torch\): "
+                                         r"set moe.backend=grouped_mm, or triton on a GPU"):
         check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=False, moe_backend="native_torch")
     check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=False, moe_backend="grouped_mm")
     with pytest.raises(ValueError, match="only moe.backend=triton or grouped_mm reads"):
