@@ -35,7 +35,7 @@ from lightning_ft.errors import (
     check_logger_installed,
     out_of_memory,
 )
-from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS
+from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS, QUANTISED_EXPERT_BACKENDS
 from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
 from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
 from lightning_ft.model.lora import adapter_folder
@@ -213,7 +213,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
     quantization, backend = cfg.model.get("quantization"), cfg.moe.backend
-    if quantization == "mxfp4" and backend not in ("auto", "triton", "grouped_mm"):  # before the data loads
+    if quantization == "mxfp4" and backend not in ("auto", *QUANTISED_EXPERT_BACKENDS):  # before the data loads
         raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton or grouped_mm "
                          f"reads (moe.backend={backend}): set moe=grouped_mm, or moe=triton on a GPU")
     if no_cuda and not interpreter_requested():

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ft.errors import check_choice, check_local_path
 from lightning_ft.kernels._utils import INTERPRETER
+from lightning_ft.kernels.moe import QUANTISED_EXPERT_BACKENDS
 from lightning_ft.model import nf4_experts
 from lightning_ft.model.attention import register_packed_attention, resolve_attention_backend
 from lightning_ft.model.attention_plan import calibrate
@@ -247,7 +248,7 @@ def nf4_experts_backend(requested: str, on_cuda: bool) -> str:
 def holds_nf4_experts(backend: str) -> bool:
     """Whether the MoE ``backend`` (resolved by `nf4_experts_backend`) reads NF4 experts (``triton`` and ``grouped_mm``
     do); with another a ``model.quantization=nf4`` run keeps its experts in ``model.dtype``."""
-    return backend in ("triton", "grouped_mm")
+    return backend in QUANTISED_EXPERT_BACKENDS
 
 
 def _nf4_experts(model: torch.nn.Module, moe_backend: str, keep: bool | None, dtype: str, device: torch.device) -> str:

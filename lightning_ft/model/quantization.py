@@ -35,6 +35,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ft.errors import check_choice
+from lightning_ft.kernels.moe import QUANTISED_EXPERT_BACKENDS
 from lightning_ft.kernels.nf4 import Quant4bitWeight
 
 __all__ = [
@@ -113,7 +114,7 @@ def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_
     if cuda_graphs and quantization == "mxfp4":
         raise ValueError("strategy.cuda_graphs=true is not supported with model.quantization=mxfp4 yet: "
                          "set strategy.cuda_graphs=false")
-    if quantization == "mxfp4" and moe_backend not in ("triton", "grouped_mm"):
+    if quantization == "mxfp4" and moe_backend not in QUANTISED_EXPERT_BACKENDS:
         raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton or "
                          f"grouped_mm reads (moe.backend={moe_backend}): set moe.backend=grouped_mm, or triton on a GPU")
 

@@ -51,6 +51,7 @@ import torch
 from lightning_ft.kernels.fp8 import (
     E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight,
 )
+from lightning_ft.kernels.moe import QUANTISED_EXPERT_BACKENDS
 from lightning_ft.kernels.nf4 import e4m3_scales_4bit
 
 __all__ = [
@@ -186,7 +187,7 @@ def fp8_expert_weight(experts: torch.nn.Module, name: str) -> Fp8ExpertWeight | 
 def fp8_experts_blocker(backend: str) -> str | None:
     """Why the MoE experts under LoRA cannot be held in fp8 with this ``moe.backend`` (resolved), naming the setting
     that would allow it; None where they can (``triton`` or ``grouped_mm``, with or without CUDA graphs)."""
-    if backend not in ("triton", "grouped_mm"):
+    if backend not in QUANTISED_EXPERT_BACKENDS:
         return f"only moe.backend=triton or grouped_mm reads fp8 experts (moe.backend={backend}): set moe.backend=triton"
     return None
 

@@ -9,7 +9,7 @@ Nothing here imports transformers; the model wiring is `lightning_ft.model.moe`.
 """
 
 from lightning_ft.kernels.moe._common import ClampedSwiGLU, ExpertBiases, ExpertLoRA
-from lightning_ft.kernels.moe.experts import BACKENDS, moe_experts, select_backend
+from lightning_ft.kernels.moe.experts import BACKENDS, QUANTISED_EXPERT_BACKENDS, moe_experts, select_backend
 from lightning_ft.kernels.moe.grouped_mm import grouped_mm_mode
 from lightning_ft.kernels.moe.routing import (
     ExpertRouting,
@@ -21,6 +21,7 @@ from lightning_ft.kernels.moe.routing import (
 
 __all__ = [
     "BACKENDS",
+    "QUANTISED_EXPERT_BACKENDS",
     "ClampedSwiGLU",
     "ExpertBiases",
     "ExpertLoRA",

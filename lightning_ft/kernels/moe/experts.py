@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from lightning_ft.kernels.moe._common import _INTERPRET, ExpertBiases, ExpertLoRA
-from lightning_ft.kernels.moe.grouped_gemm import experts_triton
+from lightning_ft.kernels.moe.grouped_gemm import _QUANTISED_WEIGHTS, experts_triton
 from lightning_ft.kernels.moe.grouped_mm import _GROUPED_MM, experts_grouped_mm, grouped_mm_mode
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import ExpertRouting, permute_tokens, unpermute_tokens
@@ -28,9 +28,11 @@ from lightning_ft.kernels.fp8 import Fp8ExpertWeight
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight
 from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 
-__all__ = ["BACKENDS", "moe_experts", "select_backend"]
+__all__ = ["BACKENDS", "QUANTISED_EXPERT_BACKENDS", "moe_experts", "select_backend"]
 
 BACKENDS = ("native_torch", "grouped_mm", "triton")
+#: the backends that read expert weights held quantised (fp8, NF4, MXFP4); the others read dense weights
+QUANTISED_EXPERT_BACKENDS = ("triton", "grouped_mm")
 
 
 def select_backend(requested: str) -> str:
@@ -122,7 +124,7 @@ def moe_experts(
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose one of {BACKENDS}")
     for w in (w_gate_up_EFD, w_down_EDI):
-        if isinstance(w, (Fp8ExpertWeight, Nf4ExpertWeight, Mxfp4Weight)) and backend == "native_torch":
+        if isinstance(w, _QUANTISED_WEIGHTS) and backend not in QUANTISED_EXPERT_BACKENDS:
             kind = {Fp8ExpertWeight: "fp8", Nf4ExpertWeight: "NF4", Mxfp4Weight: "MXFP4"}[type(w)]
             raise ValueError(f"{kind} expert weights run on the triton and grouped_mm MoE backends, not native_torch: "
                              "set moe.backend=triton")

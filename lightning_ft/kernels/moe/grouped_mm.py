@@ -44,8 +44,6 @@ import triton.testing
 
 from lightning_ft.kernels._utils import row_padded, triton_can_run
 from lightning_ft.kernels.fp8 import Fp8ExpertWeight
-from lightning_ft.kernels.mxfp4 import Mxfp4Weight
-from lightning_ft.kernels.nf4 import Nf4ExpertWeight
 from lightning_ft.kernels.moe._common import (
     _INTERPRET,
     ExpertBiases,
@@ -55,7 +53,15 @@ from lightning_ft.kernels.moe._common import (
     _refuse_host_sync_in_capture,
     _swiglu,
 )
-from lightning_ft.kernels.moe.grouped_gemm import _base_rows, _saved_weight, _weight_of, grouped_gemm, grouped_wgrad
+from lightning_ft.kernels.moe.grouped_gemm import (
+    _FOUR_BIT_WEIGHTS,
+    _QUANTISED_WEIGHTS,
+    _base_rows,
+    _saved_weight,
+    _weight_of,
+    grouped_gemm,
+    grouped_wgrad,
+)
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
 from lightning_ft.kernels.moe.routing import permute_tokens, sum_pairs, unpermute_tokens, unread_output
 
@@ -473,7 +479,7 @@ def _base_product(x_SC, w_ENC, offsets_E, copy_weights) -> torch.Tensor:
     if isinstance(w_ENC, Fp8ExpertWeight):
         x_base, x_scale = _base_rows(x_SC, w_ENC)
         return grouped_gemm(x_base, w_ENC.transpose(1, 2), offsets_E, x_SC.shape[0], src_scale=x_scale)
-    if isinstance(w_ENC, (Nf4ExpertWeight, Mxfp4Weight)):
+    if isinstance(w_ENC, _FOUR_BIT_WEIGHTS):
         w_ENC = w_ENC.dense_in_buffer()
     w_ECN = w_ENC.transpose(1, 2)
     return _GROUPED_MM(x_SC, w_ECN.contiguous() if copy_weights else w_ECN, offs=offsets_E)
@@ -485,7 +491,7 @@ def _base_input_grad(dy_SN, w_ENC, offsets_E, copy_weights) -> torch.Tensor:
     `Fp8ExpertWeight` our grouped GEMM with the e4m3 weight widened in its tiles (dy as it is: see `grouped_gemm`)."""
     if isinstance(w_ENC, Fp8ExpertWeight):
         return grouped_gemm(dy_SN, w_ENC, offsets_E, dy_SN.shape[0])
-    if isinstance(w_ENC, (Nf4ExpertWeight, Mxfp4Weight)):
+    if isinstance(w_ENC, _FOUR_BIT_WEIGHTS):
         w_ENC = w_ENC.dense_in_buffer()
     w_view = w_ENC.transpose(1, 2).contiguous().transpose(1, 2) if copy_weights else w_ENC
     return _GROUPED_MM(dy_SN, w_view, offs=offsets_E)
@@ -678,7 +684,7 @@ def experts_grouped_mm(
     dtype = x_TD.dtype
     mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
-    dense = tuple(w for w in (w_gate_up_EFD, w_down_EDI) if not isinstance(w, (Fp8ExpertWeight, Nf4ExpertWeight, Mxfp4Weight)))
+    dense = tuple(w for w in (w_gate_up_EFD, w_down_EDI) if not isinstance(w, _QUANTISED_WEIGHTS))
     if mode == "unsupported" or not _grouped_mm_aligned(dtype, sizes, dense):
         if len(dense) < 2:  # native_torch computes over dense weights only
             raise ValueError(
