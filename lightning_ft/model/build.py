@@ -393,12 +393,11 @@ def _use_cuda_graphs(
     device: torch.device,
     sharded: bool = False,
     moe_backend: str | None = None,
-    quantization: str = "none",
 ) -> bool:
     """Whether the strategy's CUDA graphs apply (``strategy.cuda_graphs`` true or ``auto``), checked from the config
     before the model is built.
 
-    `Execution.check` (a CUDA device), `check_quantized_training` (not over MXFP4) and `check_cuda_graphs`, which
+    `Execution.check` (a CUDA device) and `check_cuda_graphs`, which
     `apply_cuda_graphs` runs again on the built model, run here on the config first, so a bad combination fails before
     60 GB of weights are loaded. ``true``: what they refuse raises, and under FSDP2 (``sharded``: it gathers each
     layer's weights at new addresses every step) the graphs are skipped with a warning (with ``auto`` too where
@@ -406,8 +405,7 @@ def _use_cuda_graphs(
     (`_auto_off`). ``false``: False.
 
     Raises:
-        ValueError: with ``strategy.cuda_graphs=true``, off CUDA, or what `check_quantized_training` or
-            `check_cuda_graphs` refuse; with ``auto``, ``strategy.activation_offload=true`` where the graphs stay off.
+        ValueError: with ``strategy.cuda_graphs=true``, off CUDA, or what `check_cuda_graphs` refuses; with ``auto``, ``strategy.activation_offload=true`` where the graphs stay off.
     """
     if execution.cuda_graphs is False:
         return False
@@ -424,8 +422,6 @@ def _use_cuda_graphs(
     no_cuda = None if device.type == "cuda" else f"the model is on {device}"
     checks = (  # each with the reason ``auto`` logs (None: the refusal's own words)
         (lambda: replace(execution, cuda_graphs=True).check(no_cuda=no_cuda), f"the model is on {device.type}"),
-        (lambda: check_quantized_training(quantization, bool(lora.get("enabled", True)), sharded, True, moe_backend or "triton"),
-         f"model.quantization={quantization}"),
         (lambda: check_cuda_graphs(bool(model.get("gradient_checkpointing")), attention, dropout, moe_backend, router_logits), None),
     )
     for check, reason in checks:
@@ -560,7 +556,8 @@ class ModelBuilder:
 
         Raises:
             ValueError, FileNotFoundError: what `load_causal_lm`, `lightning_ft.model.lora.add_lora`,
-                `lightning_ft.model.quantization.check_quantized_training` (a 4-bit base without LoRA or under FSDP2, MXFP4 under CUDA graphs),
+                `lightning_ft.model.quantization.check_quantized_training` (a 4-bit base without LoRA or under
+                FSDP2, MXFP4 on a backend that cannot read it),
                 `Execution.check`, `lightning_ft.strategies.cuda_graphs.check_cuda_graphs`,
                 `lightning_ft.model.router` (``moe.train_router`` on a model without routers, or
                 against what ``lora.modules_to_save`` or ``lora.init_from`` says), ``lora.modules_to_save``
@@ -575,10 +572,10 @@ class ModelBuilder:
         quantization = cfg.get("quantization", "none")
         moe_backend = _moe_backend(self.moe_cfg.get("backend", "hf"), device, quantization, execution, self.lora_cfg)
         if not self.dense_experts:  # export's stock model (no LoRA for an adapter's export) trains nothing
-            check_quantized_training(quantization, lora_enabled, sharded, execution.cuda_graphs is True, moe_backend)
+            check_quantized_training(quantization, lora_enabled, sharded, moe_backend)
         if execution.fp8:
             _check_fp8(device, sharded, self.lora_cfg, quantization, bool(self.kernels_cfg.get("lora")))
-        cuda_graphs = _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend, quantization)
+        cuda_graphs = _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, moe_backend)
         rank_zero_info(f"attention: {attention} ({why})")
         if cfg.get("init", "pretrained") == "random" and self.seed is not None:
             torch.manual_seed(self.seed)  # every device's generator: the base does not depend on what drew before
@@ -642,7 +639,7 @@ class ModelBuilder:
             if lora_slots and (augmented := augment_expert_weights(model)):
                 rank_zero_info(f"moe: {augmented} expert weights hold their LoRA factors in spare rows and columns (LoRA joins the GEMMs)")
             if cuda_graphs:  # `auto` resolved to native_torch (a GPU without a grouped_mm kernel)
-                cuda_graphs = _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend, quantization)
+                cuda_graphs = _use_cuda_graphs(cfg, execution, self.lora_cfg, attention, device, sharded, backend)
         if execution.fp8:
             linears = convert_to_fp8(model)
             if quantization == "none" or linears:

@@ -94,15 +94,14 @@ def check_quantization(quantization: str, checkpoint_method: str | None, checkpo
         )
 
 
-def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_graphs: bool, moe_backend: str = "triton") -> None:
+def check_quantized_training(quantization: str, lora: bool, sharded: bool, moe_backend: str = "triton") -> None:
     """Refuse, before any weight loads, what a 4-bit base cannot run with (yet).
 
     Raises:
         ValueError: ``nf4`` or ``mxfp4`` without LoRA (the 4-bit weights cannot train), under FSDP2 (``sharded``: it
-            would shard the packed bytes without their scales); ``mxfp4`` with ``strategy.cuda_graphs`` (not checked
-            over MXFP4 experts) or a ``moe.backend`` other than ``triton`` or ``grouped_mm`` (those that read MXFP4); each naming the
-            setting to change. ``nf4`` runs under CUDA graphs (the dequantisation buffer is recorded at its address,
-            `lightning_ft.kernels.nf4`)
+            would shard the packed bytes without their scales); ``mxfp4`` on a ``moe.backend`` other than ``triton`` or
+            ``grouped_mm`` (those that read MXFP4); each naming the setting to change. Both run under CUDA graphs (the
+            dequantisation buffer is recorded at its address, `lightning_ft.kernels._utils.dequant_buffer`)
     """
     if quantization == "none":
         return
@@ -111,9 +110,6 @@ def check_quantized_training(quantization: str, lora: bool, sharded: bool, cuda_
                          "lora.enabled=true (or model.quantization=none for full fine-tuning)")
     if sharded:
         raise ValueError(f"model.quantization={quantization} does not run under strategy=fsdp2: use one GPU or strategy=ddp")
-    if cuda_graphs and quantization == "mxfp4":
-        raise ValueError("strategy.cuda_graphs=true is not supported with model.quantization=mxfp4 yet: "
-                         "set strategy.cuda_graphs=false")
     if quantization == "mxfp4" and moe_backend not in QUANTISED_EXPERT_BACKENDS:
         raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which only moe.backend=triton or "
                          f"grouped_mm reads (moe.backend={moe_backend}): set moe.backend=grouped_mm, or triton on a GPU")

@@ -60,16 +60,14 @@ def test_logits_and_lora_gradients_equal_the_dequantised_twin(backend):
 def test_bad_mxfp4_settings_are_refused():
     with pytest.raises(ValueError, match=r"only moe.backend=triton or grouped_mm reads \(moe.backend=native_torch\): "
                                          r"set moe.backend=grouped_mm, or triton on a GPU"):
-        check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=False, moe_backend="native_torch")
-    check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=False, moe_backend="grouped_mm")
+        check_quantized_training("mxfp4", lora=True, sharded=False, moe_backend="native_torch")
+    check_quantized_training("mxfp4", lora=True, sharded=False, moe_backend="grouped_mm")
     with pytest.raises(ValueError, match="only moe.backend=triton or grouped_mm reads"):
         _build(backend="hf")
     with pytest.raises(ValueError, match="mxfp4 does not run under strategy=fsdp2"):
-        check_quantized_training("mxfp4", lora=True, sharded=True, cuda_graphs=False)
+        check_quantized_training("mxfp4", lora=True, sharded=True)
     with pytest.raises(ValueError, match="mxfp4 freezes the base.*set lora.enabled=true"):
-        check_quantized_training("mxfp4", lora=False, sharded=False, cuda_graphs=False)
-    with pytest.raises(ValueError, match="mxfp4.*set strategy.cuda_graphs=false"):
-        check_quantized_training("mxfp4", lora=True, sharded=False, cuda_graphs=True)
+        check_quantized_training("mxfp4", lora=False, sharded=False)
     with pytest.raises(ValueError, match=r"already quantised \(bitsandbytes\)"):
         check_quantization("mxfp4", "bitsandbytes", True)
     check_quantization("mxfp4", "mxfp4", False)

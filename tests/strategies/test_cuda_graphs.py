@@ -41,6 +41,11 @@ TINY = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2,
         norm_topk_prob=True, vocab_size=128,
     ),
+    "gpt_oss": dict(  # sinks, a sliding window shorter than the documents, then full attention; biased experts
+        model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], vocab_size=128, initializer_range=0.1,
+    ),
     "mistral": dict(  # a sliding window shorter than the rows' documents
         model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=128,
@@ -53,6 +58,7 @@ LORA = {
 }  # fmt: skip
 # rows of 64 tokens: three layouts of three or four documents (one varlen bucket: 4 docs, longest <= 64), one document
 ROWS = {"a": [40, 1, 20, 3], "b": [10, 50, 2, 2], "c": [45, 15, 4], "one": [64], "short": [20, 12], "long": [3000, 1096]}
+MOE = ("qwen3_moe", "gpt_oss")
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -65,14 +71,14 @@ def _module(
     cuda = device == "cuda"
     lora_kernel = cuda if lora_kernel is None else lora_kernel
     lora = dict(lora)
-    if kind != "qwen3_moe":
+    if kind not in MOE:
         lora.pop("target_parameters")
-    else:  # Qwen3-MoE's MLPs are experts (3-D parameters): no dense gate/up/down modules
+    else:  # the MoE MLPs are experts (3-D parameters): no dense gate/up/down modules
         lora["target_modules"] = [t for t in lora["target_modules"] if t not in ("gate_proj", "up_proj", "down_proj")]
     module = FinetuneModule(ModelBuilder(model={
             "init": "random", "config": dict(TINY[kind]), "dtype": "bfloat16" if cuda else "float32",
             "attention": "varlen" if cuda else "sdpa", "gradient_checkpointing": True, "quantization": quantization,
-        }, lora=lora, kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda}, moe={"backend": moe_backend if kind == "qwen3_moe" else "hf"},
+        }, lora=lora, kernels={"rms_norm": cuda, "rope": cuda, "swiglu": cuda, "lora": lora_kernel, "fused_linear_cross_entropy": cuda}, moe={"backend": moe_backend if kind in MOE else "hf"},
         execution=Execution(fp8=fp8)))
     with torch.device(device):
         module.configure_model()
@@ -211,14 +217,16 @@ GPU = pytest.mark.gpu
         ("llama", "hf", "nf4", False, "cpu"), ("qwen3_moe", "triton", "nf4", False, "cpu"),
         pytest.param("llama", "hf", "nf4", False, "cuda", marks=GPU), pytest.param("qwen3_moe", "triton", "nf4", False, "cuda", marks=GPU),
         pytest.param("llama", "hf", "nf4", True, "cuda", marks=GPU), pytest.param("qwen3_moe", "triton", "none", True, "cuda", marks=GPU),
+        ("gpt_oss", "grouped_mm", "mxfp4", False, "cpu"), pytest.param("gpt_oss", "grouped_mm", "mxfp4", False, "cuda", marks=GPU),
+        pytest.param("gpt_oss", "triton", "mxfp4", False, "cuda", marks=GPU),
     ],
 )  # fmt: skip
 def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_backend, quantization, fp8, device):
     """A 4-bit or fp8 frozen base replayed from CUDA graphs: model.quantization=nf4 (the fused 4-bit LoRA linear; on
     Qwen3-MoE NF4 experts through the triton grouped GEMM), with strategy.fp8 on top (e4m3 products of the NF4 bases),
-    and strategy.fp8 alone on Qwen3-MoE (fp8 linear layers and experts). The replays read the dequantisation buffer
-    the recordings wrote; loss and gradients equal the eager model's step after step, the weights updated in place
-    between steps."""
+    strategy.fp8 alone on Qwen3-MoE (fp8 linear layers and experts), and gpt-oss's MXFP4 experts on both backends that
+    read them. The replays read the dequantisation buffer the recordings wrote; loss and gradients equal the eager
+    model's step after step, the weights updated in place between steps."""
     if quantization == "nf4":
         pytest.importorskip("bitsandbytes", reason='model.quantization=nf4 needs bitsandbytes: pip install -e ".[qlora]"')
     from lightning_ft.kernels import _utils
@@ -231,6 +239,8 @@ def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_b
     tensors = [n for n, _ in module.model.named_parameters()] + [n for n, _ in module.model.named_buffers()]
     if quantization == "nf4":  # the base is 4-bit: the linear layers, and the MoE's experts
         assert "Linear4bit" in modules and (kind != "qwen3_moe" or any("gate_up_proj_nf4" in n for n in tensors))
+    if quantization == "mxfp4":  # the experts' blocks and scales
+        assert any("gate_up_proj_blocks" in n for n in tensors) and any("down_proj_scales" in n for n in tensors)
     if fp8:  # e4m3 products: the scales of the NF4 bases, or fp8 linear layers and experts
         assert any("fp8" in n for n in tensors) and (quantization == "nf4" or "Fp8Linear" in modules)
     layers = apply_cuda_graphs(module.model)
@@ -238,7 +248,7 @@ def test_graphed_layers_over_a_quantised_base_match_the_eager_layers(kind, moe_b
     for step, name in enumerate(["a", "b", "a", "b", "one"]):
         _step_matches_eager(module, name, step, cuda)
     assert state.captures >= layers  # recorded and replayed
-    if cuda and quantization == "nf4":  # the graphs wrote the reused dequantisation buffer, kept alive for their replays
+    if cuda and quantization != "none":  # the graphs wrote the reused dequantisation buffer, kept alive for their replays
         assert _utils._RECORDED
 
 
@@ -523,12 +533,8 @@ def test_auto_graphs_where_the_run_allows_them_else_off_with_one_line_saying_why
     assert "lora.dropout=0" in off(graphs, auto, {**LORA, "dropout": 0.05}, "varlen", cuda)
     assert off(graphs, auto, LORA, "varlen", cuda, False, "native_torch").endswith("set moe.backend=grouped_mm or triton")
     assert "output_router_logits=false" in off({**graphs, "config": {"output_router_logits": True}}, auto, LORA, "varlen", cuda)
-    assert off(graphs, auto, LORA, "varlen", cuda, False, "triton", "mxfp4") == "cuda graphs: off (auto): model.quantization=mxfp4"
-    assert _use_cuda_graphs(graphs, auto, LORA, "varlen", cuda, False, "triton", "nf4")  # NF4 layers replay
     lines.clear()
     assert _use_cuda_graphs(graphs, Execution(cuda_graphs=False), LORA, "varlen", cuda) is False and not lines
-    with pytest.raises(ValueError, match="not supported with model.quantization=mxfp4"):  # true refuses as it did
-        _use_cuda_graphs(graphs, Execution(cuda_graphs=True), LORA, "varlen", cuda, False, "triton", "mxfp4")
     with pytest.warns(UserWarning, match="skipped under strategy=fsdp2"):  # true under FSDP2: skipped with a warning
         assert _use_cuda_graphs(graphs, Execution(cuda_graphs=True), LORA, "varlen", cuda, True) is False
     with pytest.raises(ValueError, match=r"activation_offload=true needs CUDA graphs.*\(needs model.attention"):
