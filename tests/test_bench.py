@@ -69,14 +69,15 @@ def run_bench(tmp_path, *overrides, env=None):
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "results.json").read_text())["rows"]
 
-DENSE = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
-             num_hidden_layers=3, vocab_size=10)
+DENSE = dict(model_type="llama", hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+             intermediate_size=16, num_hidden_layers=3, vocab_size=10)
 
 
 def test_flops_count_by_hand():
     # per layer: q 8·8, o 8·8, k 8·4, v 8·4 = 192; mlp 3·8·16 = 384 → 576; head 80
     assert matmul_params_per_token(DENSE) == (3 * 576, 80)
-    moe = {**DENSE, "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 6}
+    # router 8·5 and top-2 of 5 experts of gate/up/down 3·8·6 (norms of q and k, 1-D, not counted)
+    moe = {**DENSE, "model_type": "qwen3_moe", "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 6}
     assert matmul_params_per_token(moe)[0] == 3 * (192 + 8 * 5 + 2 * 3 * 8 * 6)
     # LoRA (frozen base), no checkpointing: 4·P per token, plus forward + 2× backward of attention
     attn_fwd = 3 * 2 * 2 * 4 * (5 * 5 + 2 * 2)  # layers · 2 · heads · head_dim · Σ n²
@@ -85,6 +86,21 @@ def test_flops_count_by_hand():
     assert train_step_flops(DENSE, [5, 2], True) - train_step_flops(DENSE, [5, 2], False) == 2 * 1728 * 7 + attn_fwd
     # full fine-tuning adds the weight gradients
     assert train_step_flops(DENSE, [5, 2], False, base_trainable=True) - train_step_flops(DENSE, [5, 2], False) == 2 * (1728 + 80) * 7
+
+
+def test_flops_count_the_architecture_as_it_computes():
+    """gpt-oss: top-4 of 32 biased experts (gate_up interleaved in one weight), a router; its sliding-window layers
+    score at most ``window`` keys a query: n²/2 − (n − w)²/2 pairs for a document of n > w tokens."""
+    oss = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=32, num_experts_per_tok=4, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"], vocab_size=100)
+    attention = 64 * 64 * 2 + 64 * 32 * 2  # q, o; k, v
+    experts = 4 * (64 * 2 * 32 + 32 * 64)  # top-4 of gate_up [64 → 2·32] and down [32 → 64]
+    assert matmul_params_per_token(oss) == (2 * (attention + 64 * 32 + experts), 6400)
+    pairs_full, pairs_window = 20 * 20 / 2, 20 * 20 / 2 - 12 * 12 / 2
+    with_attention = train_step_flops(oss, [20], gradient_checkpointing=False)
+    assert with_attention - 4 * 20 * sum(matmul_params_per_token(oss)) == 3 * 2 * 4 * 32 * (pairs_full + pairs_window)
+
 
 @pytest.mark.slow
 def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):

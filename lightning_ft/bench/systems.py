@@ -41,6 +41,8 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_ft.bench.flops import num_experts
+
 SYSTEMS = ("hf_peft", "liger", "unsloth", "lightning_ft")
 
 _LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3",
@@ -75,8 +77,14 @@ def _nf4(spec: dict[str, Any]) -> bool:
 
 
 def _hf_model(spec: dict[str, Any]) -> torch.nn.Module:
-    kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
-    if spec["model_config"].get("num_experts") and spec["device"].startswith("cuda"):
+    """The stock model as a transformers user runs it: SDPA attention where the class has it (gpt-oss has not: its
+    sinks run in eager attention, transformers' default for it), the experts through ``grouped_mm`` on CUDA."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(spec["model_config"])
+    architecture = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(cfg["model_type"]))]
+    kwargs: dict[str, Any] = {"attn_implementation": "sdpa" if architecture._supports_sdpa else "eager"}
+    if num_experts(cfg) and spec["device"].startswith("cuda"):
         kwargs["experts_implementation"] = "grouped_mm"
     model = _random_model(spec, **kwargs)
     if _nf4(spec):  # the bitsandbytes Linear4bit layers from_pretrained(quantization_config=...) makes

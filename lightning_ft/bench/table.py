@@ -31,6 +31,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
+from lightning_ft.bench.flops import num_experts
+
 SCHEMA_VERSION = 2
 
 #: (column, type, meaning); floats are written with the digits in `_DIGITS`, an unknown value as an empty cell
@@ -381,7 +383,7 @@ def settings_text(config: dict[str, Any], system: str, graphed: bool | None = No
     parts.append("kernels=" + (",".join(short.get(k, k) for k, on in kernels.items() if on) or "none"))
     model_cfg = (config.get("model") or {}).get("config") or {}
     moe = config.get("moe") or {}
-    if model_cfg.get("num_experts") and moe:
+    if num_experts(model_cfg) and moe:
         parts.append(f"moe={moe.get('backend')}" + ("" if moe.get("lora_slots", True) else ",no_slots"))
     model = config.get("model") or {}
     if model.get("attention") not in (None, "auto"):
