@@ -96,6 +96,14 @@ def chosen_groups(overrides: list[str], choices: dict[str, Any], config_dir: str
     return chosen
 
 
+def group_keys(overrides: list[str]) -> list[str]:
+    """The command line's overrides of single keys of the kernels and moe groups (``kernels.lora=true``), which apply
+    on top of whichever option the group gets (``kernels=none`` and ``kernels.lora=true`` run the LoRA kernel): the
+    device line names them after the options."""
+    keys = [item.lstrip("+~") for item in overrides]
+    return [item for item in keys if "=" in item and item.split("=", 1)[0].split(".")[0] in ("kernels", "moe") and "." in item.split("=", 1)[0]]
+
+
 def model_type_of(model: DictConfig) -> str | None:
     """``model.config.model_type``, else the ``model_type`` of ``model.name_or_path``'s config (None where it cannot be read)."""
     if (model.get("config") or {}).get("model_type"):
@@ -138,6 +146,8 @@ def resolve_device(cfg: DictConfig) -> DictConfig:
     chosen = chosen_groups(overrides, choices, config_dir())
     gpu_path = device == "gpu" or (device == "auto" and torch.cuda.is_available())
     picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None, why)
+    if keys := group_keys(overrides):
+        line += f"; with {' '.join(keys)}"
     if rank_zero_only.rank == 0:  # the processes Lightning starts for the other ranks compose the config again
         log.info(line)
     added = {group: option for group, option in picked.items() if choices.get(group) != option}

@@ -7,14 +7,17 @@ import pytest
 import torch
 
 from lightning_ft.config import config_dir
-from lightning_ft.device import CPU_PATH, GPU_PATH, chosen_groups, device_choices
+from lightning_ft.device import CPU_PATH, GPU_PATH, chosen_groups, device_choices, group_keys
 
 EXPERIMENTS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
 
 
 @pytest.fixture
 def cuda(monkeypatch):
-    """A machine with one CUDA GPU, as far as the resolution can tell."""
+    """A machine with one CUDA GPU, as far as the resolution can tell. The patch tables are imported first: with CUDA
+    faked, bitsandbytes (imported by them) would take its CUDA path on a CPU-only torch."""
+    import lightning_ft.model.patching  # noqa: F401
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
@@ -28,6 +31,8 @@ def test_the_gpu_path_where_cuda_is_present(cuda):
     assert device_choices("auto", set(), "starcoder2")[0] == {**GPU_PATH, "moe": "hf"}
     picked, line = device_choices("auto", {"trainer", "kernels"}, "qwen3_moe")  # what the user chose stays
     assert picked == {"precision": "bf16", "moe": "auto"} and "kept as chosen: kernels, trainer" in line
+    assert group_keys(["kernels.lora=true", "+moe.lora_slots=false", "kernels=none", "trainer.max_steps=2"]) == [
+        "kernels.lora=true", "moe.lora_slots=false"]  # single keys of the groups, named after the options
     assert device_choices("cpu", set(), "qwen3_moe")[0] == CPU_PATH
 
 
