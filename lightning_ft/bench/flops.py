@@ -39,13 +39,15 @@ def _architecture(cfg_json: str) -> tuple[int, int, list[tuple[int, int, int, in
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lightning_ft.model.support import decoder_of
+
     cfg = json.loads(cfg_json)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
     per_token = 0
-    for layer in model.model.layers:
+    for layer in decoder_of(model).layers:
         for name, p in layer.named_parameters():
             if name.endswith("bias"):  # gpt-oss's expert biases are [num_experts, N]
                 continue
