@@ -51,7 +51,7 @@ from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8
 from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
 from lightning_ft.model.mxfp4 import experts_bytes as mxfp4_experts_bytes
-from lightning_ft.model.patching import apply_kernels
+from lightning_ft.model.patching import PATCH_TABLES, apply_kernels
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
     aux_loss_coef,
@@ -631,6 +631,10 @@ class ModelBuilder:
             )
         elif not train_router:
             freeze_routers(model)
+        model_type = model.config.model_type
+        if moe_backend == "auto" and getattr(PATCH_TABLES.get(model_type), "moe", None) is None:
+            rank_zero_info(f"moe: backend auto -> hf ({model_type} has no experts on our MoE path)")
+            moe_backend = "hf"  # a dense model (what the GPU path's moe=auto resolves to for it, lightning_ft.device)
         if moe_backend != "hf":
             backend = apply_moe(model, backend=moe_backend)
             rank_zero_info(f"moe: {backend} experts backend")
