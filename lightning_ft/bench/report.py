@@ -15,6 +15,7 @@ fault drills (``drills.csv``), every row. The same table files give the same RES
 from __future__ import annotations
 
 import argparse
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -349,7 +350,9 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
         table_rows = shown[table]
         models = ", ".join(dict.fromkeys(f"{r['model']} ({r['layers']} layers)" for r in table_rows))
         text = preset_text(table)
-        parts += [f"## {table}", "", f"{models}. {text or ''}".rstrip(), ""]
+        presets = {m.group(1) for r in table_rows if (m := re.search(r"\+bench=(\S+)", r["command"] or ""))}
+        described = text if text is not None or len(presets) != 1 else preset_text(presets.pop())  # the runs' preset
+        parts += [f"## {table}", "", f"{models}. {described or ''}".rstrip(), ""]
         if text is not None:
             parts += [f"Reproduce: `python -m lightning_ft bench +bench={table}`", ""]
         parts += [markdown_table(table_rows, by_table[table]), ""]
