@@ -132,6 +132,13 @@ def _tiny_values(values: dict[str, Any], config_class: type) -> dict[str, Any]:
     _fill_ssm_width(values)
     if values.get("rotary_dim") is not None:  # partial rotary as a width (GPT-J, CodeGen): half the tiny head
         values["rotary_dim"] = _TINY_SIZES["head_dim"] // 2
+    rope = values.get("rope_parameters")
+    for params in (rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        if isinstance(params, dict) and params.get("rope_type") == "yarn" and params.get("original_max_position_embeddings") \
+                and old.get("max_position_embeddings"):
+            # YaRN's pre-extension length, cut with the context so their ratio stays the factor's (else transformers warns)
+            params["original_max_position_embeddings"] = max(1, params["original_max_position_embeddings"]
+                                                             * values["max_position_embeddings"] // old["max_position_embeddings"])
     values.pop("mlp_only_layers", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocabulary
         if values.get(key) is not None:
