@@ -38,7 +38,9 @@ CPU_PATH = {"trainer": "cpu", "precision": "fp32", "kernels": "none", "moe": "hf
 GPU_PATH = {"trainer": "gpu", "precision": "bf16", "kernels": "all", "moe": "auto"}
 
 
-def device_choices(device: str, chosen: set[str], model_type: str | None, why: str | None = None) -> tuple[dict[str, str], str]:
+def device_choices(
+    device: str, chosen: set[str], model_type: str | None, why: str | None = None, keys: list[str] | None = None
+) -> tuple[dict[str, str], str]:
     """The options of the device-dependent groups that nobody chose, and the line that says so.
 
     Args:
@@ -47,6 +49,7 @@ def device_choices(device: str, chosen: set[str], model_type: str | None, why: s
         model_type: the model's ``model_type`` (None: unknown); on the GPU path ``moe=auto`` needs an
             MoE architecture with a patch table.
         why: what the line gives as the reason (default: the GPUs found, none, or ``device=...``).
+        keys: single keys of these groups set on the command line (`group_keys`), named right after the options.
 
     Returns:
         ``({group: option}, line)``: the options of `CPU_PATH` or `GPU_PATH` for the groups not in ``chosen``.
@@ -70,6 +73,8 @@ def device_choices(device: str, chosen: set[str], model_type: str | None, why: s
             picked["moe"] = "hf"
     picked = {group: option for group, option in picked.items() if group not in chosen}
     settings = " ".join(f"{group}={option}" for group, option in picked.items()) or "nothing left to pick"
+    if keys:
+        settings += f", overridden by {' '.join(keys)}"
     kept = f"; kept as chosen: {', '.join(sorted(chosen))}" if chosen else ""
     if on_gpu:
         why = why or (f"{torch.cuda.device_count()} CUDA GPU(s)" if device == "auto" else "device=gpu")
@@ -145,9 +150,7 @@ def resolve_device(cfg: DictConfig) -> DictConfig:
         device, why = ("cpu", "trainer.accelerator=cpu") if cfg.trainer.accelerator == "cpu" else (device, None)
     chosen = chosen_groups(overrides, choices, config_dir())
     gpu_path = device == "gpu" or (device == "auto" and torch.cuda.is_available())
-    picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None, why)
-    if keys := group_keys(overrides):
-        line += f"; with {' '.join(keys)}"
+    picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None, why, group_keys(overrides))
     if rank_zero_only.rank == 0:  # the processes Lightning starts for the other ranks compose the config again
         log.info(line)
     added = {group: option for group, option in picked.items() if choices.get(group) != option}

@@ -26,6 +26,7 @@ from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import OVERFLOWS, PackedDataModule
 from lightning_ft.data.formats import FORMATS, check_data_path
 from lightning_ft.data.tokenization import load_tokenizer
+from lightning_ft.device import model_type_of
 from lightning_ft.errors import (
     MEMORY_HINT,
     Interrupted,
@@ -39,6 +40,7 @@ from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS, QUANTI
 from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
 from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
 from lightning_ft.model.lora import adapter_folder
+from lightning_ft.model.mxfp4 import no_mxfp4_experts
 from lightning_ft.model.quantization import QUANTIZATIONS
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
@@ -213,6 +215,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
     quantization, backend = cfg.model.get("quantization"), cfg.moe.backend
+    if quantization == "mxfp4" and (model_type := model_type_of(cfg.model)) not in (None, "gpt_oss"):
+        raise no_mxfp4_experts(f"model_type {model_type}")
     if quantization == "mxfp4" and backend not in ("auto", *QUANTISED_EXPERT_BACKENDS):  # before the data loads
         raise ValueError(f"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton or grouped_mm "
                          f"reads (moe.backend={backend}): set moe=grouped_mm, or moe=triton on a GPU")

@@ -198,8 +198,10 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("train.on_nonfinite=ski", r"train.on_nonfinite=ski: expected one of stop, skip; did you mean train.on_nonfinite=skip\?"),
         ("moe=triton", r"moe.backend=triton needs a CUDA device \(trainer.accelerator=cpu\) or TRITON_INTERPRET=1 \(Triton's CPU "
                        r"interpreter, slow\): use moe=grouped_mm or moe=native_torch$"),
-        ("model.quantization=mxfp4", r"model.quantization=mxfp4 keeps the experts in MXFP4, which moe.backend=triton or "
-                                     r"grouped_mm reads \(moe.backend=hf\): set moe=grouped_mm, or moe=triton on a GPU$"),
+        ("model=gpt_oss_tiny model.quantization=mxfp4", r"model.quantization=mxfp4 keeps the experts in MXFP4, which "
+         r"moe.backend=triton or grouped_mm reads \(moe.backend=hf\): set moe=grouped_mm, or moe=triton on a GPU$"),
+        ("model.quantization=mxfp4", r"model.quantization=mxfp4 keeps gpt-oss's MoE experts in MXFP4; model_type qwen3_moe "
+                                     r"has none: use model.quantization=none \(or nf4 for the linear layers\)$"),  # the default model
     ],
 )
 def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, message, monkeypatch):
@@ -207,7 +209,7 @@ def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, mes
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=message):
-        _check_option_values(_compose([override]), "trainer.accelerator=cpu")
+        _check_option_values(_compose(override.split()), "trainer.accelerator=cpu")
 
 
 @pytest.mark.parametrize("moe", ["auto", "triton"])

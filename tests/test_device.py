@@ -32,7 +32,9 @@ def test_the_gpu_path_where_cuda_is_present(cuda):
     picked, line = device_choices("auto", {"trainer", "kernels"}, "qwen3_moe")  # what the user chose stays
     assert picked == {"precision": "bf16", "moe": "auto"} and "kept as chosen: kernels, trainer" in line
     assert group_keys(["kernels.lora=true", "+moe.lora_slots=false", "kernels=none", "trainer.max_steps=2"]) == [
-        "kernels.lora=true", "moe.lora_slots=false"]  # single keys of the groups, named after the options
+        "kernels.lora=true", "moe.lora_slots=false"]  # single keys of the groups, named right after the options
+    line = device_choices("auto", set(), "qwen3_moe", keys=["kernels.lora=false"])[1]
+    assert "kernels=all moe=auto, overridden by kernels.lora=false (device=cpu: the CPU path)" in line
     assert device_choices("cpu", set(), "qwen3_moe")[0] == CPU_PATH
 
 

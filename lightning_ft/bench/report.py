@@ -15,7 +15,6 @@ fault drills (``drills.csv``), every row. The same table files give the same RES
 from __future__ import annotations
 
 import argparse
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,7 @@ def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
     if not latest:
         return []
     head = ["table", "model (layers)", "tokens", "peer", "peer tokens/s", "peer peak GiB", "lightning_ft tokens/s", "× peer",
-            "lightning_ft peak GiB", "predicted within", "run (commit)"]
+            "lightning_ft peak GiB", "within budget", "run (commit)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("table", "model (layers)", "peer", "run (commit)") else "---:"
                                                         for h in head) + "|"]
     for r in latest.values():
@@ -103,7 +102,7 @@ def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
     return ["## Speed at equal memory", "",
             "`lightning_ft` with `strategy.memory_budget_gib` set to the peer's measured peak (allocated) of the same run "
             "and length (`python -m lightning_ft bench +bench=PRESET memory_matched=PEER`): tokens/s at equal memory. "
-            "*Within*: whether its own measured peak kept to that budget.", "", *lines, ""]
+            "*Within budget*: whether its own measured peak kept to that budget (by how many GiB it went over).", "", *lines, ""]
 
 
 def _peer(rows: list[dict[str, Any]], row: dict[str, Any], system: str) -> dict[str, Any] | None:
@@ -350,9 +349,7 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
         table_rows = shown[table]
         models = ", ".join(dict.fromkeys(f"{r['model']} ({r['layers']} layers)" for r in table_rows))
         text = preset_text(table)
-        presets = {m.group(1) for r in table_rows if (m := re.search(r"\+bench=(\S+)", r["command"] or ""))}
-        described = text if text is not None or len(presets) != 1 else preset_text(presets.pop())  # the runs' preset
-        parts += [f"## {table}", "", f"{models}. {described or ''}".rstrip(), ""]
+        parts += [f"## {table}", "", f"{models}. {text or ''}".rstrip(), ""]
         if text is not None:
             parts += [f"Reproduce: `python -m lightning_ft bench +bench={table}`", ""]
         parts += [markdown_table(table_rows, by_table[table]), ""]

@@ -31,7 +31,7 @@ import torch
 
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
-__all__ = ["dequantize_experts", "experts_bytes", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
+__all__ = ["dequantize_experts", "experts_bytes", "no_mxfp4_experts", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -66,6 +66,12 @@ def keep_placeholder(experts: torch.nn.Module, name: str, shape: torch.Size, dty
     setattr(experts, name, torch.nn.Parameter(placeholder, requires_grad=False))
 
 
+def no_mxfp4_experts(name: str) -> ValueError:
+    """The error for ``model.quantization=mxfp4`` on ``name`` (a model class or ``model_type``) without gpt-oss experts."""
+    return ValueError(f"model.quantization=mxfp4 keeps gpt-oss's MoE experts in MXFP4; {name} has none: "
+                      "use model.quantization=none (or nf4 for the linear layers)")
+
+
 def quantize_experts(model: torch.nn.Module) -> int:
     """Quantise every gpt-oss experts weight of ``model`` to MXFP4 in place (one weight at a time); returns how many.
 
@@ -75,10 +81,7 @@ def quantize_experts(model: torch.nn.Module) -> int:
     """
     modules = _gpt_oss_experts(model)
     if not modules:
-        raise ValueError(
-            f"model.quantization=mxfp4 keeps gpt-oss's MoE experts in MXFP4; {type(model).__name__} has none: "
-            "use model.quantization=none (or nf4 for the linear layers)"
-        )
+        raise no_mxfp4_experts(type(model).__name__)
     count = 0
     for experts in modules:
         for name in _PROJECTIONS:
