@@ -66,10 +66,9 @@ def device_choices(
     on_gpu = device == "gpu" or (device == "auto" and cuda)
     picked = dict(GPU_PATH if on_gpu else CPU_PATH)
     if on_gpu:
-        from lightning_ft.model.patching import PATCH_TABLES
+        from lightning_ft.model.patching import has_moe_path
 
-        table = PATCH_TABLES.get(model_type or "")
-        if table is None or table.moe is None:
+        if not has_moe_path(model_type):
             picked["moe"] = "hf"
     picked = {group: option for group, option in picked.items() if group not in chosen}
     settings = " ".join(f"{group}={option}" for group, option in picked.items()) or "nothing left to pick"
@@ -105,8 +104,8 @@ def group_keys(overrides: list[str]) -> list[str]:
     """The command line's overrides of single keys of the kernels and moe groups (``kernels.lora=true``), which apply
     on top of whichever option the group gets (``kernels=none`` and ``kernels.lora=true`` run the LoRA kernel): the
     device line names them after the options."""
-    keys = [item.lstrip("+~") for item in overrides]
-    return [item for item in keys if "=" in item and item.split("=", 1)[0].split(".")[0] in ("kernels", "moe") and "." in item.split("=", 1)[0]]
+    keys = [item.lstrip("+~") for item in overrides if "=" in item]
+    return [item for item in keys if (key := item.split("=", 1)[0]).partition(".")[0] in ("kernels", "moe") and "." in key]
 
 
 def model_type_of(model: DictConfig) -> str | None:

@@ -51,7 +51,7 @@ from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8
 from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
 from lightning_ft.model.mxfp4 import experts_bytes as mxfp4_experts_bytes
-from lightning_ft.model.patching import PATCH_TABLES, apply_kernels
+from lightning_ft.model.patching import apply_kernels, has_moe_path
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
     aux_loss_coef,
@@ -397,15 +397,16 @@ def _use_cuda_graphs(
     """Whether the strategy's CUDA graphs apply (``strategy.cuda_graphs`` true or ``auto``), checked from the config
     before the model is built.
 
-    `Execution.check` (a CUDA device) and `check_cuda_graphs`, which
-    `apply_cuda_graphs` runs again on the built model, run here on the config first, so a bad combination fails before
-    60 GB of weights are loaded. ``true``: what they refuse raises, and under FSDP2 (``sharded``: it gathers each
-    layer's weights at new addresses every step) the graphs are skipped with a warning (with ``auto`` too where
+    `Execution.check` (a CUDA device) and `check_cuda_graphs`, which `apply_cuda_graphs` runs again on the built
+    model, run here on the config first, so a bad combination fails before 60 GB of weights are loaded. ``true``: what
+    they refuse raises, and under FSDP2 (``sharded``: it gathers each layer's weights at new addresses every step) the
+    graphs are skipped with a warning (with ``auto`` too where
     ``strategy.activation_offload`` asks for them). ``auto``: False instead, with one info line that says why
     (`_auto_off`). ``false``: False.
 
     Raises:
-        ValueError: with ``strategy.cuda_graphs=true``, off CUDA, or what `check_cuda_graphs` refuses; with ``auto``, ``strategy.activation_offload=true`` where the graphs stay off.
+        ValueError: with ``strategy.cuda_graphs=true``, off CUDA, or what `check_cuda_graphs` refuses; with ``auto``,
+            ``strategy.activation_offload=true`` where the graphs stay off.
     """
     if execution.cuda_graphs is False:
         return False
@@ -631,9 +632,8 @@ class ModelBuilder:
             )
         elif not train_router:
             freeze_routers(model)
-        model_type = model.config.model_type
-        if moe_backend == "auto" and getattr(PATCH_TABLES.get(model_type), "moe", None) is None:
-            rank_zero_info(f"moe: backend auto -> hf ({model_type} has no experts on our MoE path)")
+        if moe_backend == "auto" and not has_moe_path(model.config.model_type):
+            rank_zero_info(f"moe: backend auto -> hf ({model.config.model_type} has no experts on our MoE path)")
             moe_backend = "hf"  # a dense model (what the GPU path's moe=auto resolves to for it, lightning_ft.device)
         if moe_backend != "hf":
             backend = apply_moe(model, backend=moe_backend)

@@ -31,7 +31,10 @@ import torch
 
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
-__all__ = ["dequantize_experts", "experts_bytes", "no_mxfp4_experts", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "quantize_experts"]
+__all__ = [
+    "dequantize_experts", "experts_bytes", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "no_mxfp4_experts",
+    "quantize_experts",
+]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 

@@ -187,6 +187,12 @@ PATCH_TABLES: dict[str, PatchTable] = {
 }  # fmt: skip
 
 
+def has_moe_path(model_type: str | None) -> bool:
+    """Whether ``model_type``'s patch table routes its experts through our MoE path (False: a dense model, or none)."""
+    table = PATCH_TABLES.get(model_type or "")
+    return table is not None and table.moe is not None
+
+
 def moe_spec(block: torch.nn.Module) -> MoEClasses | None:
     """The `MoEClasses` of the table whose sparse block class ``block`` is an instance of (None: no table's)."""
     for table in PATCH_TABLES.values():
