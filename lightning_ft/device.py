@@ -39,13 +39,14 @@ GPU_PATH = {"trainer": "gpu", "precision": "bf16", "kernels": "all", "moe": "aut
 
 
 def device_choices(
-    device: str, chosen: set[str], model_type: str | None, why: str | None = None, keys: list[str] | None = None
+    device: str, chosen: dict[str, str], model_type: str | None, why: str | None = None, keys: list[str] | None = None
 ) -> tuple[dict[str, str], str]:
     """The options of the device-dependent groups that nobody chose, and the line that says so.
 
     Args:
         device: ``auto``, ``gpu`` or ``cpu`` (the ``device`` key).
-        chosen: the groups picked on the command line or by a config (`chosen_groups`); they are kept.
+        chosen: the groups picked on the command line or by a config (`chosen_groups`), with their options; they
+            are kept (the line names them with their options).
         model_type: the model's ``model_type`` (None: unknown); on the GPU path ``moe=auto`` needs an
             MoE architecture with a patch table.
         why: what the line gives as the reason (default: the GPUs found, none, or ``device=...``).
@@ -74,7 +75,7 @@ def device_choices(
     settings = " ".join(f"{group}={option}" for group, option in picked.items()) or "nothing left to pick"
     if keys:
         settings += f", overridden by {' '.join(keys)}"
-    kept = f"; kept as chosen: {', '.join(sorted(chosen))}" if chosen else ""
+    kept = f"; kept as chosen: {', '.join(f'{group}={chosen[group]}' for group in sorted(chosen))}" if chosen else ""
     if on_gpu:
         why = why or (f"{torch.cuda.device_count()} CUDA GPU(s)" if device == "auto" else "device=gpu")
         line = f"device: the GPU path ({why}): {settings}{kept} (device=cpu: the CPU path)"
@@ -147,7 +148,7 @@ def resolve_device(cfg: DictConfig) -> DictConfig:
     device, why = str(cfg.get("device", "auto")), None
     if device == "auto" and f"trainer.accelerator={cfg.trainer.get('accelerator')}" in (o.lstrip("+") for o in overrides):
         device, why = ("cpu", "trainer.accelerator=cpu") if cfg.trainer.accelerator == "cpu" else (device, None)
-    chosen = chosen_groups(overrides, choices, config_dir())
+    chosen = {group: str(choices.get(group)) for group in chosen_groups(overrides, choices, config_dir())}
     gpu_path = device == "gpu" or (device == "auto" and torch.cuda.is_available())
     picked, line = device_choices(device, chosen, model_type_of(cfg.model) if gpu_path else None, why, group_keys(overrides))
     if rank_zero_only.rank == 0:  # the processes Lightning starts for the other ranks compose the config again

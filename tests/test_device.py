@@ -23,30 +23,30 @@ def cuda(monkeypatch):
 
 
 def test_the_gpu_path_where_cuda_is_present(cuda):
-    picked, line = device_choices("auto", set(), "qwen3_moe")
+    picked, line = device_choices("auto", {}, "qwen3_moe")
     assert picked == GPU_PATH == {"trainer": "gpu", "precision": "bf16", "kernels": "all", "moe": "auto"}
     assert line.startswith("device: the GPU path (1 CUDA GPU(s)): trainer=gpu precision=bf16 kernels=all moe=auto")
-    assert device_choices("auto", set(), "llama")[0] == {**GPU_PATH, "moe": "hf"}  # dense: no experts to route
+    assert device_choices("auto", {}, "llama")[0] == {**GPU_PATH, "moe": "hf"}  # dense: no experts to route
     # no patch table: kernels=all still, its pieces run stock (the start log names them); no MoE path
-    assert device_choices("auto", set(), "starcoder2")[0] == {**GPU_PATH, "moe": "hf"}
-    picked, line = device_choices("auto", {"trainer", "kernels"}, "qwen3_moe")  # what the user chose stays
-    assert picked == {"precision": "bf16", "moe": "auto"} and "kept as chosen: kernels, trainer" in line
+    assert device_choices("auto", {}, "starcoder2")[0] == {**GPU_PATH, "moe": "hf"}
+    picked, line = device_choices("auto", {"trainer": "gpu", "kernels": "none"}, "qwen3_moe")  # what the user chose stays
+    assert picked == {"precision": "bf16", "moe": "auto"} and "kept as chosen: kernels=none, trainer=gpu" in line
     assert group_keys(["kernels.lora=true", "+moe.lora_slots=false", "kernels=none", "trainer.max_steps=2"]) == [
         "kernels.lora=true", "moe.lora_slots=false"]  # single keys of the groups, named right after the options
-    line = device_choices("auto", set(), "qwen3_moe", keys=["kernels.lora=false"])[1]
+    line = device_choices("auto", {}, "qwen3_moe", keys=["kernels.lora=false"])[1]
     assert "kernels=all moe=auto, overridden by kernels.lora=false (device=cpu: the CPU path)" in line
-    assert device_choices("cpu", set(), "qwen3_moe")[0] == CPU_PATH
+    assert device_choices("cpu", {}, "qwen3_moe")[0] == CPU_PATH
 
 
 def test_the_cpu_path_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    picked, line = device_choices("auto", set(), "qwen3_moe")
+    picked, line = device_choices("auto", {}, "qwen3_moe")
     assert picked == CPU_PATH == {"trainer": "cpu", "precision": "fp32", "kernels": "none", "moe": "hf"}
     assert line.startswith("device: the CPU path (no CUDA GPU here)")
     with pytest.raises(ValueError, match="device=gpu: no CUDA GPU here"):
-        device_choices("gpu", set(), "qwen3_moe")
+        device_choices("gpu", {}, "qwen3_moe")
     with pytest.raises(ValueError, match="device=tpu: expected one of auto, gpu, cpu"):
-        device_choices("tpu", set(), None)
+        device_choices("tpu", {}, None)
 
 
 def _picks(experiment: str) -> dict:
@@ -71,7 +71,7 @@ def test_the_gpu_path_picks_what_the_gpu_experiments_pick(experiment, cuda):
 
     picks = _picks(experiment)
     model_type = OmegaConf.load(Path(config_dir()) / "model" / f"{picks['model']}.yaml").model.config.model_type  # @package _global_
-    auto = device_choices("auto", set(), model_type)[0]
+    auto = device_choices("auto", {}, model_type)[0]
     assert {g: picks.get(g, CPU_PATH[g] if g == "moe" else None) for g in auto} == auto
     assert chosen_groups([], {"experiment": experiment}, config_dir()) == set(auto) & set(picks)
 
