@@ -52,8 +52,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from lightning_ft.kernels._utils import INTERPRETER, triton_can_run
+from lightning_ft.kernels.clamped_swiglu import clamped_swiglu, clamped_swiglu_reference
 from lightning_ft.kernels.moe.lora_layout import expert_major_lora_b
-from lightning_ft.kernels.moe.routing import expert_of_rows
+from lightning_ft.kernels.moe.routing import ExpertRouting
 from lightning_ft.kernels.swiglu import swiglu_concat
 
 __all__ = ["ClampedSwiGLU", "ExpertBiases", "ExpertLoRA"]
@@ -106,9 +107,14 @@ class ExpertBiases(NamedTuple):
         return ExpertBiases(*(None if b is None else b.to(dtype) for b in self))
 
 
-def _bias_rows(bias_EN: torch.Tensor, offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[S, N]: each expert-sorted row's expert bias (differentiable w.r.t. ``bias_EN``; no host sync)."""
-    return bias_EN.index_select(0, expert_of_rows(offsets_E, num_rows))
+def _routed_bias(bias_ED: torch.Tensor, weight_S: torch.Tensor, routing: ExpertRouting, expert_S: torch.Tensor) -> torch.Tensor:
+    """[T, D]: each token's sum over its experts of routing weight × the expert's down-projection bias (gpt-oss's
+    ``down_proj_bias``), the term the bias adds to the token's output. One [T, E] × [E, D] GEMM over the routing
+    weights scattered into a dense [T, E] matrix (``expert_S`` [S]: each sorted row's expert), instead of an
+    [S, D] tensor of gathered biases scaled and summed; differentiable w.r.t. ``bias_ED`` and ``weight_S``."""
+    num_tokens, num_experts = routing.num_tokens, bias_ED.shape[0]
+    dense = weight_S.new_zeros(num_tokens * num_experts).index_copy(0, routing.token_idx_S * num_experts + expert_S, weight_S)
+    return dense.view(num_tokens, num_experts).to(bias_ED.dtype) @ bias_ED
 
 
 @dataclass(frozen=True)
@@ -119,18 +125,16 @@ class ClampedSwiGLU:
         a    = (up + 1) * gate * sigmoid(alpha * gate)                         [S, F / 2]
 
     op for op as transformers' ``GptOssExperts._apply_gate`` (alpha 1.702, limit 7.0 in the
-    published configs), so also its gradient (a clamped value passes none). Plain torch: the
-    backends call it in place of ``act(gate) * up`` (`_swiglu`).
+    published configs), so also its gradient (a clamped value passes none). Plain torch
+    (`lightning_ft.kernels.clamped_swiglu.clamped_swiglu_reference`); the backends run the fused kernel
+    `lightning_ft.kernels.clamped_swiglu.clamped_swiglu` in place of ``act(gate) * up`` where Triton runs (`_swiglu`).
     """
 
     alpha: float
     limit: float
 
     def __call__(self, h_SF: torch.Tensor) -> torch.Tensor:
-        gate, up = h_SF[..., ::2], h_SF[..., 1::2]
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return clamped_swiglu_reference(h_SF, self.alpha, self.limit)
 
 
 def _lora_args(lora: _LoRAFactors | None) -> tuple:
@@ -148,16 +152,24 @@ def _swiglu(
     pad_out: int = 0,
     pad_grad: int = 0,
     h_copy: torch.Tensor | None = None,
+    bias_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """act(gate) * up (* routing weight per row) of h = [gate | up]; SiLU (every Qwen3-MoE) takes the
     fused `swiglu_concat` kernel, which folds the weight in (see its docstring for why), pads the
     output's and the gradient's rows as asked (other activations: contiguous) and writes h into
     ``h_copy`` as it reads it (other activations: a copy). A `ClampedSwiGLU` (gpt-oss) reads its
-    interleaved h itself."""
+    interleaved h itself, in the fused `clamped_swiglu` kernel where Triton runs (weight, padding and
+    ``bias_rows`` too). ``bias_rows``: (bias_EF [E, F], expert_S [S]), the experts' gate/up bias added to
+    each row by its expert (gpt-oss; only with a `ClampedSwiGLU`)."""
     if type(act_fn).__name__ in _SILU_NAMES and triton_can_run(h_SF):
         return swiglu_concat(h_SF, weight_S, pad_out=pad_out, pad_grad=pad_grad, h_copy=h_copy)
     if h_copy is not None:
         h_copy.copy_(h_SF)
+    if isinstance(act_fn, ClampedSwiGLU) and triton_can_run(h_SF):
+        return clamped_swiglu(h_SF, act_fn.alpha, act_fn.limit, weight_S, *(bias_rows or (None, None)),
+                              pad_out=pad_out, pad_grad=pad_grad)
+    if bias_rows is not None:
+        h_SF = h_SF + bias_rows[0].index_select(0, bias_rows[1])
     if isinstance(act_fn, ClampedSwiGLU):
         y_SI = act_fn(h_SF)
     else:

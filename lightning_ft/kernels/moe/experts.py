@@ -96,7 +96,7 @@ def moe_experts(
             (gpt-oss: gate and up interleaved in the gate/up output).
         gate_up_lora / down_lora: PEFT's split LoRA of each projection, or None.
         biases: the experts' per-expert biases (gpt-oss), or none; they get gradients where they
-            require them. With biases ``keep`` is unused.
+            require them.
         backend: ``native_torch``, ``grouped_mm`` or ``triton`` (see the module docstring).
         output_needed: False when the caller discards the output's value and only differentiates
             through it (a checkpointed layer's recompute, where the MoE output only feeds the

@@ -47,10 +47,10 @@ from lightning_ft.kernels.fp8 import Fp8ExpertWeight
 from lightning_ft.kernels.moe._common import (
     _INTERPRET,
     ExpertBiases,
-    _bias_rows,
     _LoRAFactors,
     _lora_args,
     _refuse_host_sync_in_capture,
+    _routed_bias,
     _swiglu,
 )
 from lightning_ft.kernels.moe.grouped_gemm import (
@@ -63,7 +63,7 @@ from lightning_ft.kernels.moe.grouped_gemm import (
     grouped_wgrad,
 )
 from lightning_ft.kernels.moe.native_torch import experts_native_torch
-from lightning_ft.kernels.moe.routing import permute_tokens, sum_pairs, unpermute_tokens, unread_output
+from lightning_ft.kernels.moe.routing import expert_of_rows, permute_tokens, sum_pairs, unpermute_tokens, unread_output
 
 __all__ = ["augment_expert_weight", "grouped_mm_mode", "padded_rank"]
 
@@ -623,9 +623,9 @@ def _experts_grouped_mm(
 
     Where Triton runs, the two gathers of [S, D] rows feed the thin LoRA product that reads them
     in the same pass: x's with gate/up's x A^T (`_PermuteThin`), the output gradient's with down's
-    dy B (`_UnpermuteThin`). ``biases`` (gpt-oss) are added to the GEMMs' outputs per sorted row,
-    out of place (the down bias times the routing weight, which the down input already holds); the
-    caller passes no ``keep`` with them (a kept h would lack the bias the recompute adds)."""
+    dy B (`_UnpermuteThin`). ``biases`` (gpt-oss): the gate/up bias is added inside the fused activation
+    (`_swiglu`), the down bias times the routing weight to the tokens' summed outputs (`_routed_bias`; the
+    down input already holds the weight), so a kept h (the GEMM's output) serves the recompute as it is."""
     offsets_E = routing.offsets_E
     fuse_thin = triton_can_run(x_TD) and x_TD.dtype != torch.float64  # our kernels add in fp32
     gate_up, down = _padded_lora(lora_gate_up, x_TD.dtype), _padded_lora(lora_down, x_TD.dtype)
@@ -656,22 +656,23 @@ def _experts_grouped_mm(
         h_SF, h_copy = _linear_grouped_mm(
             x_SD, w_gate_up_EFD, offsets_E, gate_up, copy_weights, True, gate_up_aug, forward_keep, xa_SR
         )
-    num_rows = routing.token_idx_S.numel()
-    if biases.gate_up_EF is not None:
-        h_SF = h_SF + _bias_rows(biases.gate_up_EF, offsets_E, num_rows)
-    a_SI = _swiglu(h_SF, act_fn, weight_S, pad_out=down_pad, pad_grad=gate_up_pad, h_copy=h_copy)
+    expert_S = expert_of_rows(offsets_E, routing.token_idx_S.numel()) if any(b is not None for b in biases) else None
+    bias_rows = (biases.gate_up_EF, expert_S) if biases.gate_up_EF is not None else None
+    a_SI = _swiglu(h_SF, act_fn, weight_S, pad_out=down_pad, pad_grad=gate_up_pad, h_copy=h_copy, bias_rows=bias_rows)
     handoff = _ThinHandoff() if fuse_thin and down[0] is not None else None
     y_SD, _ = _linear_grouped_mm(
         a_SI, w_down_EDI, offsets_E, down, copy_weights, output_needed, down_aug, handoff=handoff
     )
-    if biases.down_ED is not None:
-        y_SD = y_SD + weight_S[:, None] * _bias_rows(biases.down_ED, offsets_E, num_rows)
     if handoff is None:
-        return unpermute_tokens(y_SD, routing, output_needed=output_needed, grad_pad=down_pad)
-    return _UnpermuteThin.apply(
-        y_SD, down[1], down[2], routing.token_idx_S, routing.inv_pair_S, offsets_E, routing.top_k, output_needed,
-        down_pad, handoff,
-    )  # fmt: skip
+        out_TD = unpermute_tokens(y_SD, routing, output_needed=output_needed, grad_pad=down_pad)
+    else:
+        out_TD = _UnpermuteThin.apply(
+            y_SD, down[1], down[2], routing.token_idx_S, routing.inv_pair_S, offsets_E, routing.top_k, output_needed,
+            down_pad, handoff,
+        )  # fmt: skip
+    if biases.down_ED is not None:  # a_SI holds the routing weight; the bias term is added per token
+        out_TD = out_TD + _routed_bias(biases.down_ED, weight_S, routing, expert_S)
+    return out_TD
 
 
 def experts_grouped_mm(
@@ -679,8 +680,8 @@ def experts_grouped_mm(
     biases=ExpertBiases(),
 ) -> torch.Tensor:
     """out_TD of the grouped_mm backend (`_experts_grouped_mm`), or of native_torch where grouped_mm
-    cannot run (logged once). Experts with ``biases`` keep nothing (``keep`` unused: the recompute
-    runs the gate/up GEMM)."""
+    cannot run (logged once). ``keep`` keeps the gate/up GEMM's output, before any bias (gpt-oss's is added in
+    the activation, on the forward and on the recompute alike)."""
     dtype = x_TD.dtype
     mode = grouped_mm_mode(x_TD.device, dtype)
     sizes = (w_gate_up_EFD.shape[1], w_gate_up_EFD.shape[2], w_down_EDI.shape[2])
@@ -706,8 +707,6 @@ def experts_grouped_mm(
     if dtype != torch.bfloat16:  # torch's grouped_mm loops over a host copy of the offsets there
         _refuse_host_sync_in_capture(x_TD, f"grouped_mm has no sync-free kernel for {dtype} (bf16 only)")
     use_slots = _augmented_views_ok(x_TD.device, dtype)
-    if any(b is not None for b in biases):
-        keep = None
     return _experts_grouped_mm(
         x_TD, routing, weight_S, w_gate_up_EFD, w_down_EDI, act_fn, lora_gate_up, lora_down, mode == "copies", output_needed,
         keep, use_slots, biases,

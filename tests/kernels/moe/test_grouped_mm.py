@@ -15,7 +15,7 @@ from lightning_ft.kernels.moe.grouped_gemm import grouped_gemm, grouped_wgrad
 from lightning_ft.strategies import kept
 from moe_cases import CASES, DEVICES, Case, _assert_close, _make, _reference_run, _run, _skip_unless_runnable
 
-KEPT_CASES = {name: CASES[name] for name in ("base", "e6_top1_empty", "full_finetune")} | {
+KEPT_CASES = {name: CASES[name] for name in ("base", "e6_top1_empty", "full_finetune", "gpt_oss")} | {
     "padded_rank": Case(tokens=16, hidden=32, intermediate=16, experts=4, top_k=2, rank=3, empty=(1,)),
 }
 
@@ -29,7 +29,8 @@ def test_kept_gate_up_recompute_gives_the_plain_gradients_bit_for_bit(case_name,
     after a first and a later forward without grad keep h and s·x·Aᵀ, the recompute on the same
     inputs reads the tokens through the routing (no [S, D] gather) and gives the plain path's
     output and every gradient bit for bit: top_k=1 with empty experts, a rank padded to 16-byte
-    rows, full fine-tuning of the experts (no LoRA: dW from the tokens), the weights' views and
+    rows, full fine-tuning of the experts (no LoRA: dW from the tokens), gpt-oss's experts (their
+    gate/up bias is added after the kept GEMM output, on both paths), the weights' views and
     copies modes, and each thin-product candidate (Triton's LoRA A gradient then gathers in its
     loads). CPU: the same kernels on both paths (on CUDA the candidates are timed per key)."""
     case = KEPT_CASES[case_name]

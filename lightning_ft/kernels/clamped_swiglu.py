@@ -1,0 +1,223 @@
+"""gpt-oss's clamped SwiGLU on interleaved gate/up columns, with the expert bias and routing weight, fused.
+
+gpt-oss's experts compute h = x W_gate_up (+ LoRA) [S, F] whose columns interleave gate (even) and
+up (odd), add the expert's bias b [F], and take
+
+    gate = min(h[:, 0::2] + b[0::2], limit)      up = clamp(h[:, 1::2] + b[1::2], -limit, limit)
+    y    = (up + 1) * gate * sigmoid(alpha * gate) * w                                  [S, F / 2]
+
+(``alpha`` 1.702 and ``limit`` 7.0 in the published configs; w the row's routing weight where the
+caller folds it in, as `lightning_ft.kernels.swiglu.swiglu_concat` does for SiLU experts). Written
+out in torch this is a dozen elementwise passes over [S, F]-sized tensors per forward and more per
+backward (32,768 routed rows × 5,760 columns at 8K tokens of gpt-oss-20b: 377 MB each), plus an
+[S, F] tensor of gathered biases: profiled on the H100, a third of a gpt-oss step. Here it is one
+pass each way: the forward reads h once and writes y; the backward reads h and dy and writes dh
+(and the row weight's gradient), recomputing the activation. The bias is read per row from the
+[E, F] table by the row's expert (``expert_S``), never gathered into [S, F].
+
+Math of the backward (torch's clamp passes gradient where min ≤ x ≤ max, as here), with
+s = sigmoid(alpha * gate):
+
+    d gate = dy * w * (up + 1) * (s + alpha * gate * s * (1 - s)) * [h_gate + b ≤ limit]
+    d up   = dy * w * gate * s * [-limit ≤ h_up + b ≤ limit]
+    d w    = Σ_cols dy * (up + 1) * gate * s
+    d b_e  = Σ over expert e's rows of dh (only where the bias requires grad: full fine-tuning)
+
+Everything is computed in fp32 registers and rounded once to h's dtype (transformers rounds after
+each op in bf16: results differ by about one ulp).
+
+Source: transformers ``models/gpt_oss/modeling_gpt_oss.py`` (``GptOssExperts._apply_gate``); the
+fused forward/backward as in `lightning_ft.kernels.swiglu`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_ft.kernels._utils import num_warps_for, row_padded, triton_can_run, warn_fallback
+
+__all__ = ["clamped_swiglu", "clamped_swiglu_reference"]
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS: tl.constexpr):
+    """fp32 (gate, up) before clamping: h's interleaved columns of ``row`` plus its expert's bias."""
+    g = tl.load(H + row * stride_h + 2 * cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(H + row * stride_h + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        expert = tl.load(EXPERT + row).to(tl.int64)
+        g += tl.load(B + expert * stride_b + 2 * cols, mask=mask, other=0.0).to(tl.float32)
+        u += tl.load(B + expert * stride_b + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _clamped_swiglu_fwd_kernel(
+    H, B, EXPERT, W, Y, n_cols, stride_h, stride_b, stride_y, alpha, limit,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g, u = _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    y = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    if HAS_WEIGHT:
+        y = y * tl.load(W + row).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _clamped_swiglu_bwd_kernel(
+    DY, H, B, EXPERT, W, DH, DW, n_cols, stride_dy, stride_h, stride_b, stride_dh, alpha, limit,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row (the weight's gradient is a whole-row sum), column blocks in a loop."""
+    row = tl.program_id(0).to(tl.int64)
+    w = 1.0
+    if HAS_WEIGHT:
+        w = tl.load(W + row).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        g_in, u_in = _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS)
+        g = tl.minimum(g_in, limit)
+        u = tl.minimum(tl.maximum(u_in, -limit), limit)
+        s = tl.sigmoid(alpha * g)
+        a = g * s
+        if WEIGHT_GRAD:
+            dw += dy * (u + 1.0) * a
+        dy = dy * w
+        dg = tl.where(g_in <= limit, dy * (u + 1.0) * (s + alpha * a * (1.0 - s)), 0.0)
+        du = tl.where((u_in >= -limit) & (u_in <= limit), dy * a, 0.0)
+        tl.store(DH + row * stride_dh + 2 * cols, dg.to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + row * stride_dh + 2 * cols + 1, du.to(DH.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW + row, tl.sum(dw, axis=0).to(DW.dtype.element_ty))
+
+
+def _block(n_cols: int) -> int:
+    return min(_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+
+
+class ClampedSwiGLUFunction(torch.autograd.Function):
+    """`clamped_swiglu` where Triton runs; saves h (and the bias, expert ids and weight)."""
+
+    @staticmethod
+    def forward(ctx, h, row_weight, bias_EF, expert_S, alpha, limit, pad_out, pad_grad):
+        rows, n_cols = h.shape[0], h.shape[1] // 2
+        y = row_padded(rows, n_cols, pad_out, h)
+        block = _block(n_cols)
+        if y.numel():
+            _clamped_swiglu_fwd_kernel[(rows, triton.cdiv(n_cols, block))](
+                h, h if bias_EF is None else bias_EF, h if expert_S is None else expert_S,
+                h if row_weight is None else row_weight, y, n_cols, h.stride(0),
+                0 if bias_EF is None else bias_EF.stride(0), y.stride(0), alpha, limit,
+                HAS_BIAS=bias_EF is not None, HAS_WEIGHT=row_weight is not None, BLOCK=block,
+                num_warps=num_warps_for(block),
+            )  # fmt: skip
+        ctx.save_for_backward(h, row_weight, bias_EF, expert_S)
+        ctx.alpha, ctx.limit, ctx.pad_grad = alpha, limit, pad_grad
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, row_weight, bias_EF, expert_S = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        rows, n_cols = h.shape[0], h.shape[1] // 2
+        dh = row_padded(rows, 2 * n_cols, ctx.pad_grad, h)
+        d_weight = torch.empty_like(row_weight) if ctx.needs_input_grad[1] else None
+        block = _block(n_cols)
+        if dh.numel():
+            _clamped_swiglu_bwd_kernel[(rows,)](
+                dy, h, h if bias_EF is None else bias_EF, h if expert_S is None else expert_S,
+                h if row_weight is None else row_weight, dh, dh if d_weight is None else d_weight, n_cols,
+                dy.stride(0), h.stride(0), 0 if bias_EF is None else bias_EF.stride(0), dh.stride(0),
+                ctx.alpha, ctx.limit, HAS_BIAS=bias_EF is not None, HAS_WEIGHT=row_weight is not None,
+                WEIGHT_GRAD=d_weight is not None, BLOCK=block, num_warps=num_warps_for(block),
+            )  # fmt: skip
+        elif d_weight is not None:
+            d_weight.zero_()
+        d_bias = None
+        if ctx.needs_input_grad[2]:
+            d_bias = torch.zeros(bias_EF.shape, dtype=torch.float32, device=dh.device)
+            d_bias = d_bias.index_add_(0, expert_S, dh.float()).to(bias_EF.dtype)
+        return dh, d_weight, d_bias, None, None, None, None, None
+
+
+def clamped_swiglu(
+    h_SF: torch.Tensor,
+    alpha: float,
+    limit: float,
+    row_weight: torch.Tensor | None = None,
+    bias_EF: torch.Tensor | None = None,
+    expert_S: torch.Tensor | None = None,
+    *,
+    pad_out: int = 0,
+    pad_grad: int = 0,
+) -> torch.Tensor:
+    """gpt-oss's expert activation (the module docstring's math) on h [S, F] of interleaved gate/up columns → [S, F / 2].
+
+    Args:
+        h_SF: [S, F] (F even), the gate/up GEMM's output (any row stride, unit column stride), bf16, fp16 or fp32.
+        alpha, limit: the experts' ``alpha`` and ``limit`` (1.702 and 7.0 in gpt-oss).
+        row_weight: optional [S] routing weight per row (any float dtype), multiplied in before the one
+            rounding; differentiable.
+        bias_EF: optional [E, F] per-expert bias (``gate_up_proj_bias``), added to each row's h by the row's
+            expert ``expert_S`` [S] (int64; `lightning_ft.kernels.moe.routing.expert_of_rows`); differentiable
+            (its gradient summed per expert, in fp32).
+        pad_out / pad_grad: where the kernel runs, the output is a view of [S, F/2 + pad_out] rows and h's
+            gradient of [S, F + pad_grad] rows (`lightning_ft.kernels._utils.row_padded`: spare columns for
+            the LoRA-slotted expert GEMMs); the plain-torch fallback returns contiguous tensors.
+
+    Returns:
+        [S, F / 2] in h's dtype.
+
+    Raises:
+        ValueError: h is not 2-D with an even number of columns; row_weight is not [S]; bias_EF is not
+            [E, F] or comes without expert_S [S]; any of them on another device than h.
+    """
+    if h_SF.dim() != 2 or h_SF.shape[1] % 2:
+        raise ValueError(f"clamped_swiglu: expected h [rows, 2I] of interleaved gate/up, got {tuple(h_SF.shape)}")
+    rows, cols = h_SF.shape
+    for name, t, shape in (("row_weight", row_weight, (rows,)), ("expert_S", expert_S, (rows,))):
+        if t is not None and (tuple(t.shape) != shape or t.device != h_SF.device):
+            raise ValueError(f"clamped_swiglu: {name} must be {list(shape)} on {h_SF.device}, "
+                             f"got {list(t.shape)} on {t.device}")
+    if bias_EF is not None and (bias_EF.dim() != 2 or bias_EF.shape[1] != cols or expert_S is None
+                                or bias_EF.device != h_SF.device):
+        raise ValueError(f"clamped_swiglu: bias_EF must be [E, {cols}] on {h_SF.device} with expert_S [{rows}], got "
+                         f"{list(bias_EF.shape)} on {bias_EF.device} and expert_S {expert_S is not None}")
+    if not triton_can_run(h_SF):
+        warn_fallback("clamped_swiglu", h_SF.device)
+        return clamped_swiglu_reference(h_SF, alpha, limit, row_weight, bias_EF, expert_S)
+    h = h_SF if h_SF.stride(-1) == 1 else h_SF.contiguous()
+    weight = None if row_weight is None else row_weight.contiguous()
+    bias = None if bias_EF is None else bias_EF if bias_EF.stride(-1) == 1 else bias_EF.contiguous()
+    expert = None if bias is None else expert_S.contiguous()
+    return ClampedSwiGLUFunction.apply(h, weight, bias, expert, float(alpha), float(limit), pad_out, pad_grad)
+
+
+def clamped_swiglu_reference(
+    h_SF: torch.Tensor,
+    alpha: float,
+    limit: float,
+    row_weight: torch.Tensor | None = None,
+    bias_EF: torch.Tensor | None = None,
+    expert_S: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch, op for op as transformers' ``GptOssExperts`` (bias added to h, then ``_apply_gate``), times the
+    row weight (cast to h's dtype)."""
+    if bias_EF is not None:
+        h_SF = h_SF + bias_EF.index_select(0, expert_S)
+    gate = h_SF[..., ::2].clamp(min=None, max=limit)
+    up = h_SF[..., 1::2].clamp(min=-limit, max=limit)
+    y = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return y if row_weight is None else y * row_weight.to(y.dtype)[:, None]
