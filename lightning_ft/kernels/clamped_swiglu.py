@@ -64,8 +64,8 @@ def _clamped_swiglu_fwd_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g, u = _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as in torch's clamp
+    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
     y = (u + 1.0) * g * tl.sigmoid(alpha * g)
     if HAS_WEIGHT:
         y = y * tl.load(W + row).to(tl.float32)
@@ -88,8 +88,8 @@ def _clamped_swiglu_bwd_kernel(
         mask = cols < n_cols
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         g_in, u_in = _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS)
-        g = tl.minimum(g_in, limit)
-        u = tl.minimum(tl.maximum(u_in, -limit), limit)
+        g = tl.minimum(g_in, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u_in, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
         s = tl.sigmoid(alpha * g)
         a = g * s
         if WEIGHT_GRAD:

@@ -60,6 +60,20 @@ def test_clamp_boundaries_pass_gradient_as_torch_clamp_does(device):
     assert (d_up[:2] != 0).all() and (d_up[2:] == 0).all()
 
 
+def test_nan_stays_nan(device):
+    """A NaN in gate, up or the bias stays NaN in the output and in the gradients torch's clamp gives NaN
+    (its clamped position gets none): a diverging run is not hidden."""
+    nan = float("nan")
+    h = torch.tensor([[nan, 1.0, 1.0, nan, 2.0, 3.0]], device=device)
+    bias = torch.tensor([[0.0, 0.0, 0.0, 0.0, nan, 0.0]], device=device)
+    expert, weight, dy = torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, device=device), torch.ones(1, 3, device=device)
+    outs = _grads(clamped_swiglu, h, weight, bias, expert, dy, torch.float32)
+    refs = _grads(clamped_swiglu_reference, h, weight, bias, expert, dy, torch.float32)
+    assert outs[0].isnan().all() and refs[0].isnan().all()
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_rows_hold_the_same_values(device, dtype):
     """pad_out / pad_grad: the output and h's gradient are views of rows with spare columns, bit for bit the

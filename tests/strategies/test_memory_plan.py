@@ -17,6 +17,7 @@ from dataclasses import replace
 import lightning as L
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 from test_cuda_graphs import (
     DEVICES,
     TINY,
@@ -30,7 +31,7 @@ from test_cuda_graphs import test_offloaded_kinds_give_the_gradients_of_keeping_
 from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
 from lightning_ft.strategies.offload import ActivationOffload
 from lightning_ft.strategies.planner import GIB, MIB, Bandwidth
-from lightning_ft.strategies.profiler import StepProfiler
+from lightning_ft.strategies.profiler import StepProfiler, layer_kind
 from lightning_ft.strategies.strategy import Execution, SingleDeviceStrategy
 
 #: seconds each measurement takes, by what it measures (`StepProfiler.timed`'s ``what``)
@@ -281,6 +282,10 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
         for namespace in (dist, dist.distributed_c10d):
             monkeypatch.setattr(namespace, name, wrapped)
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))  # Lightning's launcher sets it in this process
+    # a forked child whose parent ran OpenMP regions deadlocks in its own multi-threaded ones (GNU libgomp is not
+    # fork-safe): one thread in both while the ranks train (with OMP_NUM_THREADS=2 on 2 cores the test hung)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
     strategy = DDPStrategy(execution=Execution(cuda_graphs=True, **budget), start_method="fork")
     strategy.profiler = PerRank(scale=2**10)
     original, planning = strategy.plan_memory, []
@@ -304,8 +309,12 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
 
     options = dict(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False)
-    L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, callbacks=[Record(grads), RunSummary(tmp_path)],
-              **options).fit(module, ranked)
+    torch.set_num_threads(1)
+    try:
+        L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, callbacks=[Record(grads), RunSummary(tmp_path)],
+                  **options).fit(module, ranked)
+    finally:
+        torch.set_num_threads(threads)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     alone = [_strategy(FakeProfiler(scale=2**10, gbps=g), **budget).plan_memory(module, batches[r]) for r, g in enumerate(gbps)]
     assert alone[0].layers_where("attention", "offload") and alone[1].layers_where("attention", "recompute") == set(range(LAYERS - 1))
@@ -464,3 +473,23 @@ def test_a_run_resumed_under_another_plan_trains_as_the_uninterrupted_one(tmp_pa
         assert got.keys() == expected.keys() and got
         for name in expected:
             assert torch.equal(got[name], expected[name]), (step, name)
+
+
+def test_the_first_layer_of_each_kind_is_warmed_up_before_it_is_timed():
+    """`layer_kind`: a dense layer and an MoE layer, or a sliding and a full attention layer, run different kernels,
+    whose first calls (compiling, autotuning, cuDNN's plans) must not count as the layer's time; layers alike share a
+    kind."""
+    model = _module("gpt_oss", "cpu").model
+    apply_cuda_graphs(model)
+    layers = graphed_layers(model)
+    kinds = [layer_kind(layer) for layer in layers]
+    types = [layer.self_attn.layer_type for layer in layers]
+    assert len(set(types)) == 2 and all((kinds[i] == kinds[j]) == (types[i] == types[j])
+                                        for i in range(len(layers)) for j in range(len(layers)))
+    config = AutoConfig.for_model(  # GLM-4.5's layout: the first layer dense, the others MoE
+        "glm4_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, vocab_size=64,
+    )
+    glm = AutoModelForCausalLM.from_config(config).model.layers
+    assert layer_kind(glm[0]) != layer_kind(glm[1]) == layer_kind(glm[2])
