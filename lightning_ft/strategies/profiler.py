@@ -290,7 +290,7 @@ def layer_kind(layer: torch.nn.Module) -> tuple:
     """What decides which kernels a decoder layer runs: its modules' types (a dense or an MoE MLP: GLM's and
     DeepSeek-V3's first layers) and its attention type (``layer_types``: sliding or full attention, as gpt-oss and
     Gemma 3 alternate). `StepProfiler.measure` warms up the first layer of each kind before timing it: measured on
-    the H100, GLM-4.7-Flash's first MoE layer took 4.3 s untimed-warm (its kernels' first calls) against 21 ms."""
+    the H100, GLM-4.7-Flash's first MoE layer took 4.3 s without it (its kernels' first calls) against ~21 ms."""
     attention = tuple(getattr(owner, name, None) for owner in (layer, getattr(layer, "self_attn", None))
                       for name in ("attention_type", "layer_type", "sliding_window"))
     return tuple(type(m).__name__ for m in layer.modules()), attention

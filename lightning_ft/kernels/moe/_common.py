@@ -165,16 +165,13 @@ def _swiglu(
         return swiglu_concat(h_SF, weight_S, pad_out=pad_out, pad_grad=pad_grad, h_copy=h_copy)
     if h_copy is not None:
         h_copy.copy_(h_SF)
-    if isinstance(act_fn, ClampedSwiGLU) and triton_can_run(h_SF):
-        return clamped_swiglu(h_SF, act_fn.alpha, act_fn.limit, weight_S, *(bias_rows or (None, None)),
-                              pad_out=pad_out, pad_grad=pad_grad)
-    if bias_rows is not None:
-        h_SF = h_SF + bias_rows[0].index_select(0, bias_rows[1])
-    if isinstance(act_fn, ClampedSwiGLU):
-        y_SI = act_fn(h_SF)
-    else:
-        gate_SI, up_SI = h_SF.chunk(2, dim=-1)
-        y_SI = act_fn(gate_SI) * up_SI
+    if isinstance(act_fn, ClampedSwiGLU):  # the fused kernel where Triton runs, else its plain-torch reference
+        args = (h_SF, act_fn.alpha, act_fn.limit, weight_S, *(bias_rows or (None, None)))
+        if triton_can_run(h_SF):
+            return clamped_swiglu(*args, pad_out=pad_out, pad_grad=pad_grad)
+        return clamped_swiglu_reference(*args)
+    gate_SI, up_SI = h_SF.chunk(2, dim=-1)
+    y_SI = act_fn(gate_SI) * up_SI
     return y_SI if weight_S is None else y_SI * weight_S[:, None]
 
 
