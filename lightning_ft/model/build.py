@@ -169,12 +169,12 @@ def load_causal_lm(
     if not _takes_attention_functions(hf_config):  # e.g. Git picks its attention class by name: ours is no key
         attn_implementation = None
     kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
+    if init == "random" and quantization == "mxfp4":
+        return _random_mxfp4(hf_config, trust_remote_code, kwargs)
     if init == "random":
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
         if quantization == "nf4":
             quantize_linears(model)
-        if quantization == "mxfp4":
-            _quantize_experts(model, "the random init")
         return model
     if quantization == "nf4" and method is None:
         kwargs["quantization_config"] = bnb_nf4_config(DTYPES[dtype])
@@ -226,9 +226,39 @@ def _takes_attention_functions(config: Any) -> bool:
     return model_class is None or bool(model_class._supports_attention_backend)
 
 
-def _quantize_experts(model: torch.nn.Module, after: str) -> None:
-    """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`), logged."""
-    count = quantize_experts(model)
+def _random_mxfp4(hf_config: Any, trust_remote_code: bool, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """``model.init=random`` with ``model.quantization=mxfp4``: the model is built on the meta device, each experts
+    module is drawn on the default device and quantised before the next is drawn (gpt-oss-120b's dense experts are
+    234 GB in bf16, more than one GPU holds), then the rest is drawn by transformers' ``initialize_weights``, which
+    skips the modules already drawn: how transformers 5 initialises a checkpoint's missing keys.
+
+    Raises:
+        ValueError: the config has no gpt-oss experts (`lightning_ft.model.mxfp4.quantize_experts`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
+
+    def draw(module: torch.nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)
+        module._is_hf_initialized = True
+
+    _quantize_experts(model, "the random init", draw)
+    for module in model.modules():
+        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+            module.to_empty(device=device, recurse=False)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def _quantize_experts(model: torch.nn.Module, after: str, draw: Any = None) -> None:
+    """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`, which
+    calls ``draw`` on each experts module first), logged."""
+    count = quantize_experts(model, draw)
     rank_zero_info(f"quantization: {count} expert weights quantised to MXFP4 after {after}: {_bytes_held(*mxfp4_experts_bytes(model))}")
 
 

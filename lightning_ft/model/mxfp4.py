@@ -25,7 +25,7 @@ Sources: transformers 5 ``integrations/mxfp4.py`` (``Mxfp4Dequantize``, the chec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -75,8 +75,11 @@ def no_mxfp4_experts(name: str) -> ValueError:
                       "use model.quantization=none (or nf4 for the linear layers)")
 
 
-def quantize_experts(model: torch.nn.Module) -> int:
+def quantize_experts(model: torch.nn.Module, draw: Callable[[torch.nn.Module], None] | None = None) -> int:
     """Quantise every gpt-oss experts weight of ``model`` to MXFP4 in place (one weight at a time); returns how many.
+
+    ``draw``, if given, is called on each experts module right before its weights are quantised: a model built on the
+    meta device draws them there, one module at a time, so its dense experts never all exist at once.
 
     Raises:
         ValueError: no gpt-oss experts in ``model`` (``model.quantization=mxfp4`` is for gpt-oss), or a weight whose
@@ -87,6 +90,8 @@ def quantize_experts(model: torch.nn.Module) -> int:
         raise no_mxfp4_experts(type(model).__name__)
     count = 0
     for experts in modules:
+        if draw is not None:
+            draw(experts)
         for name in _PROJECTIONS:
             if hasattr(experts, f"{name}_blocks"):
                 continue
