@@ -97,16 +97,25 @@ def pad_value_head_dim(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.
     return (F.pad(value, (0, d_qk - d_v)) if d_v < d_qk else value), d_v
 
 
+def cudnn_head_dim_limit(device: torch.device) -> int:
+    """The largest head dim we send to cuDNN's attention on ``device`` (forward and backward): 256 on sm90 (H100/H200)
+    with cuDNN >= 9.13, else 128. torch's SDPA allows 256 on sm90 from cuDNN 9.10 (``check_cudnn_tensor_shapes`` in
+    ``sdp_utils.cpp``; cuDNN's support matrix: Hopper bprop d <= 256), but cuDNN 9.11 and 9.12 had a Hopper backward
+    bug for some large head dims (fixed in 9.13: cuDNN frontend 1.14.1 release notes)."""
+    version = torch.backends.cudnn.version() or 0
+    return 256 if torch.cuda.get_device_capability(device) == (9, 0) and version >= 91300 else 128
+
+
 def cudnn_runs(q: torch.Tensor) -> bool:
     """Whether cuDNN's attention takes ``q``'s kind of input: CUDA, Hopper or newer (where SDPA prefers it),
-    bf16/fp16, D <= 128, D % 8 == 0, cuDNN attention enabled and not in deterministic mode."""
+    bf16/fp16, D <= `cudnn_head_dim_limit`, D % 8 == 0, cuDNN attention enabled and not in deterministic mode."""
     D = q.shape[-1]
     return (
         q.is_cuda and q.dtype in HALF_DTYPES
         and torch.backends.cuda.cudnn_sdp_enabled()
         and not torch.are_deterministic_algorithms_enabled()  # SDPA does not pick cuDNN then either
         and torch.cuda.get_device_capability(q.device) >= (9, 0)
-        and D <= 128 and D % 8 == 0
+        and D <= cudnn_head_dim_limit(q.device) and D % 8 == 0
     )  # fmt: skip
 
 

@@ -243,7 +243,8 @@ def crossover(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if not cudnn_runs(q):
         _CROSSOVERS[key] = NEVER
         logger.info(f"attention auto ({key[0]} q / {key[1]} kv heads of {key[2]}, {q.dtype}): flash-attention 2 for every "
-                    f"document (cuDNN's attention here needs a Hopper GPU, bf16/fp16, head dim <= 128 and a multiple of 8)")
+                    f"document (cuDNN's attention here needs a Hopper GPU, bf16/fp16, a head dim that is a "
+                    "multiple of 8 and at most 128, or 256 on sm90 with cuDNN >= 9.13)")
         return NEVER
     if torch.cuda.is_current_stream_capturing():
         return NEVER

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_ft.data.packing import collate_packed
 from lightning_ft.model import attention, attention_plan
-from lightning_ft.model.attention_kernels import AttentionKernel, check_varlen_size
+from lightning_ft.model.attention_kernels import AttentionKernel, check_varlen_size, cudnn_head_dim_limit
 from lightning_ft.strategies import kept
 from lightning_ft.model.build import load_causal_lm
 
@@ -513,6 +513,16 @@ def test_backend_resolution_and_registered_names():
     names = {backend: attention.register_packed_attention(backend) for backend in ("sdpa", "varlen", "cudnn", "auto", "flex")}
     assert names == attention.ATTENTION_NAMES
     assert not any(word in name for name in names.values() for word in ("sdpa", "flash", "flex_attention"))
+
+
+@pytest.mark.parametrize("capability, version, limit", [((9, 0), 91300, 256), ((9, 0), 91200, 128), ((10, 0), 91300, 128),
+                                                      ((8, 0), 91300, 128), ((9, 0), None, 128)])
+def test_cudnn_takes_head_dims_up_to_256_on_sm90_with_cudnn_9_13(monkeypatch, capability, version, limit):
+    """Head dims up to 256 go to cuDNN on sm90 from cuDNN 9.13 (torch allows 9.10; 9.11-9.12 had a Hopper backward bug
+    for large head dims), else up to 128."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: version)
+    assert cudnn_head_dim_limit(torch.device("cuda")) == limit
 
 
 def test_varlen_size_guard_names_the_limit():

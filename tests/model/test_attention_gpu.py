@@ -67,7 +67,8 @@ def _max_error(x, reference):
 @pytest.mark.parametrize("sliding_window", [None, 100])
 @pytest.mark.parametrize("backend", [*BACKENDS, "auto_from_100"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
-@pytest.mark.parametrize("heads, dims", [((8, 2), (64, 64)), ((7, 1), (96, 64))], ids=["gqa", "odd_heads_mla_dims"])
+@pytest.mark.parametrize("heads, dims", [((8, 2), (64, 64)), ((7, 1), (96, 64)), ((4, 2), (256, 256)), ((4, 4), (192, 128))],
+                         ids=["gqa", "odd_heads_mla_dims", "head_dim_256", "deepseek_mla_dims"])
 def test_backend_equals_per_document_sdpa_bf16(monkeypatch, backend, lengths, sliding_window, sinks, heads, dims):
     """Forward and backward within bf16 error: at most twice the error of the reference run in bf16
     (against the reference in fp32), plus 1e-3 (flash-attention's own test criterion). The sinks'
