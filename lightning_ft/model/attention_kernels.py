@@ -14,7 +14,8 @@ them, so three things work the same for every kernel:
   ``Δ = rowsum(dO ∘ O)``, which then equals ``rowsum(dy ∘ out)·σ²``, exactly the Δ the sink's extra
   softmax term needs; the sink's gradient is ``−Σ rowsum(dy ∘ out)·σ(1 − σ)`` over the tokens. No
   kernel needs a sink variant, and the sink's gradient is exact (the correction as described in the
-  gpt-oss model card's reference attention, here differentiated in closed form);
+  gpt-oss model card's reference attention, here differentiated in closed form). The correction and its
+  backward run as one Triton pass each (`lightning_ft.kernels.attention_sinks`; its reference on the CPU);
 - the custom backward calls the same backward op autograd would.
 
 Kernels (each checked against `lightning_ft.model.attention.packed_attention_reference`):
@@ -44,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from lightning_ft.kernels._utils import triton_can_run
+from lightning_ft.kernels.attention_sinks import sink_backward, sink_backward_reference, sink_forward, sink_forward_reference
 from lightning_ft.strategies import kept
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -144,9 +147,14 @@ def _heads_tokens(kernel: AttentionKernel, out: torch.Tensor) -> tuple[int, int]
     return (out.shape[1], out.shape[0]) if kernel.layout == "THD" else (out.shape[1], out.shape[2])
 
 
-def _per_output(kernel: AttentionKernel, weights_HT: torch.Tensor) -> torch.Tensor:
-    """[Hq, T] per-query weights broadcastable against the kernel's output."""
-    return weights_HT.t()[:, :, None] if kernel.layout == "THD" else weights_HT[None, :, :, None]
+def _thd(kernel: AttentionKernel, t: torch.Tensor) -> torch.Tensor:
+    """The kernel's output-shaped tensor as a [T, H, D] view."""
+    return t if kernel.layout == "THD" else t[0].transpose(0, 1)
+
+
+def _from_thd(kernel: AttentionKernel, t_THD: torch.Tensor) -> torch.Tensor:
+    """A [T, H, D] tensor in the kernel's layout (a view)."""
+    return t_THD if kernel.layout == "THD" else t_THD.transpose(0, 1)[None]
 
 
 class _KernelAttention(torch.autograd.Function):
@@ -162,9 +170,9 @@ class _KernelAttention(torch.autograd.Function):
             return out.view_as(out)  # a kept buffer must not be the output itself
         heads, tokens = _heads_tokens(kernel, out)
         lse_HT = kernel.log_sum_exp(aux, heads, tokens).float()
-        weights = _per_output(kernel, torch.sigmoid(lse_HT - sinks.float()[:, None]))
-        ctx.save_for_backward(out, q, k, v, weights)
-        return (out.float() * weights).to(out.dtype)
+        ctx.save_for_backward(out, q, k, v, lse_HT, sinks)
+        forward = sink_forward if triton_can_run(out) else sink_forward_reference  # the reference: the CPU
+        return _from_thd(kernel, forward(_thd(kernel, out), lse_HT, sinks))
 
     @staticmethod
     @once_differentiable
@@ -173,13 +181,11 @@ class _KernelAttention(torch.autograd.Function):
             out, q, k, v = ctx.saved_tensors
             dq, dk, dv = ctx.kernel.backward(grad_out, q, k, v, out, ctx.aux)
             return None, None, dq, dk, dv, None
-        out, q, k, v, weights = ctx.saved_tensors
-        dy, o = grad_out.float(), out.float()
-        dot = (dy * o).sum(-1, keepdim=True)  # rowsum(dy ∘ out) per query and head
-        grad_lse = dot * weights * (1 - weights)
-        heads_dim = 1
-        grad_sinks = -grad_lse.sum(dim=[d for d in range(grad_lse.dim()) if d != heads_dim])
-        dq, dk, dv = ctx.kernel.backward((dy * weights).to(out.dtype), q, k, v, (o * weights).to(out.dtype), ctx.aux)
+        out, q, k, v, lse_HT, sinks = ctx.saved_tensors
+        kernel = ctx.kernel
+        backward = sink_backward if triton_can_run(out) else sink_backward_reference
+        grad_scaled, out_scaled, grad_sinks = backward(_thd(kernel, grad_out), _thd(kernel, out), lse_HT, sinks)
+        dq, dk, dv = kernel.backward(_from_thd(kernel, grad_scaled), q, k, v, _from_thd(kernel, out_scaled), ctx.aux)
         return None, None, dq, dk, dv, grad_sinks.to(ctx.sinks_dtype)
 
 
