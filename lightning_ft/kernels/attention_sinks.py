@@ -118,7 +118,8 @@ def sink_forward(out_THD: torch.Tensor, lse_HT: torch.Tensor, sinks: torch.Tenso
     """The attention output with sinks, ``out · σ(lse − sink)`` (the module docstring), in one Triton pass.
 
     Args:
-        out_THD: [T, H, D] the attention's output (any token and head strides), bf16, fp16 or fp32.
+        out_THD: [T, H, D] the attention's output (any token and head strides), bf16, fp16 or fp32 (fp64 runs
+            the plain-torch reference).
         lse_HT: [H, T] its log-sum-exp (any strides), fp32.
         sinks: [H] the sink logits (any float dtype).
 
@@ -129,6 +130,8 @@ def sink_forward(out_THD: torch.Tensor, lse_HT: torch.Tensor, sinks: torch.Tenso
         ValueError: shapes other than these.
     """
     _check("sink_forward", out_THD, lse_HT, sinks)
+    if out_THD.dtype == torch.float64:  # the kernel computes in fp32: fp64 keeps its precision in the reference
+        return sink_forward_reference(out_THD, lse_HT, sinks)
     if not triton_can_run(out_THD):
         warn_fallback("sink_forward", out_THD.device)
         return sink_forward_reference(out_THD, lse_HT, sinks)
@@ -159,6 +162,8 @@ def sink_backward(
         ValueError: shapes other than these.
     """
     _check("sink_backward", out_THD, lse_HT, sinks, grad_THD)
+    if out_THD.dtype == torch.float64:  # the kernel computes in fp32: fp64 keeps its precision in the reference
+        return sink_backward_reference(grad_THD, out_THD, lse_HT, sinks)
     if not triton_can_run(out_THD):
         warn_fallback("sink_backward", out_THD.device)
         return sink_backward_reference(grad_THD, out_THD, lse_HT, sinks)

@@ -166,7 +166,8 @@ def clamped_swiglu(
     """gpt-oss's expert activation (the module docstring's math) on h [S, F] of interleaved gate/up columns → [S, F / 2].
 
     Args:
-        h_SF: [S, F] (F even), the gate/up GEMM's output (any row stride, unit column stride), bf16, fp16 or fp32.
+        h_SF: [S, F] (F even), the gate/up GEMM's output (any row stride, unit column stride), bf16, fp16 or fp32
+            (fp64 runs the plain-torch reference: the kernel computes in fp32).
         alpha, limit: the experts' ``alpha`` and ``limit`` (1.702 and 7.0 in gpt-oss).
         row_weight: optional [S] routing weight per row (any float dtype), multiplied in before the one
             rounding; differentiable.
@@ -195,6 +196,8 @@ def clamped_swiglu(
                                 or bias_EF.device != h_SF.device):
         raise ValueError(f"clamped_swiglu: bias_EF must be [E, {cols}] on {h_SF.device} with expert_S [{rows}], got "
                          f"{list(bias_EF.shape)} on {bias_EF.device} and expert_S {expert_S is not None}")
+    if h_SF.dtype == torch.float64:  # the kernel computes in fp32: fp64 keeps its precision in the reference
+        return clamped_swiglu_reference(h_SF, alpha, limit, row_weight, bias_EF, expert_S)
     if not triton_can_run(h_SF):
         warn_fallback("clamped_swiglu", h_SF.device)
         return clamped_swiglu_reference(h_SF, alpha, limit, row_weight, bias_EF, expert_S)

@@ -81,3 +81,11 @@ def test_bad_shapes_are_refused():
         sink_backward(grad[:4], out, lse, sinks)
     with pytest.raises(ValueError, match="sink_forward"):
         sink_forward(out[0], lse, sinks)
+
+
+def test_fp64_runs_the_reference_exactly(device):
+    """The kernel computes in fp32: fp64 inputs take the reference, bit for bit."""
+    out, lse, sinks, grad = (t.double() for t in _inputs(9, 2, 16, torch.float32, device))
+    assert torch.equal(sink_forward(out, lse, sinks), sink_forward_reference(out, lse, sinks))
+    for got, ref in zip(sink_backward(grad, out, lse, sinks), sink_backward_reference(grad, out, lse, sinks), strict=True):
+        assert got.dtype == torch.float64 and torch.equal(got, ref)

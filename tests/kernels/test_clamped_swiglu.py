@@ -120,3 +120,17 @@ def test_no_host_sync():
         clamped_swiglu(h, ALPHA, LIMIT, weight, bias, expert).backward(torch.ones(8192, 2880, device="cuda", dtype=torch.bfloat16))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fp64_runs_the_reference_exactly(device):
+    """The kernel computes in fp32: fp64 inputs take the reference, bit for bit (values and gradients)."""
+    torch.manual_seed(0)
+    h = 6 * torch.randn(5, 16, device=device, dtype=torch.float64)
+    weight = torch.rand(5, device=device, dtype=torch.float64)
+    bias = torch.randn(2, 16, device=device, dtype=torch.float64)
+    expert = torch.tensor([0, 1, 1, 0, 1], device=device)
+    dy = torch.randn(5, 8, device=device, dtype=torch.float64)
+    outs = _grads(clamped_swiglu, h, weight, bias, expert, dy, torch.float64)
+    refs = _grads(clamped_swiglu_reference, h, weight, bias, expert, dy, torch.float64)
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.dtype == torch.float64 and torch.equal(out, ref)
