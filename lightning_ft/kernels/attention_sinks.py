@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_ft.kernels._utils import triton_can_run, warn_fallback
+from lightning_ft.kernels._utils import num_warps_for, triton_can_run, warn_fallback
 
 __all__ = ["sink_backward", "sink_backward_reference", "sink_forward", "sink_forward_reference"]
 
@@ -46,7 +46,7 @@ def _sink_weights(LSE, S, h, rows, row_mask, stride_lh, stride_lt):
 @triton.jit
 def _sink_fwd_kernel(O, LSE, S, Y, T, D, stride_ot, stride_oh, stride_yt, stride_yh, stride_lh, stride_lt,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # h × a head stride may pass 2³¹ (a [1, H, T, D] tensor seen as [T, H, D])
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < T
@@ -61,7 +61,7 @@ def _sink_bwd_kernel(DY, O, LSE, S, DO, OW, PARTIAL, T, D, H, stride_dyt, stride
                      stride_dot, stride_doh, stride_owt, stride_owh, stride_lh, stride_lt,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     block = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # h × a head stride may pass 2³¹ (a [1, H, T, D] tensor seen as [T, H, D])
     rows = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < T
@@ -114,6 +114,11 @@ def _grid(T: int, H: int) -> tuple[int, int]:
     return triton.cdiv(T, _BLOCK_T), H
 
 
+def _launch(D: int) -> dict[str, int]:
+    block_d = triton.next_power_of_2(D)
+    return dict(BLOCK_T=_BLOCK_T, BLOCK_D=block_d, num_warps=num_warps_for(_BLOCK_T * block_d))
+
+
 def sink_forward(out_THD: torch.Tensor, lse_HT: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The attention output with sinks, ``out · σ(lse − sink)`` (the module docstring), in one Triton pass.
 
@@ -121,7 +126,7 @@ def sink_forward(out_THD: torch.Tensor, lse_HT: torch.Tensor, sinks: torch.Tenso
         out_THD: [T, H, D] the attention's output (any token and head strides), bf16, fp16 or fp32 (fp64 runs
             the plain-torch reference).
         lse_HT: [H, T] its log-sum-exp (any strides), fp32.
-        sinks: [H] the sink logits (any float dtype).
+        sinks: [H] the sink logits (any float dtype, any stride).
 
     Returns:
         [T, H, D] in out's dtype, laid out like out. Not differentiable itself: `sink_backward` is its backward.
@@ -135,13 +140,13 @@ def sink_forward(out_THD: torch.Tensor, lse_HT: torch.Tensor, sinks: torch.Tenso
     if not triton_can_run(out_THD):
         warn_fallback("sink_forward", out_THD.device)
         return sink_forward_reference(out_THD, lse_HT, sinks)
-    out_THD = _unit_last(out_THD)
+    out_THD, sinks = _unit_last(out_THD), sinks.contiguous()
     T, H, D = out_THD.shape
     y = torch.empty_like(out_THD)
     if T:
         _sink_fwd_kernel[_grid(T, H)](
             out_THD, lse_HT, sinks, y, T, D, out_THD.stride(0), out_THD.stride(1), y.stride(0), y.stride(1),
-            lse_HT.stride(0), lse_HT.stride(1), BLOCK_T=_BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
+            lse_HT.stride(0), lse_HT.stride(1), **_launch(D),
         )  # fmt: skip
     return y
 
@@ -167,7 +172,7 @@ def sink_backward(
     if not triton_can_run(out_THD):
         warn_fallback("sink_backward", out_THD.device)
         return sink_backward_reference(grad_THD, out_THD, lse_HT, sinks)
-    grad_THD, out_THD = _unit_last(grad_THD), _unit_last(out_THD)
+    grad_THD, out_THD, sinks = _unit_last(grad_THD), _unit_last(out_THD), sinks.contiguous()
     T, H, D = out_THD.shape
     grad_out, out_w = torch.empty_like(out_THD), torch.empty_like(out_THD)
     blocks, _ = _grid(T, H)
@@ -177,6 +182,6 @@ def sink_backward(
             grad_THD, out_THD, lse_HT, sinks, grad_out, out_w, partial, T, D, H,
             grad_THD.stride(0), grad_THD.stride(1), out_THD.stride(0), out_THD.stride(1),
             grad_out.stride(0), grad_out.stride(1), out_w.stride(0), out_w.stride(1),
-            lse_HT.stride(0), lse_HT.stride(1), BLOCK_T=_BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
+            lse_HT.stride(0), lse_HT.stride(1), **_launch(D),
         )  # fmt: skip
     return grad_out, out_w, -partial.sum(0)

@@ -49,7 +49,7 @@ from lightning_ft.model.attention import register_packed_attention, resolve_atte
 from lightning_ft.model.attention_plan import calibrate
 from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8
-from lightning_ft.model.mxfp4 import dequantize_experts, keeping_mxfp4, quantize_experts
+from lightning_ft.model.mxfp4 import dequantize_experts, gpt_oss_experts, keeping_mxfp4, no_mxfp4_experts, quantize_experts
 from lightning_ft.model.mxfp4 import experts_bytes as mxfp4_experts_bytes
 from lightning_ft.model.patching import apply_kernels, has_moe_path
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
@@ -227,38 +227,54 @@ def _takes_attention_functions(config: Any) -> bool:
 
 
 def _random_mxfp4(hf_config: Any, trust_remote_code: bool, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """``model.init=random`` with ``model.quantization=mxfp4``: the model is built on the meta device, each experts
-    module is drawn on the default device and quantised before the next is drawn (gpt-oss-120b's dense experts are
-    234 GB in bf16, more than one GPU holds), then the rest is drawn by transformers' ``initialize_weights``, which
-    skips the modules already drawn: how transformers 5 initialises a checkpoint's missing keys.
+    """``model.init=random`` with ``model.quantization=mxfp4``: the model is built on the meta device and drawn by
+    transformers' own ``initialize_weights`` (module by module, children first), each module put on the default
+    device right before it is drawn and each experts module quantised right after, so the dense experts never exist
+    together (gpt-oss-120b's are 234 GB in bf16, more than one GPU holds). The same seed gives the same weights on
+    each build, but not ``model.quantization=none``'s: a stock build's constructors draw torch's default init first.
 
     Raises:
-        ValueError: the config has no gpt-oss experts (`lightning_ft.model.mxfp4.quantize_experts`).
+        ValueError: the config has no gpt-oss experts (`lightning_ft.model.mxfp4.no_mxfp4_experts`).
+        RuntimeError: transformers' init left a tensor on the meta device (naming it).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     device = torch.get_default_device()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
+    experts = set(gpt_oss_experts(model))
+    if not experts:
+        raise no_mxfp4_experts(type(model).__name__)
+    quantised = []
 
-    def draw(module: torch.nn.Module) -> None:
-        module.to_empty(device=device, recurse=False)
-        model._init_weights(module)
-        module._is_hf_initialized = True
-
-    _quantize_experts(model, "the random init", draw)
-    for module in model.modules():
-        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+    def drawing(init: Any) -> Any:
+        def draw(module: torch.nn.Module) -> None:
             module.to_empty(device=device, recurse=False)
-    model.initialize_weights()
+            init(module)
+            if module in experts:
+                quantised.append(quantize_experts(module))
+        return draw
+
+    owners = [m for m in model.modules() if isinstance(m, PreTrainedModel)]  # each draws its submodules
+    for owner in owners:
+        owner._init_weights = drawing(owner._init_weights)
+    try:
+        model.initialize_weights()
+    finally:
+        for owner in owners:
+            del owner._init_weights
     model.tie_weights()
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_meta:
+            raise RuntimeError(f"model.quantization=mxfp4: transformers' init left {name} on the meta device")
+    rank_zero_info(f"quantization: {sum(quantised)} expert weights quantised to MXFP4 after the random init: "
+                   f"{_bytes_held(*mxfp4_experts_bytes(model))}")
     return model
 
 
-def _quantize_experts(model: torch.nn.Module, after: str, draw: Any = None) -> None:
-    """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`, which
-    calls ``draw`` on each experts module first), logged."""
-    count = quantize_experts(model, draw)
+def _quantize_experts(model: torch.nn.Module, after: str) -> None:
+    """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`), logged."""
+    count = quantize_experts(model)
     rank_zero_info(f"quantization: {count} expert weights quantised to MXFP4 after {after}: {_bytes_held(*mxfp4_experts_bytes(model))}")
 
 

@@ -25,21 +25,21 @@ Sources: transformers 5 ``integrations/mxfp4.py`` (``Mxfp4Dequantize``, the chec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
 from lightning_ft.kernels.mxfp4 import Mxfp4Weight, quantize_mxfp4
 
 __all__ = [
-    "dequantize_experts", "experts_bytes", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "no_mxfp4_experts",
+    "dequantize_experts", "experts_bytes", "gpt_oss_experts", "keep_dense", "keep_placeholder", "keeping_mxfp4", "mxfp4_weight", "no_mxfp4_experts",
     "quantize_experts",
 ]
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
-def _gpt_oss_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+def gpt_oss_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The experts modules of gpt-oss's layout (transposed [E, C, N] weights with biases) in ``model``."""
     return [m for m in model.modules() if getattr(m, "is_transposed", False) and all(hasattr(m, p) for p in _PROJECTIONS)
             and getattr(m, "has_bias", False)]
@@ -75,23 +75,19 @@ def no_mxfp4_experts(name: str) -> ValueError:
                       "use model.quantization=none (or nf4 for the linear layers)")
 
 
-def quantize_experts(model: torch.nn.Module, draw: Callable[[torch.nn.Module], None] | None = None) -> int:
-    """Quantise every gpt-oss experts weight of ``model`` to MXFP4 in place (one weight at a time); returns how many.
-
-    ``draw``, if given, is called on each experts module right before its weights are quantised: a model built on the
-    meta device draws them there, one module at a time, so its dense experts never all exist at once.
+def quantize_experts(model: torch.nn.Module) -> int:
+    """Quantise every gpt-oss experts weight of ``model`` (a model, or one experts module) to MXFP4 in place (one
+    weight at a time); returns how many.
 
     Raises:
         ValueError: no gpt-oss experts in ``model`` (``model.quantization=mxfp4`` is for gpt-oss), or a weight whose
             input size is not a multiple of 32.
     """
-    modules = _gpt_oss_experts(model)
+    modules = gpt_oss_experts(model)
     if not modules:
         raise no_mxfp4_experts(type(model).__name__)
     count = 0
     for experts in modules:
-        if draw is not None:
-            draw(experts)
         for name in _PROJECTIONS:
             if hasattr(experts, f"{name}_blocks"):
                 continue
@@ -117,7 +113,7 @@ def experts_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes the experts' weights hold: MXFP4 blocks and scales, or the dense parameters (placeholders' one element);
     bytes they would hold dense in their compute dtype); (0, 0) for none."""
     held = dense = 0
-    for experts in _gpt_oss_experts(model):
+    for experts in gpt_oss_experts(model):
         for name in _PROJECTIONS:
             weight = getattr(experts, name)
             for tensor in (weight, getattr(experts, f"{name}_blocks", None), getattr(experts, f"{name}_scales", None)):
@@ -131,7 +127,7 @@ def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None)
     """Replace every MXFP4 experts weight by its dense parameter (exact, in ``dtype`` or the placeholder's), frozen as
     it was, and drop the buffers: ``save_pretrained`` then writes a plain checkpoint. Returns how many (0: none)."""
     count = 0
-    for experts in _gpt_oss_experts(model):
+    for experts in gpt_oss_experts(model):
         for name in _PROJECTIONS:
             weight = mxfp4_weight(experts, name)
             if weight is None:

@@ -89,3 +89,24 @@ def test_fp64_runs_the_reference_exactly(device):
     assert torch.equal(sink_forward(out, lse, sinks), sink_forward_reference(out, lse, sinks))
     for got, ref in zip(sink_backward(grad, out, lse, sinks), sink_backward_reference(grad, out, lse, sinks), strict=True):
         assert got.dtype == torch.float64 and torch.equal(got, ref)
+
+
+def test_strided_sinks_and_head_offsets_past_int32(device):
+    """A strided sinks vector; a head stride whose multiples pass 2³¹ elements (a [1, H, T, D] tensor seen as
+    [T, H, D] at long T): the offsets are 64-bit. The big tensor is an expanded view of a small one (no 2³¹ bytes)."""
+    out, lse, sinks, grad = _inputs(7, 4, 16, torch.float32, device)
+    strided = torch.stack([sinks, sinks + 1], dim=1)[:, 0]
+    assert strided.stride(0) == 2
+    torch.testing.assert_close(sink_forward(out, lse, strided), sink_forward_reference(out, lse, sinks), atol=1e-6, rtol=1e-6)
+    for got, ref in zip(sink_backward(grad, out, lse, strided), sink_backward_reference(grad, out, lse, sinks), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if device.type != "cpu":
+        return  # below: a 4 GiB storage, only reserved on the CPU (a few pages touched), allocated on a GPU
+    head_stride = 2**30 + 64
+    storage = torch.empty(2 * head_stride + 16, dtype=torch.bfloat16)  # never written but for the three heads' rows
+    far = torch.as_strided(storage, (1, 3, 16), (16, head_stride, 1))
+    far.copy_(torch.randn(1, 3, 16).bfloat16())
+    lse, sinks = torch.randn(3, 1), torch.randn(3)
+    torch.testing.assert_close(sink_forward(far, lse, sinks), sink_forward_reference(far.clone(), lse, sinks), atol=8e-3, rtol=8e-3)
+    for got, ref in zip(sink_backward(far, far, lse, sinks), sink_backward_reference(far.clone(), far.clone(), lse, sinks), strict=True):
+        torch.testing.assert_close(got, ref, atol=8e-3 if got.dtype == torch.bfloat16 else 1e-5, rtol=8e-3)

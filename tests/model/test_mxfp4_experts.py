@@ -44,28 +44,30 @@ def test_random_init_keeps_the_experts_in_mxfp4_at_about_a_quarter_of_the_bytes(
 
 
 def test_random_init_draws_each_experts_module_right_before_it_is_quantised(monkeypatch):
-    """The model is built on the meta device and each experts module's dense weights are drawn just before they are
-    quantised (the later ones still on meta then), so a model whose dense experts exceed the GPU (gpt-oss-120b) can be
-    built; nothing is left on meta, the rest is drawn as transformers draws it (RoPE buffers equal a stock build's,
-    norms at 1, sinks and weights random), and the dequantised experts have the configured spread."""
+    """The model is built on the meta device and each experts module is drawn just before it is quantised (the later
+    ones still on meta then), so a model whose dense experts exceed the GPU (gpt-oss-120b) can be built; nothing is
+    left on meta; the seed gives the same weights every build, drawn as transformers draws them (RoPE buffers equal a
+    stock build's, norms at 1, biases at 0, the rest with the configured spread; not the stock build's values: its
+    layers' constructors draw torch's default init first)."""
+    import lightning_ft.model.build as build
     import lightning_ft.model.mxfp4 as mxfp4
 
-    still_meta = []
+    found, still_meta = [], []
+    monkeypatch.setattr(build, "gpt_oss_experts", lambda model: found.extend(mxfp4.gpt_oss_experts(model)) or found)
     quantize = mxfp4.quantize_mxfp4
 
     def spy(weight):
-        experts = [m for m in model_modules[0].modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj_bias")]
-        still_meta.append([m.gate_up_proj.is_meta for m in experts])
+        still_meta.append([m.gate_up_proj.is_meta for m in found])
         return quantize(weight)
 
-    model_modules = []
-    build = mxfp4.quantize_experts
     monkeypatch.setattr(mxfp4, "quantize_mxfp4", spy)
-    monkeypatch.setattr("lightning_ft.model.build.quantize_experts",
-                        lambda model, draw=None: model_modules.append(model) or build(model, draw))
     kept = _build("mxfp4").get_base_model()
     assert still_meta == [[False, True], [False, True], [False, False], [False, False]]
     assert not any(t.is_meta for t in (*kept.parameters(), *kept.buffers()))
+    monkeypatch.undo()
+    again = _build("mxfp4").get_base_model()
+    for (name, got), (again_name, want) in zip(kept.state_dict().items(), again.state_dict().items(), strict=True):
+        assert name == again_name and torch.equal(got, want), name
     stock = _build("none").get_base_model()
     assert torch.equal(kept.model.rotary_emb.inv_freq, stock.model.rotary_emb.inv_freq)
     layer = kept.model.layers[1]
@@ -73,8 +75,7 @@ def test_random_init_draws_each_experts_module_right_before_it_is_quantised(monk
     assert layer.self_attn.sinks.std() > 0 and abs(layer.self_attn.q_proj.base_layer.weight.std() - 0.1) < 0.01
     experts = layer.mlp.experts.base_layer.base_layer
     assert torch.equal(experts.gate_up_proj_bias, torch.zeros(4, 64))
-    dense = mxfp4.mxfp4_weight(experts, "gate_up_proj").dequantize()
-    assert abs(dense.std() - 0.1) < 0.01
+    assert abs(mxfp4.mxfp4_weight(experts, "gate_up_proj").dequantize().std() - 0.1) < 0.01
     logits = kept(torch.arange(10)[None]).logits
     assert logits.isfinite().all()
 
