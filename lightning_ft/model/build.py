@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -226,21 +227,40 @@ def _takes_attention_functions(config: Any) -> bool:
     return model_class is None or bool(model_class._supports_attention_backend)
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Within: each parameter a module registers is moved to the meta device (its constructor's init then runs on
+    meta: a no-op); buffers stay where they are made, with the values their constructors compute (RoPE's inv_freq)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def _random_mxfp4(hf_config: Any, trust_remote_code: bool, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """``model.init=random`` with ``model.quantization=mxfp4``: the model is built on the meta device and drawn by
-    transformers' own ``initialize_weights`` (module by module, children first), each module put on the default
-    device right before it is drawn and each experts module quantised right after, so the dense experts never exist
-    together (gpt-oss-120b's are 234 GB in bf16, more than one GPU holds). The same seed gives the same weights on
-    each build, but not ``model.quantization=none``'s: a stock build's constructors draw torch's default init first.
+    """``model.init=random`` with ``model.quantization=mxfp4``: the model is built with its parameters on the meta
+    device (`_parameters_on_meta`) and drawn by transformers' own ``initialize_weights`` (module by module, children
+    first), each module's parameters put on the default device right before they are drawn and each experts module
+    quantised right after, so the dense experts never exist together (gpt-oss-120b's are 234 GB in bf16, more than
+    one GPU holds). The same seed gives the same weights on each build, but not ``model.quantization=none``'s: a stock
+    build's constructors draw torch's default init first.
 
     Raises:
         ValueError: the config has no gpt-oss experts (`lightning_ft.model.mxfp4.no_mxfp4_experts`).
-        RuntimeError: transformers' init left a tensor on the meta device (naming it).
+        RuntimeError: transformers' init left a parameter undrawn (naming it).
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
     device = torch.get_default_device()
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
     experts = set(gpt_oss_experts(model))
     if not experts:
@@ -249,13 +269,18 @@ def _random_mxfp4(hf_config: Any, trust_remote_code: bool, kwargs: dict[str, Any
 
     def drawing(init: Any) -> Any:
         def draw(module: torch.nn.Module) -> None:
-            module.to_empty(device=device, recurse=False)
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_meta:
+                    setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                             requires_grad=param.requires_grad))
             init(module)
             if module in experts:
                 quantised.append(quantize_experts(module))
         return draw
 
     owners = [m for m in model.modules() if isinstance(m, PreTrainedModel)]  # each draws its submodules
+    for module in model.modules():  # an init that ran at construction (on meta) drew nothing
+        module.__dict__.pop("_is_hf_initialized", None)
     for owner in owners:
         owner._init_weights = drawing(owner._init_weights)
     try:
@@ -264,9 +289,9 @@ def _random_mxfp4(hf_config: Any, trust_remote_code: bool, kwargs: dict[str, Any
         for owner in owners:
             del owner._init_weights
     model.tie_weights()
-    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        if tensor.is_meta:
-            raise RuntimeError(f"model.quantization=mxfp4: transformers' init left {name} on the meta device")
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise RuntimeError(f"model.quantization=mxfp4: transformers' init did not draw {name}")
     rank_zero_info(f"quantization: {sum(quantised)} expert weights quantised to MXFP4 after the random init: "
                    f"{_bytes_held(*mxfp4_experts_bytes(model))}")
     return model
