@@ -41,7 +41,7 @@ from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
 from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
 from lightning_ft.model.lora import adapter_folder
 from lightning_ft.model.mxfp4 import no_mxfp4_experts
-from lightning_ft.model.quantization import QUANTIZATIONS
+from lightning_ft.model.quantization import QUANTIZATIONS, check_quantized_training
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
     check_new_run_dir,
@@ -215,6 +215,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
     quantization, backend = cfg.model.get("quantization"), cfg.moe.backend
+    if quantization in ("nf4", "mxfp4") and not cfg.lora.enabled:
+        check_quantized_training(quantization, lora=False, sharded=False)  # raises: only LoRA trains a 4-bit base
     if quantization == "mxfp4" and (model_type := model_type_of(cfg.model)) not in (None, "gpt_oss"):
         raise no_mxfp4_experts(f"model_type {model_type}")
     if quantization == "mxfp4" and backend not in ("auto", *QUANTISED_EXPERT_BACKENDS):  # before the data loads

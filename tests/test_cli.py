@@ -200,8 +200,11 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
                        r"interpreter, slow\): use moe=grouped_mm or moe=native_torch$"),
         ("model=gpt_oss_tiny model.quantization=mxfp4", r"model.quantization=mxfp4 keeps the experts in MXFP4, which "
          r"moe.backend=triton or grouped_mm reads \(moe.backend=hf\): set moe=grouped_mm, or moe=triton on a GPU$"),
-        ("model.quantization=mxfp4", r"model.quantization=mxfp4 keeps gpt-oss's MoE experts in MXFP4; model_type qwen3_moe "
-                                     r"has none: use model.quantization=none \(or nf4 for the linear layers\)$"),  # the default model
+        ("model=gpt_oss_tiny model.quantization=mxfp4 moe=grouped_mm lora=none", r"model.quantization=mxfp4 freezes the "
+         r"base in 4 bits, so only LoRA can train: set lora.enabled=true \(or model.quantization=none for full fine-tuning\)$"),
+        ("model.quantization=mxfp4", r"model.quantization=mxfp4 is for gpt-oss's MoE experts \(model_type gpt_oss\), which "
+                                     r"model_type qwen3_moe does not have: use model.quantization=none \(or nf4: the linear "
+                                     r"layers, and MoE experts on moe.backend=triton or grouped_mm\)$"),  # the default model
     ],
 )
 def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, message, monkeypatch):

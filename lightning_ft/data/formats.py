@@ -206,6 +206,7 @@ def _read_json_lines(path: Path) -> Rows:
             line = _decode(path, raw, lineno, at_end=last)
             if not line.strip():
                 continue
+            line = line.rstrip("\r\n")  # a decode error's column is then the line's own
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:

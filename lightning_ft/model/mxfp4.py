@@ -71,8 +71,9 @@ def keep_placeholder(experts: torch.nn.Module, name: str, shape: torch.Size, dty
 
 def no_mxfp4_experts(name: str) -> ValueError:
     """The error for ``model.quantization=mxfp4`` on ``name`` (a model class or ``model_type``) without gpt-oss experts."""
-    return ValueError(f"model.quantization=mxfp4 keeps gpt-oss's MoE experts in MXFP4; {name} has none: "
-                      "use model.quantization=none (or nf4 for the linear layers)")
+    return ValueError(f"model.quantization=mxfp4 is for gpt-oss's MoE experts (model_type gpt_oss), which {name} does "
+                      "not have: use model.quantization=none (or nf4: the linear layers, and MoE experts on "
+                      "moe.backend=triton or grouped_mm)")
 
 
 def quantize_experts(model: torch.nn.Module) -> int:

@@ -104,7 +104,8 @@ class Execution:
                              f"without a CUDA device ({no_cuda}): set strategy.activation_offload=false{hint}")
         if self.cuda_graphs is True and no_cuda:
             keys = "strategy.cuda_graphs=false" + (" strategy.activation_offload=false" if self.activation_offload else "")
-            raise ValueError(f"strategy.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}")
+            raise ValueError(f"strategy.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}; the GPU model "
+                             "configs set it (e.g. model=gpt_oss_20b), their *_tiny twins run on the CPU")
         if self.fp8 and no_cuda:
             raise ValueError(
                 f"strategy.fp8=true needs an NVIDIA GPU of compute capability 9.0 or newer (Hopper, sm90+); found none "

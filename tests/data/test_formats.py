@@ -71,6 +71,7 @@ def test_unknown_role_names_the_row():
     "name, text, error",
     [
         ("bad.jsonl", '{"text": "ok"}\n{"text": "broken"\n', r"bad.jsonl:2: not valid JSON"),
+        ("value.jsonl", '{"a": 1}\n{"question": "2+2", "answer": \n{"a": 2}\n', r"value.jsonl:2: not valid JSON \(Expecting value at column 31\)$"),
         ("bad.json", '[\n  {"text": "a"},\n  {"text": "b",,}\n]\n', r"bad.json:3:16: not valid JSON \(Expecting"),
         ("lines.json", '{"text": "a"}\n{"text": "b",}\n', r"lines.json:2: not valid JSON"),  # JSON Lines as .json
     ],
