@@ -14,6 +14,11 @@ training shapes in bf16:
                    transposed views of the projections' [1, T, H*D] outputs, upstream gradients laid
                    out like the outputs ([B, T, H, D] memory, as attention's backward returns them)
     linear_ce      T=16384, vocab 151936, hidden 2048, frozen head (LoRA), 10% ignored labels
+    clamped_swiglu gpt-oss-20b's experts at 8K tokens: 32768 routed rows x 2x2880 interleaved gate/up, 32 experts'
+                   biases read per row, the routing weight folded in
+    attention_sinks gpt-oss-20b's sink correction at 8K tokens: out [8192, 64 heads, 64] bf16, fp32 lse; the
+                   reference is the same math in torch ops (one autograd Function each, so both run their own
+                   backward: dy·w, out·w and the sinks' gradient)
 
 The memory-bound ops report achieved GB/s (the bytes the op must move at least, over its time) and
 that as a fraction of a measured device-to-device copy; linear_ce reports TFLOP/s and the peak
@@ -46,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
-OPS = ("rms_norm", "swiglu", "rope", "linear_ce")
+OPS = ("rms_norm", "swiglu", "rope", "linear_ce", "clamped_swiglu", "attention_sinks")
 
 
 @dataclass
@@ -191,6 +196,8 @@ def _cases(device, smoke: bool) -> list[Case]:
     from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
     from lightning_ft.kernels.rms_norm import rms_norm, rms_norm_reference
     from lightning_ft.kernels.rope import apply_rope, rope_reference
+    from lightning_ft.kernels.attention_sinks import sink_backward, sink_backward_reference, sink_forward, sink_forward_reference
+    from lightning_ft.kernels.clamped_swiglu import clamped_swiglu, clamped_swiglu_reference
     from lightning_ft.kernels.swiglu import swiglu, swiglu_reference
 
     liger = _liger() if device.type == "cuda" else None
@@ -289,6 +296,54 @@ def _cases(device, smoke: bool) -> list[Case]:
         Case("linear_ce", f"T={tokens} V={vocab} H={hidden} bf16 frozen head", ce_inputs, impls, ("hidden",),
              flops_fwd=flops, flops_fwd_bwd=2 * flops, measure_memory=True)
     )
+    # gpt-oss's clamped SwiGLU: as swiglu (h holds gate and up, interleaved); bias and row weight are small reads.
+    rows, inter, experts = (64, 300, 4) if smoke else (32768, 2880, 32)
+    elem = rows * inter * 2
+
+    def clamped_inputs():
+        return {
+            "h": (6 * torch.randn(rows, 2 * inter, device=device)).to(bf16).requires_grad_(),
+            "weight": torch.rand(rows, device=device, dtype=bf16),
+            "bias": torch.randn(experts, 2 * inter, device=device, dtype=bf16),
+            "expert": torch.randint(0, experts, (rows,), device=device).sort().values,
+        }
+
+    impls = {
+        name: (lambda fn: lambda h, weight, bias, expert: fn(h, 1.702, 7.0, weight, bias, expert))(fn)
+        for name, fn in (("ours", clamped_swiglu), ("reference", clamped_swiglu_reference))
+    }
+    cases.append(Case("clamped_swiglu", f"{rows}x2x{inter} bf16, {experts} experts' biases", clamped_inputs, impls,
+                      ("h",), 3 * elem, 8 * elem))
+
+    # Attention sinks: forward reads out, writes y; backward reads dy and out, writes dy·w and out·w.
+    tokens, heads_q, head_dim = (16, 4, 64) if smoke else (8192, 64, 64)
+    elem = tokens * heads_q * head_dim * 2
+
+    def sink_op(forward, backward):
+        class SinkOp(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, out, lse, sinks):
+                ctx.save_for_backward(out, lse, sinks)
+                return forward(out, lse, sinks)
+
+            @staticmethod
+            def backward(ctx, grad):
+                out, lse, sinks = ctx.saved_tensors
+                grad_scaled, _, grad_sinks = backward(grad, out, lse, sinks)
+                return grad_scaled, None, grad_sinks
+
+        return SinkOp.apply
+
+    def sink_inputs():
+        return {
+            "out": torch.randn(tokens, heads_q, head_dim, device=device, dtype=bf16, requires_grad=True),
+            "lse": 3 * torch.randn(heads_q, tokens, device=device),
+            "sinks": torch.randn(heads_q, device=device, dtype=bf16, requires_grad=True),
+        }
+
+    impls = {"ours": sink_op(sink_forward, sink_backward), "reference": sink_op(sink_forward_reference, sink_backward_reference)}
+    cases.append(Case("attention_sinks", f"T={tokens} H={heads_q} D={head_dim} bf16", sink_inputs, impls,
+                      ("out", "sinks"), 2 * elem, 6 * elem, device_time=True))
     return cases
 
 
