@@ -738,6 +738,10 @@ class ModelBuilder:
             )
         for line in fast_path_lines(model.config.model_type, support, self.kernels_cfg, apply_kernels(model, self.kernels_cfg)):
             rank_zero_info(line)
+        triton_kernels = [k for k in ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy") if self.kernels_cfg.get(k)]
+        if triton_kernels and device.type == "cpu" and not INTERPRETER:
+            rank_zero_info(f"{model.config.model_type} kernels: Triton cannot run on the CPU (without TRITON_INTERPRET=1): "
+                           f"{', '.join(triton_kernels)} run their plain-torch references, same math")
         pad_for_graphs = False
         if cuda_graphs:
             offload = execution.activation_offload

@@ -262,3 +262,19 @@ def test_a_router_trained_in_full_that_all_linear_also_targets_is_refused_by_key
     with pytest.raises(ValueError, match=r"lora.modules_to_save=\['mlp.gate'\] \(moe.train_router adds the routers there\): "
                                          r"PEFT's lora.target_modules=all-linear already puts LoRA on one of them .*e.g. lora=moe\)$"):
         ModelBuilder(model=TINY_MODEL, lora={**LORA, "target_modules": "all-linear"}, moe={"train_router": True}, seed=0)(CPU)
+
+
+@pytest.mark.parametrize("interpreter", [False, True])
+def test_the_start_log_says_where_triton_kernels_run_their_reference(caplog, monkeypatch, interpreter):
+    """On the CPU without Triton's interpreter the kernels switched on run their plain-torch references: one line says
+    which (they are logged as fused above it); with the interpreter, none."""
+    import lightning_ft.model.build as build
+
+    monkeypatch.setattr(build, "INTERPRETER", interpreter)
+    kernels = dict(rms_norm=True, rope=False, swiglu=True, lora=True, fused_linear_cross_entropy=False)
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        ModelBuilder(TINY_MODEL, LORA, kernels=kernels, seed=0)(torch.device("cpu"))
+    lines = [m for m in caplog.messages if "Triton cannot run" in m]
+    assert lines == ([] if interpreter else [
+        "qwen3_moe kernels: Triton cannot run on the CPU (without TRITON_INTERPRET=1): rms_norm, swiglu run their "
+        "plain-torch references, same math"])
