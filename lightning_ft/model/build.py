@@ -706,6 +706,8 @@ class ModelBuilder:
         if moe_backend == "auto" and not has_moe_path(model.config.model_type):
             rank_zero_info(f"moe: backend auto -> hf ({model.config.model_type} has no experts on our MoE path)")
             moe_backend = "hf"  # a dense model (what the GPU path's moe=auto resolves to for it, lightning_ft.device)
+        if moe_backend == "hf" and has_moe_path(model.config.model_type):
+            rank_zero_info("moe: hf experts backend (transformers' own; moe=auto, grouped_mm or triton for ours)")
         if moe_backend != "hf":
             backend = apply_moe(model, backend=moe_backend)
             rank_zero_info(f"moe: {backend} experts backend")

@@ -278,3 +278,10 @@ def test_the_start_log_says_where_triton_kernels_run_their_reference(caplog, mon
     assert lines == ([] if interpreter else [
         "qwen3_moe kernels: Triton cannot run on the CPU (without TRITON_INTERPRET=1): rms_norm, swiglu run their "
         "plain-torch references, same math"])
+
+
+def test_the_start_log_names_the_stock_experts_backend_of_an_moe_model(caplog):
+    """moe=hf on an MoE model says so (each of our backends has its own line)."""
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        ModelBuilder(TINY_MODEL, LORA, moe={"backend": "hf"}, seed=0)(torch.device("cpu"))
+    assert "moe: hf experts backend (transformers' own; moe=auto, grouped_mm or triton for ours)" in caplog.messages
