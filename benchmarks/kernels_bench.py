@@ -41,6 +41,7 @@ perf_counter, to check that the script works; its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -302,18 +303,16 @@ def _cases(device, smoke: bool) -> list[Case]:
 
     def clamped_inputs():
         return {
-            "h": (6 * torch.randn(rows, 2 * inter, device=device)).to(bf16).requires_grad_(),
-            "weight": torch.rand(rows, device=device, dtype=bf16),
-            "bias": torch.randn(experts, 2 * inter, device=device, dtype=bf16),
-            "expert": torch.randint(0, experts, (rows,), device=device).sort().values,
+            "h_SF": (6 * torch.randn(rows, 2 * inter, device=device)).to(bf16).requires_grad_(),
+            "row_weight": torch.rand(rows, device=device, dtype=bf16),
+            "bias_EF": torch.randn(experts, 2 * inter, device=device, dtype=bf16),
+            "expert_S": torch.randint(0, experts, (rows,), device=device).sort().values,
         }
 
-    impls = {
-        name: (lambda fn: lambda h, weight, bias, expert: fn(h, 1.702, 7.0, weight, bias, expert))(fn)
-        for name, fn in (("ours", clamped_swiglu), ("reference", clamped_swiglu_reference))
-    }
+    impls = {name: functools.partial(fn, alpha=1.702, limit=7.0)
+             for name, fn in (("ours", clamped_swiglu), ("reference", clamped_swiglu_reference))}
     cases.append(Case("clamped_swiglu", f"{rows}x2x{inter} bf16, {experts} experts' biases", clamped_inputs, impls,
-                      ("h",), 3 * elem, 8 * elem))
+                      ("h_SF",), 3 * elem, 8 * elem))
 
     # Attention sinks: forward reads out, writes y; backward reads dy and out, writes dy·w and out·w.
     tokens, heads_q, head_dim = (16, 4, 64) if smoke else (8192, 64, 64)

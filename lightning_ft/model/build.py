@@ -52,7 +52,7 @@ from lightning_ft.model.lora import _skip_adapter_input_casts, add_lora
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8
 from lightning_ft.model.mxfp4 import dequantize_experts, gpt_oss_experts, keeping_mxfp4, no_mxfp4_experts, quantize_experts
 from lightning_ft.model.mxfp4 import experts_bytes as mxfp4_experts_bytes
-from lightning_ft.model.patching import apply_kernels, has_moe_path
+from lightning_ft.model.patching import KERNEL_KEYS, apply_kernels, has_moe_path
 from lightning_ft.model.quantization import bnb_nf4_config, check_quantization, check_quantized_training, quantize_linears
 from lightning_ft.model.router import (
     aux_loss_coef,
@@ -292,14 +292,17 @@ def _random_mxfp4(hf_config: Any, trust_remote_code: bool, kwargs: dict[str, Any
     for name, param in model.named_parameters():
         if param.is_meta:
             raise RuntimeError(f"model.quantization=mxfp4: transformers' init did not draw {name}")
-    rank_zero_info(f"quantization: {sum(quantised)} expert weights quantised to MXFP4 after the random init: "
-                   f"{_bytes_held(*mxfp4_experts_bytes(model))}")
+    _log_mxfp4(model, sum(quantised), "the random init")
     return model
 
 
 def _quantize_experts(model: torch.nn.Module, after: str) -> None:
     """``model.quantization=mxfp4`` on dense experts: quantise them (`lightning_ft.model.mxfp4.quantize_experts`), logged."""
-    count = quantize_experts(model)
+    _log_mxfp4(model, quantize_experts(model), after)
+
+
+def _log_mxfp4(model: torch.nn.Module, count: int, after: str) -> None:
+    """The start log's line for ``count`` expert weights quantised to MXFP4 after ``after``, with the bytes held."""
     rank_zero_info(f"quantization: {count} expert weights quantised to MXFP4 after {after}: {_bytes_held(*mxfp4_experts_bytes(model))}")
 
 
@@ -740,7 +743,7 @@ class ModelBuilder:
             )
         for line in fast_path_lines(model.config.model_type, support, self.kernels_cfg, apply_kernels(model, self.kernels_cfg)):
             rank_zero_info(line)
-        triton_kernels = [k for k in ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy") if self.kernels_cfg.get(k)]
+        triton_kernels = [k for k in KERNEL_KEYS if k != "lora" and self.kernels_cfg.get(k)]  # lora: torch ops alone
         if triton_kernels and device.type == "cpu" and not INTERPRETER:
             rank_zero_info(f"{model.config.model_type} kernels: Triton cannot run on the CPU (without TRITON_INTERPRET=1): "
                            f"{', '.join(triton_kernels)} run their plain-torch references, same math")
