@@ -58,6 +58,7 @@ class StrategyConfig:
     memory_budget_gib: Any = "auto"  # GPU memory a step may use (GiB) for the memory plan of what is kept, offloaded or recomputed; auto: free memory less a margin; null: no plan (off CUDA: never a plan)
     host_budget_gib: Any = "auto"  # pinned host memory the memory plan may offload to (GiB); auto: the host's available memory less 25%, shared by the node's processes; null: no limit
     fp8: bool = False  # frozen base weights of the LoRA linear layers (and, on moe.backend=triton, MoE experts) in e4m3 (per-output-channel scales, the experts one per expert; half their memory), their GEMMs in fp8 (Hopper, sm90+; not with strategy=fsdp2)
+    fp8_lm_head: bool = False  # with fp8: the frozen lm_head in e4m3 too (half its memory), its logits and input-gradient GEMMs in fp8 in the chunked linear cross-entropy (kernels.fused_linear_cross_entropy); a head tied to the input embeddings or trained (lora.modules_to_save) stays as it is
 
 
 @dataclass

@@ -70,6 +70,7 @@ from lightning_ft.model.lora import active_module
 from lightning_ft.model.router import aux_loss_coef, load_balancing_loss
 from lightning_ft.model.support import decoder_of
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE
+from lightning_ft.strategies.fp8 import Fp8Linear
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
 
 
@@ -198,10 +199,14 @@ class FinetuneModule(L.LightningModule):
         if self.plain_head:
             hidden_BTH = out.last_hidden_state
             head = active_module(hf.get_output_embeddings())
-            if self.fused_linear_cross_entropy and type(head) is torch.nn.Linear and head.bias is None:
+            if self.fused_linear_cross_entropy and type(head) in (torch.nn.Linear, Fp8Linear) and head.bias is None:
                 # targets of position t are labels[t + 1]; the last position has none
                 targets_BT = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-                loss_sum, _ = fused_linear_cross_entropy(hidden_BTH.flatten(0, 1), head.weight, targets_BT.flatten())
+                fp8 = type(head) is Fp8Linear  # strategy.fp8_lm_head: the e4m3 head and its row scales
+                loss_sum, _ = fused_linear_cross_entropy(
+                    hidden_BTH.flatten(0, 1), head.weight_fp8 if fp8 else head.weight, targets_BT.flatten(),
+                    weight_scale=head.weight_scale if fp8 else None,
+                )
                 return loss_sum, aux_loss
             logits = head(hidden_BTH[:, :-1]).float()
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")

@@ -477,6 +477,8 @@ def test_settings_name_fp8_base_weights():
     config = {"dtype": "bfloat16", "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj"]}, "kernels": {"lora": True}}
     assert settings_text({**config, "strategy": {"fp8": True}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora fp8"
     assert settings_text({**config, "strategy": {"fp8": False}}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora"
+    both = {"fp8": True, "fp8_lm_head": True}
+    assert settings_text({**config, "strategy": both}, "lightning_ft") == "bf16 lora=r16a32:q kernels=lora fp8+head"
 
 
 def test_settings_name_the_graphs_a_row_replayed():
@@ -515,3 +517,5 @@ def test_bench_report_keeps_rows_of_another_path_apart_and_names_it(tmp_path):
     text = markdown_table(shown, rows)
     assert "| `lightning_ft` moe=auto | 450.0" in text and "| `lightning_ft` moe=triton fp8 | 400.0" in text
     assert "`lightning_ft` moe=auto" not in markdown_table(latest_rows(rows[:1]), rows[:1])
+    head = {**base, "settings": "bf16 ckpt moe=auto fp8+head", "ms_per_step": 380.0}  # the lm_head in e4m3 too: a path
+    assert sorted(r["ms_per_step"] for r in latest_rows([*rows, head])) == [380.0, 400.0, 450.0]

@@ -46,9 +46,9 @@ This file is generated: `python -m lightning_ft bench report` rebuilds it and th
 
 
 def variant(row: dict[str, Any]) -> str:
-    """The row's settings that pick another path of one system, whose rows are kept apart: ``fp8`` and ``moe=...``
-    (e.g. ``"moe=triton fp8"``), "" for none."""
-    return " ".join(t for t in (row.get("settings") or "").split() if t == "fp8" or t.startswith("moe="))
+    """The row's settings that pick another path of one system, whose rows are kept apart: ``fp8`` (``fp8+head``
+    with the lm_head in e4m3 too) and ``moe=...`` (e.g. ``"moe=triton fp8"``), "" for none."""
+    return " ".join(t for t in (row.get("settings") or "").split() if t in ("fp8", "fp8+head") or t.startswith("moe="))
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

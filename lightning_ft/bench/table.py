@@ -359,8 +359,8 @@ def settings_text(config: dict[str, Any], system: str, graphed: bool | None = No
     ``bf16 ckpt lora=r16a32:q,k,v,o+experts kernels=rms_norm,rope,swiglu,lora,flce moe=auto graphs=keep:attn,proj``.
 
     Every system: dtype, gradient checkpointing, the 4-bit base (``nf4``), LoRA rank/alpha/targets. ``lightning_ft`` also: the kernels on, the
-    MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload, fp8. A key the config
-    lacks is left out. ``graphed``: whether the row's layers replayed CUDA graphs (its ``cuda_graphs_*`` columns), which
+    MoE backend (MoE shapes), attention, CUDA graphs (when on) and what they keep, activation offload, fp8 (``fp8+head``:
+    the lm_head too). A key the config lacks is left out. ``graphed``: whether the row's layers replayed CUDA graphs (its ``cuda_graphs_*`` columns), which
     ``strategy.cuda_graphs=auto`` decides per run; None: unknown, taken as on."""
     parts = [{"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.get("dtype"), str(config.get("dtype")))]
     if config.get("gradient_checkpointing"):
@@ -405,7 +405,7 @@ def settings_text(config: dict[str, Any], system: str, graphed: bool | None = No
     if strategy.get("activation_offload"):
         parts.append("offload")
     if strategy.get("fp8"):
-        parts.append("fp8")
+        parts.append("fp8+head" if strategy.get("fp8_lm_head") else "fp8")
     return " ".join(parts)
 
 

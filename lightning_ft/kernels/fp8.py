@@ -52,8 +52,8 @@ _AMAX_FLOOR = 1e-12  # an all-zero row gets this amax (its values quantise to ze
 _GEMM_MULTIPLE = 16  # _scaled_mm's requirement on K and N
 
 __all__ = [
-    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "e4m3_row_scales", "fp8_input_grad", "fp8_linear",
-    "fp8_linear_reference", "fp8_product", "fp8_rows_of",
+    "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "e4m3_row_scales", "fp8_gemm_runs", "fp8_input_grad",
+    "fp8_linear", "fp8_linear_reference", "fp8_mm_rowwise", "fp8_product", "fp8_rows_of",
     "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_expert_weight", "quantize_weight", "scaled_mm_supported", "transpose_bytes",
 ]  # fmt: skip
@@ -303,18 +303,22 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _mm_rowwise(
-    aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_scale: torch.Tensor | None, use_scaled_mm: bool
+def fp8_mm_rowwise(
+    aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_scale: torch.Tensor | None, use_scaled_mm: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(aq · a_scale[:, None]) @ (bq · b_scale[:, None])ᵀ``: aq [M, K], bq [N, K] e4m3 (bq any layout), scales
-    fp32 [M] and [N] (None: ones). bf16 [M, N] through ``_scaled_mm``, else fp32 from the dequantised operands."""
+    fp32 [M] and [N] (None: ones). bf16 [M, N] through ``_scaled_mm`` (written into ``out`` when given: bf16,
+    contiguous), else fp32 from the dequantised operands (copied into ``out``, in its dtype, when given)."""
     if use_scaled_mm:
         b_scale = b_scale if b_scale is not None else torch.ones(bq.shape[0], device=bq.device)
         return torch._scaled_mm(
-            aq, bq.t(), scale_a=a_scale[:, None], scale_b=b_scale[None, :], out_dtype=torch.bfloat16, use_fast_accum=False
-        )
+            aq, bq.t(), scale_a=a_scale[:, None], scale_b=b_scale[None, :], out_dtype=torch.bfloat16, use_fast_accum=False,
+            **({} if out is None else {"out": out}),
+        )  # fmt: skip
     b = bq.float() if b_scale is None else bq.float() * b_scale[:, None]
-    return (aq.float() * a_scale[:, None]) @ b.t()
+    y = (aq.float() * a_scale[:, None]) @ b.t()
+    return y if out is None else out.copy_(y)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -336,8 +340,9 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-def _scaled_mm_runs(device: torch.device, weight: torch.Tensor) -> bool:
-    """Whether `fp8_linear` with this [N, K] weight runs ``_scaled_mm`` on ``device`` (else the reference)."""
+def fp8_gemm_runs(device: torch.device, weight: torch.Tensor) -> bool:
+    """Whether a product with this [N, K] e4m3 weight runs ``_scaled_mm`` on ``device`` (sm90+ and N, K multiples of
+    16), else `fp8_mm_rowwise`'s fp32 reference."""
     n, k = weight.shape
     return scaled_mm_supported(device) and n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
 
@@ -363,9 +368,9 @@ def fp8_product(
         [M, N] in ``out_dtype``.
     """
     if use_scaled_mm is None:
-        use_scaled_mm = _scaled_mm_runs(x.device, weight)
+        use_scaled_mm = fp8_gemm_runs(x.device, weight)
     xq, x_scale = x_rows if x_rows is not None else quantize_rows(x)
-    y = _mm_rowwise(xq, x_scale, weight, weight_scale, use_scaled_mm).to(out_dtype)
+    y = fp8_mm_rowwise(xq, x_scale, weight, weight_scale, use_scaled_mm).to(out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -383,11 +388,11 @@ def fp8_input_grad(
         [M, K], bf16 from ``_scaled_mm``, fp32 from the reference (the caller casts).
     """
     if use_scaled_mm is None:
-        use_scaled_mm = _scaled_mm_runs(dy.device, weight)
+        use_scaled_mm = fp8_gemm_runs(dy.device, weight)
     gq, g_scale = quantize_rows(dy, col_scale=weight_scale)
-    # _mm_rowwise's second operand is [K, N]: Wqᵀ, in row-major memory for _scaled_mm (its column-major [N, K])
+    # fp8_mm_rowwise's second operand is [K, N]: Wqᵀ, in row-major memory for _scaled_mm (its column-major [N, K])
     w_t = transpose_bytes(weight) if use_scaled_mm else weight.t()
-    return _mm_rowwise(gq, g_scale, w_t, None, use_scaled_mm)
+    return fp8_mm_rowwise(gq, g_scale, w_t, None, use_scaled_mm)
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, use_scaled_mm: bool, x_rows) -> torch.Tensor:
@@ -441,7 +446,7 @@ def fp8_linear(
     Raises:
         ValueError: a weight that is not e4m3, a scale that is not [N], or ``x_rows`` of another shape than x's rows.
     """
-    return _run(x, weight, weight_scale, bias, _scaled_mm_runs(x.device, weight), x_rows)
+    return _run(x, weight, weight_scale, bias, fp8_gemm_runs(x.device, weight), x_rows)
 
 
 def fp8_linear_reference(x, weight, weight_scale, bias=None, x_rows=None) -> torch.Tensor:

@@ -63,7 +63,7 @@ from lightning_ft.model.router import (
 )
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
-from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_to_fp8
+from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_lm_head_to_fp8, convert_to_fp8
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "holds_nf4_experts", "load_causal_lm", "nf4_experts_backend"]
@@ -731,6 +731,8 @@ class ModelBuilder:
                 rank_zero_info(f"fp8: {experts} frozen expert weights under LoRA in e4m3, one scale per expert")
             if left:
                 rank_zero_info(f"fp8: the MoE experts stay in {cfg.get('dtype', 'float32')}: {left}")
+            if execution.fp8_lm_head:
+                rank_zero_info(convert_lm_head_to_fp8(model))
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         if note := check_router_training(model, train_router, hf.config):
             rank_zero_warn(note)

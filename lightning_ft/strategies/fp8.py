@@ -2,8 +2,8 @@
 
 `convert_to_fp8` replaces each such base layer by an `Fp8Linear` holding its weight in e4m3 with one
 fp32 scale per output channel (`lightning_ft.kernels.fp8.quantize_weight`); the bf16 weight is
-freed, so those weights take half the memory. LoRA A/B, norms, routers, embeddings, the lm_head and
-every other module stay as they are. PEFT's ``lora.Linear`` calls its base layer as before (the
+freed, so those weights take half the memory. LoRA A/B, norms, routers, embeddings and every other
+module stay as they are; the frozen lm_head too unless ``strategy.fp8_lm_head`` (`convert_lm_head_to_fp8`). PEFT's ``lora.Linear`` calls its base layer as before (the
 stock forward works), and the fused LoRA forward (`lightning_ft.kernels.lora.lora_linear`, kernel
 switch ``lora``) computes the base product with `lightning_ft.kernels.fp8.fp8_linear`. The adapter
 file is PEFT's and holds LoRA weights only, so an adapter trained over the fp8 base loads with
@@ -55,8 +55,8 @@ from lightning_ft.kernels.moe import QUANTISED_EXPERT_BACKENDS
 from lightning_ft.kernels.nf4 import e4m3_scales_4bit
 
 __all__ = [
-    "Fp8Linear", "check_fp8_device", "convert_4bit_to_fp8", "convert_expert_weight", "convert_to_fp8", "fp8_expert_weight",
-    "fp8_experts_blocker", "fp8_scale_4bit",
+    "Fp8Linear", "check_fp8_device", "convert_4bit_to_fp8", "convert_expert_weight", "convert_lm_head_to_fp8", "convert_to_fp8",
+    "fp8_expert_weight", "fp8_experts_blocker", "fp8_scale_4bit",
 ]  # fmt: skip
 
 
@@ -117,6 +117,31 @@ def convert_to_fp8(model: torch.nn.Module) -> int:
             module.base_layer = Fp8Linear(base)
             count += 1
     return count
+
+
+def convert_lm_head_to_fp8(model: torch.nn.Module) -> str:
+    """Hold the frozen lm_head of ``model`` (a transformers model, or a PEFT model around one) in e4m3
+    (``strategy.fp8_lm_head``): its output embeddings become an `Fp8Linear`, in place. The chunked linear
+    cross-entropy then computes the logits and their input gradient as fp8 products
+    (`lightning_ft.kernels.linear_cross_entropy.fused_linear_cross_entropy` with ``weight_scale``); without it the
+    logits come from `Fp8Linear`'s forward. A head that is not a plain ``nn.Linear``, that trains (PEFT's
+    ``modules_to_save`` wraps it), or whose weight is the input embeddings' (tied: the embedding lookup reads it)
+    stays as it is.
+
+    Returns:
+        the start-log line saying what was done, or why not.
+    """
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = hf.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"fp8: the lm_head stays as it is ({type(head).__name__}, not a frozen nn.Linear: lora.modules_to_save trains it)"
+    if head.weight.requires_grad:
+        return "fp8: the lm_head stays as it is (it trains)"
+    embeddings = hf.get_input_embeddings()
+    if embeddings is not None and getattr(embeddings, "weight", None) is head.weight:
+        return "fp8: the lm_head stays as it is (tied to the input embeddings, which the lookup reads in full precision)"
+    hf.set_output_embeddings(Fp8Linear(head))
+    return f"fp8: the lm_head ({head.out_features} × {head.in_features}) in e4m3, per-output-channel scales"
 
 
 _SCALE_4BIT = "fp8_scale_bits"  # on a 4-bit base layer: int32 [N], the bits of its fp32 e4m3 row scales

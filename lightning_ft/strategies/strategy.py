@@ -56,6 +56,8 @@ class Execution:
         fp8: the frozen base weight of every LoRA linear layer in e4m3 with per-output-channel scales, its
             products in fp8 on Hopper (`lightning_ft.strategies.fp8`); likewise the MoE experts under LoRA on the
             ``triton`` MoE backend.
+        fp8_lm_head: with ``fp8``, the frozen lm_head too (`lightning_ft.strategies.fp8.convert_lm_head_to_fp8`): its
+            logits and input-gradient GEMMs in fp8 inside the chunked linear cross-entropy.
     """
 
     cuda_graphs: bool | str = "auto"
@@ -66,6 +68,7 @@ class Execution:
     memory_budget_gib: Any = "auto"
     host_budget_gib: Any = "auto"
     fp8: bool = False
+    fp8_lm_head: bool = False
 
     @classmethod
     def from_config(cls, options: dict[str, Any] | None) -> Execution:
@@ -89,7 +92,8 @@ class Execution:
                 ``strategy.cuda_graphs=true`` where ``no_cuda`` says why it cannot run (naming every key to change), a ``strategy.keep_max_gib``
                 that is not a number of GiB >= 0, a ``strategy.memory_budget_gib`` that is neither ``auto``,
                 null nor a positive number, a ``strategy.host_budget_gib`` that is neither ``auto``, null nor a
-                number >= 0, or ``strategy.fp8`` where ``no_cuda`` says why it cannot run.
+                number >= 0, ``strategy.fp8`` where ``no_cuda`` says why it cannot run, or ``strategy.fp8_lm_head``
+                without ``strategy.fp8``.
         """
         from lightning_ft.strategies.cuda_graphs import keep_max_bytes
 
@@ -106,6 +110,9 @@ class Execution:
             keys = "strategy.cuda_graphs=false" + (" strategy.activation_offload=false" if self.activation_offload else "")
             raise ValueError(f"strategy.cuda_graphs=true needs a CUDA device ({no_cuda}): set {keys}{hint}; the GPU model "
                              "configs set it (e.g. model=gpt_oss_20b), their *_tiny twins run on the CPU")
+        if self.fp8_lm_head and not self.fp8:
+            raise ValueError("strategy.fp8_lm_head=true holds the lm_head in e4m3 as strategy.fp8 does the LoRA base weights: "
+                             "set strategy.fp8=true too, or strategy.fp8_lm_head=false")
         if self.fp8 and no_cuda:
             raise ValueError(
                 f"strategy.fp8=true needs an NVIDIA GPU of compute capability 9.0 or newer (Hopper, sm90+); found none "

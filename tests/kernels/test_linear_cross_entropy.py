@@ -9,11 +9,17 @@ Tolerances, kernel vs reference in the same dtype:
                                                          bf16, as peers do)
 Under the CPU interpreter bf16 sits up to an ulp further: it truncates fp32 -> bf16 where the GPU
 rounds to nearest even.
+
+An e4m3 head (``weight_scale``: strategy.fp8_lm_head) against its reference (`fp8_linear_reference`'s logits, the
+same quantised operands in fp32): loss as above; dhidden within 1e-4 (fp32) and 2e-2 (bf16) relative (Frobenius): a
+value a rounding apart before quantisation can land an e4m3 step (2⁻⁴ relative) apart. Against the bf16 head it
+was quantised from (the fp8 error itself): loss within 1%, dhidden within 8% relative (each fp8 product is ~4% off).
 """
 
 import pytest
 import torch
 
+from lightning_ft.kernels.fp8 import quantize_weight
 from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-3, 2e-2)}  # dtype -> (loss rtol, grad tol)
@@ -66,6 +72,42 @@ def test_matches_reference(device, dtype, n_tokens, hidden, vocab, chunk_size, s
     _check(h, w, labels, chunk_size=chunk_size, softcap=softcap)
 
 
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n_tokens, hidden, vocab, chunk_size, softcap",
+    [
+        (37, 48, 1000, None, None),  # one chunk
+        (37, 64, 1024, 8, None),  # several chunks, a ragged last one; multiples of 16 (_scaled_mm on the GPU in bf16)
+        (21, 32, 777, 5, 30.0),  # softcapping, odd vocab
+        (1, 32, 500, None, None),  # a single token
+    ],
+)
+def test_e4m3_head_matches_its_reference_and_stays_near_the_bf16_head(device, dtype, n_tokens, hidden, vocab, chunk_size, softcap):
+    h, w, labels = _inputs(n_tokens, hidden, vocab, dtype, device, ignored=0.25 if n_tokens > 1 else 0.0, train_head=False)
+    w_q, w_scale = quantize_weight(w)
+    kwargs = dict(softcap=softcap, weight_scale=w_scale)
+    loss, n_targets, dh, dw = _run(fused_linear_cross_entropy, h, w_q, labels, chunk_size=chunk_size, **kwargs)
+    loss_ref, n_ref, dh_ref, _ = _run(linear_cross_entropy_reference, h, w_q, labels, **kwargs)
+    assert dw is None and n_targets.item() == n_ref.item() and dh.dtype == dtype
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=TOL[dtype][0])
+    assert _rel(dh, dh_ref) <= (1e-4 if dtype == torch.float32 else 2e-2)
+    loss_bf16, _, dh_bf16, _ = _run(linear_cross_entropy_reference, h, w, labels, softcap=softcap)
+    assert abs(loss.item() - loss_bf16.item()) <= 0.01 * abs(loss_bf16.item()) and _rel(dh, dh_bf16) <= 0.08
+
+
+def test_e4m3_head_needs_e4m3_weights_and_fp32_scales(device):
+    h, w, labels = _inputs(5, 32, 64, torch.float32, device, train_head=False)
+    w_q, w_scale = quantize_weight(w)
+    with pytest.raises(ValueError, match="e4m3 head needs weight"):
+        fused_linear_cross_entropy(h, w, labels, weight_scale=w_scale)  # a bf16 weight
+    with pytest.raises(ValueError, match=r"weight_scale \[V\] fp32"):
+        fused_linear_cross_entropy(h, w_q, labels, weight_scale=w_scale[:10])
+
+
 def test_qwen_vocab_few_tokens(device):
     # vocab 151936 (Qwen) is cheap enough under the interpreter with a handful of tokens.
     h, w, labels = _inputs(3, 16, 151936, torch.float32, device, ignored=0.0)
@@ -111,6 +153,25 @@ def test_qwen_vocab_on_gpu_and_no_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss, _ = fused_linear_cross_entropy(h, w, labels)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_e4m3_qwen_head_on_hopper_matches_its_reference_without_host_sync():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the e4m3 head's _scaled_mm needs sm90+")
+    h, w, labels = _inputs(1024, 2048, 151936, torch.bfloat16, torch.device("cuda"), train_head=False)
+    w_q, w_scale = quantize_weight(w)
+    loss, _, dh, _ = _run(fused_linear_cross_entropy, h, w_q, labels, weight_scale=w_scale)
+    loss_ref, _, dh_ref, _ = _run(linear_cross_entropy_reference, h, w_q, labels, weight_scale=w_scale)
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-3)
+    assert _rel(dh, dh_ref) <= 2e-2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, _ = fused_linear_cross_entropy(h, w_q, labels, weight_scale=w_scale)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

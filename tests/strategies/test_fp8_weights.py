@@ -110,6 +110,80 @@ def test_adapter_saved_from_the_fp8_model_loads_in_plain_peft_on_the_bf16_base(t
     assert rel < 0.1  # the same adapter over the bf16 weights the fp8 ones were quantised from
 
 
+def _module(fused_ce, dtype="float32"):
+    from lightning_ft.module import FinetuneModule
+
+    module = FinetuneModule(ModelBuilder(model={**TINY_MODEL, "dtype": dtype}, lora=LORA_ALL, seed=0,
+                                         kernels={"fused_linear_cross_entropy": fused_ce}))  # fmt: skip
+    module.configure_model()
+    for i, (name, p) in enumerate(module.model.named_parameters()):  # non-zero lora_B: every LoRA weight gets gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(i))
+    return module
+
+
+def _head_loss(module, batch):
+    module.model.zero_grad(set_to_none=True)
+    loss = module.loss_sum(batch)
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in module.model.named_parameters() if p.grad is not None}
+
+
+def test_lm_head_in_e4m3_halves_its_memory_and_both_loss_paths_compute_its_fp8_math(monkeypatch):
+    """strategy.fp8_lm_head: the head becomes an Fp8Linear; the chunked linear-CE (kernels.fused_linear_cross_entropy)
+    runs its fp8 products (weight_scale passed) and equals the stock loss over Fp8Linear's forward (the same
+    quantised operands; fp32 1e-5); against the bf16 head the loss stays within 1% and the LoRA gradients within 15%."""
+    import lightning_ft.module as module_file
+    from lightning_ft.data.packing import collate_packed
+    from lightning_ft.strategies.fp8 import convert_lm_head_to_fp8
+
+    torch.manual_seed(3)
+    batch = collate_packed([(ids, ids) for ids in (torch.randint(0, 64, (n,)).tolist() for n in (11, 7, 19))])
+    results = {}
+    for fused_ce in (True, False):
+        module = _module(fused_ce)
+        results["bf16", fused_ce] = _head_loss(module, batch)
+        head = module.hf_model.get_output_embeddings()
+        line = convert_lm_head_to_fp8(module.model)
+        assert line == "fp8: the lm_head (64 × 32) in e4m3, per-output-channel scales"
+        fp8_head = module.hf_model.get_output_embeddings()
+        assert isinstance(fp8_head, Fp8Linear) and fp8_head.weight_bytes.numel() == head.weight.numel()
+        assert fp8_head.weight_bytes.element_size() * 4 == head.weight.element_size()  # fp32 here: a quarter; bf16: half
+        calls, fused_op = [], module_file.fused_linear_cross_entropy
+        monkeypatch.setattr(module_file, "fused_linear_cross_entropy",
+                            lambda *a, **k: calls.append(k.get("weight_scale") is not None) or fused_op(*a, **k))  # fmt: skip
+        results["fp8", fused_ce] = _head_loss(module, batch)
+        assert calls == ([True] if fused_ce else [])
+        assert convert_lm_head_to_fp8(module.model).startswith("fp8: the lm_head stays")  # converted once
+    (loss_fused, grads_fused), (loss_stock, grads_stock) = results["fp8", True], results["fp8", False]
+    assert abs(loss_fused - loss_stock) <= 1e-5 * abs(loss_stock)
+    for name, g in grads_fused.items():
+        assert _rel(g, grads_stock[name]) < 1e-4, name
+    loss_bf16, grads_bf16 = results["bf16", True]
+    assert abs(loss_fused - loss_bf16) <= 0.01 * abs(loss_bf16)
+    for name, g in grads_fused.items():
+        assert _rel(g, grads_bf16[name]) < 0.15, name
+
+
+def test_lm_head_tied_or_trained_stays_as_it_is():
+    from lightning_ft.strategies.fp8 import convert_lm_head_to_fp8
+
+    tied = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "tie_word_embeddings": True}}
+    model = ModelBuilder(model=tied, lora=LORA_ALL, seed=0)(torch.device("cpu")).model
+    assert convert_lm_head_to_fp8(model) == (
+        "fp8: the lm_head stays as it is (tied to the input embeddings, which the lookup reads in full precision)"
+    )
+    trained = ModelBuilder(model=TINY_MODEL, lora={**LORA_ALL, "modules_to_save": ["lm_head"]}, seed=0)(torch.device("cpu")).model
+    assert "lora.modules_to_save trains it" in convert_lm_head_to_fp8(trained)
+    assert not any(isinstance(m, Fp8Linear) for m in [*model.modules(), *trained.modules()])
+
+
+def test_fp8_lm_head_needs_fp8():
+    with pytest.raises(ValueError, match="strategy.fp8_lm_head=true .* set strategy.fp8=true too, or strategy.fp8_lm_head=false"):
+        Execution(fp8_lm_head=True).check()
+    Execution(fp8=True, fp8_lm_head=True).check()  # allowed together (the device is checked when the model is built)
+
+
 def test_refused_off_hopper_with_the_device_found():
     with pytest.raises(ValueError, match=r"compute capability 9\.0 or newer .*found cpu: set strategy.fp8=false"):
         check_fp8_device(torch.device("cpu"))
