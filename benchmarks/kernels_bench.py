@@ -194,6 +194,7 @@ def _copy_ceiling_gbps(device, timer, numel) -> float:
 def _cases(device, smoke: bool) -> list[Case]:
     import torch
 
+    from lightning_ft.kernels.fp8 import quantize_weight, scaled_mm_supported
     from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
     from lightning_ft.kernels.rms_norm import rms_norm, rms_norm_reference
     from lightning_ft.kernels.rope import apply_rope, rope_reference
@@ -292,6 +293,17 @@ def _cases(device, smoke: bool) -> list[Case]:
         impls["liger"] = lambda hidden, weight, labels: liger.liger_fused_linear_cross_entropy(
             hidden, weight, labels, reduction="sum"
         )
+    if device.type == "cpu" or scaled_mm_supported(device):  # the head in e4m3 (strategy.fp8_lm_head), quantised once
+        e4m3_heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def ours_e4m3(hidden, weight, labels):
+            if weight.data_ptr() not in e4m3_heads:
+                e4m3_heads.clear()
+                e4m3_heads[weight.data_ptr()] = quantize_weight(weight)
+            w_q, w_scale = e4m3_heads[weight.data_ptr()]
+            return fused_linear_cross_entropy(hidden, w_q, labels, weight_scale=w_scale)[0]
+
+        impls["ours_e4m3"] = ours_e4m3
     flops = 2.0 * tokens * hidden * vocab
     cases.append(
         Case("linear_ce", f"T={tokens} V={vocab} H={hidden} bf16 frozen head", ce_inputs, impls, ("hidden",),
