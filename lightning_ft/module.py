@@ -63,7 +63,7 @@ from typing_extensions import override
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_choice
-from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy
+from lightning_ft.kernels.linear_cross_entropy import fused_linear_cross_entropy, gradient_bytes
 from lightning_ft.model.attention import packed_forward
 from lightning_ft.model.build import ModelBuilder
 from lightning_ft.model.lora import active_module
@@ -211,6 +211,17 @@ class FinetuneModule(L.LightningModule):
             logits = head(hidden_BTH[:, :-1]).float()
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, aux_loss
+
+    def loss_gradient_bytes(self, batch: PackedBatch) -> int:
+        """Bytes the loss of ``batch`` holds for its gradient beyond its no-grad forward (the memory plan's base,
+        `lightning_ft.strategies.profiler`): with the chunked linear cross-entropy, its
+        `lightning_ft.kernels.linear_cross_entropy.gradient_bytes` (d hidden in the head's dtype, bf16 over an e4m3
+        head, plus that head's transposed copy and a chunk's e4m3 dz rows); 0 otherwise."""
+        head = active_module(self.hf_model.get_output_embeddings()) if self.plain_head else None
+        if not self.fused_linear_cross_entropy or type(head) not in (torch.nn.Linear, Fp8Linear) or head.bias is not None:
+            return 0
+        fp8 = type(head) is Fp8Linear
+        return gradient_bytes(batch.num_tokens, head.in_features, head.out_features, 2 if fp8 else head.weight.element_size(), fp8)
 
     def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` padded (`PackedBatch.padded`) to the token count its CUDA graphs are recorded for.

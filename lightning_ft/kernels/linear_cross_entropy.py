@@ -162,6 +162,19 @@ def _chunk_size(n_tokens: int, vocab: int, hidden: int) -> int:
     return max(1, min(max(chunk, _MIN_CHUNK), n_tokens))
 
 
+def gradient_bytes(n_tokens: int, hidden: int, vocab: int, element_size: int, e4m3_head: bool = False,
+                   chunk_size: int | None = None) -> int:
+    """Bytes `fused_linear_cross_entropy` holds for the gradient beyond what it allocates without one: d hidden
+    [N, H] (``element_size`` bytes each, the compute dtype's); with an e4m3 head also the head's transposed copy
+    [H, V] (1 byte each) and a chunk's dz rows [C, V] in e4m3 with their fp32 scales. For a memory plan's base
+    (`lightning_ft.strategies.profiler`), whose measuring pass runs the loss without gradients."""
+    total = n_tokens * hidden * element_size
+    if e4m3_head:
+        chunk = min(chunk_size or _chunk_size(n_tokens, vocab, hidden), n_tokens)
+        total += vocab * hidden + chunk * (vocab + 4)
+    return total
+
+
 def linear_cross_entropy_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -18,7 +18,8 @@ gradients, the optimizer's two moments per trainable weight if it has no state y
 static buffers (a layer's input, output, output gradient and input gradient, [T, hidden] each, shared
 by the layers: measured on the H100 at 64K tokens, leaving them out under-predicted the recording
 step's peak by 1.4 GiB), and the larger of one layer's backward working set with nothing kept and
-the rest of the forward's working set. The peak statistics are reset after each layer's timing and
+the rest of the forward's working set, to which the loss's gradient buffers are added
+(`FinetuneModule.loss_gradient_bytes`: this pass runs the loss without them). The peak statistics are reset after each layer's timing and
 at the end, so the measuring's own allocations do not count as the training step's peak (summary.json
 reads the peak of building the model before: ``peak_memory_setup_bytes``).
 
@@ -221,7 +222,8 @@ class StepProfiler:
         optimizers = getattr(getattr(module, "_trainer", None), "optimizers", None) or []
         moments = 0 if any(o.state for o in optimizers) else 2 * trainable  # allocated after the first step
         statics = 4 * max(r["input_bytes"] for r in results.values())  # `cuda_graphs._StaticInputs`: x, out, dout, dx
-        base = allocated + trainable + moments + statics + max(working, forward_peak[0] - allocated)
+        loss_gradient = module.loss_gradient_bytes(module.pad_for_graphs(batch))  # the measuring pass has no gradients
+        base = allocated + trainable + moments + statics + max(working, forward_peak[0] - allocated + loss_gradient)
         return Measurement(tuple(profiles), bandwidth, base, rest_s)
 
     def _rest(self, module: Any, batch: Any, layers: list[torch.nn.Module], context: Any, device: torch.device) -> Callable[[], float]:

@@ -165,6 +165,22 @@ def test_lm_head_in_e4m3_halves_its_memory_and_both_loss_paths_compute_its_fp8_m
         assert _rel(g, grads_bf16[name]) < 0.15, name
 
 
+def test_the_memory_plan_counts_the_loss_gradient_of_either_head():
+    """`FinetuneModule.loss_gradient_bytes` (added to the plan's base: its measuring pass runs the loss without
+    gradients): d hidden [T, H] with the chunked linear-CE; over the e4m3 head also its transposed copy [H, V] and a
+    chunk's e4m3 dz rows with their scales; nothing without the chunked loss."""
+    from lightning_ft.data.packing import collate_packed
+    from lightning_ft.strategies.fp8 import convert_lm_head_to_fp8
+
+    batch = collate_packed([(list(range(1, 30)), list(range(1, 30)))])
+    tokens, hidden, vocab = 29, TINY_MODEL["config"]["hidden_size"], TINY_MODEL["config"]["vocab_size"]
+    assert _module(fused_ce=False).loss_gradient_bytes(batch) == 0
+    module = _module(fused_ce=True)
+    assert module.loss_gradient_bytes(batch) == tokens * hidden * 4  # fp32 here
+    convert_lm_head_to_fp8(module.model)
+    assert module.loss_gradient_bytes(batch) == tokens * hidden * 2 + vocab * hidden + tokens * (vocab + 4)
+
+
 def test_lm_head_tied_or_trained_stays_as_it_is():
     from lightning_ft.strategies.fp8 import convert_lm_head_to_fp8
 
