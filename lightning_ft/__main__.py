@@ -216,17 +216,49 @@ def default_allocator_settings(environ: MutableMapping[str, str]) -> None:
     environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+class _ClosedPipeGuard:
+    """A text stream (sys.stdout or sys.stderr) that, once its reader has closed the pipe, drops what is written
+    instead of raising `BrokenPipeError`: the stream's descriptor is pointed at os.devnull (as Python's documentation
+    of SIGPIPE suggests), so the interpreter's flush at exit goes nowhere too. Everything else is the stream's."""
+
+    def __init__(self, stream):
+        self._stream, self._closed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._closed:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._closed:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self._closed = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Dispatch ``argv[0]`` (a command; ``fit`` when omitted) to its Hydra app with the other arguments.
 
-    Output piped into a reader that closes early (``fit --help | head``) ends the command quietly with status 1
-    (the way Python's documentation of SIGPIPE suggests), not with a `BrokenPipeError` traceback."""
+    Output piped into a reader that closes early (``fit ... | head``, ``fit --help | head``) costs the command
+    nothing: what is written after is dropped (`_ClosedPipeGuard`), so a training run goes on, finishes and
+    reports its status as if its output had been read; no `BrokenPipeError` traceback."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ClosedPipeGuard(sys.stdout), _ClosedPipeGuard(sys.stderr)
     try:
         _main(argv)
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # Python flushes stdout at exit: into nothing, not the closed pipe
-        os.dup2(devnull, sys.stdout.fileno())
-        raise SystemExit(1) from None
+    finally:
+        sys.stdout, sys.stderr = streams
 
 
 def _main(argv: list[str] | None) -> None:

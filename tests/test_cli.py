@@ -365,7 +365,19 @@ def test_help_piped_into_a_reader_that_closes_early_ends_quietly():
                             stderr=subprocess.PIPE, text=True)
     proc.stdout.close()
     err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 1 and err == "", err
+    assert proc.wait(timeout=120) == 0 and err == "", err
+
+
+@pytest.mark.slow
+def test_a_run_whose_output_reader_closes_early_trains_to_the_end_and_completes(tmp_path):
+    """``fit ... 2>&1 | head -2``: the run goes on after its reader has gone, writes its adapter and a completed
+    summary, and exits 0 (its later output is dropped, not raised as BrokenPipeError)."""
+    cmd = [sys.executable, "-m", "lightning_ft", "fit", f"hydra.run.dir={tmp_path}", *FAST, "trainer.max_steps=3"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    assert summary(tmp_path)["status"] == "completed" and (tmp_path / "adapter" / "adapter_config.json").is_file()
 
 
 def test_a_plus_before_a_group_of_the_defaults_list_is_named():
