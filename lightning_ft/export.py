@@ -249,9 +249,22 @@ def weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) -
     """The ``.ckpt`` file or PEFT/model folder that ``--checkpoint`` names.
 
     Raises:
-        ExportError: the run has no such checkpoint (naming what it has).
+        ExportError: the run has no such checkpoint (naming what it has), or a ``.ckpt`` file that does not read as
+            one (`lightning_ft.run_dir.check_checkpoint_readable`).
         FileNotFoundError: a path that does not exist.
     """
+    from lightning_ft.run_dir import check_checkpoint_readable
+
+    source = _weights_source(run_dir, cfg, checkpoint)
+    if source.is_file():
+        try:
+            check_checkpoint_readable(source)
+        except ValueError as error:
+            raise ExportError(str(error)) from None
+    return source
+
+
+def _weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) -> Path:
     ckpt_dir, adapter = checkpoint_dir(run_dir, cfg), run_dir / "adapter"
     last = ckpt_dir / "last.ckpt"
     has_adapter = (adapter / "adapter_config.json").is_file() or (adapter / "config.json").is_file()

@@ -44,10 +44,12 @@ from lightning_ft.model.mxfp4 import no_mxfp4_experts
 from lightning_ft.model.quantization import QUANTIZATIONS, check_quantized_training
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
+    check_checkpoint_readable,
     check_new_run_dir,
     check_resume_dir,
     check_resumed_config,
     checkpoint_dirs,
+    checkpoint_file,
     exported,
     finished_at,
     first_process,
@@ -323,6 +325,8 @@ def _train(
     # ckpt_path=last: last.ckpt, or the newest step checkpoint where a kill left last.ckpt unfinished
     ckpt_path = last_checkpoint(callbacks) if cfg.ckpt_path == "last" else cfg.ckpt_path
     if ckpt_path:
+        if (resumed := checkpoint_file(ckpt_path, callbacks)) is not None:
+            check_checkpoint_readable(resumed)
         finished = finished_at(ckpt_path, callbacks, trainer_kwargs)
         if finished is not None and exported(run_dir, finished[2]):  # a scheduler re-running a finished job
             checkpoint, reached, _ = finished

@@ -16,6 +16,7 @@ import logging
 import os
 import shlex
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -272,6 +273,29 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if old == new else [(prefix, old, new)]
 
 
+def checkpoint_file(ckpt_path: str, callbacks: list[Any]) -> Path | None:
+    """The file ``ckpt_path`` resumes from: for ``last`` the newest ``last*.ckpt`` of the run's checkpoint folders, as
+    Lightning picks it (None: there is none), else the path itself."""
+    if ckpt_path != "last":
+        return Path(ckpt_path)
+    candidates = [p for d in checkpoint_dirs(callbacks) for p in d.glob("last*.ckpt")]
+    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+
+def check_checkpoint_readable(path: Path | str) -> None:
+    """Raise ValueError naming ``path`` when it does not read as a checkpoint: torch writes each one as a zip archive
+    whose directory sits at its end, so a file cut short or overwritten has none. Only the directory is read (not
+    the weights); the error names the folder's other checkpoints to resume or export from instead."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as error:
+        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
+        hint = f"; the folder's other checkpoints: {', '.join(others)} (pass one's path instead)" if others else ""
+        raise ValueError(f"{path}: not a readable checkpoint ({error}: cut short or overwritten?){hint}") from None
+
+
 def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str], int] | None:
     """(checkpoint file, {limit: how it is reached}, its global step) when the checkpoint ``ckpt_path`` resumes from (for
     ``last``: the newest ``last*.ckpt``, as Lightning picks it) has reached ``trainer.max_steps`` or
@@ -286,13 +310,8 @@ def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, 
     steps_bound = isinstance(max_steps, int) and max_steps >= 1  # -1: no step limit
     if not steps_bound and max_epochs == -1:
         return None
-    if ckpt_path == "last":
-        candidates = [p for d in checkpoint_dirs(callbacks) for p in d.glob("last*.ckpt")]
-        if not candidates:
-            return None
-        checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
-    else:
-        checkpoint = Path(ckpt_path)
+    if (checkpoint := checkpoint_file(ckpt_path, callbacks)) is None:
+        return None
     try:  # mmap: the weights and optimizer state are not read
         state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
     except Exception:  # noqa: BLE001 - not ours to report: Lightning's load of the same file raises its own error

@@ -109,6 +109,27 @@ def test_export_picks_the_checkpoint_asked_for(run, tmp_path, capsys):
     assert "the run stopped before its first checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_a_checkpoint_cut_short_is_named_by_fit_and_export_with_the_others_to_use(run, tmp_path, capsys):
+    """A damaged last.ckpt (cut short: no zip directory at its end): one error line naming the file and the folder's
+    other checkpoints, from a resume (nothing written: the summary stays as it was) and from an export."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    last = copy / "checkpoints" / "last.ckpt"
+    with open(last, "r+b") as f:
+        f.truncate(1000)
+    summary_before = (copy / "summary.json").read_text()
+    expected = f"{last}: not a readable checkpoint (File is not a zip file: cut short or overwritten?); the folder's " \
+               "other checkpoints: step000002.ckpt, step000004.ckpt (pass one's path instead)"
+    proc = run_cli(copy, *FAST, "ckpt_path=last", "trainer.max_steps=8", ok=False)
+    assert f"error: {expected}" in proc.stderr and "Traceback" not in proc.stderr
+    assert (copy / "summary.json").read_text() == summary_before
+    assert export_main([str(copy), "--output", str(tmp_path / "export")]) == 1
+    assert expected in capsys.readouterr().err and not (tmp_path / "export").exists()
+
+
 def test_ctrl_c_during_an_export_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
     import lightning_ft.export
 
