@@ -38,7 +38,7 @@ from lightning_ft.errors import (
 )
 from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS, QUANTISED_EXPERT_BACKENDS
 from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
-from lightning_ft.model.build import DTYPES, INITS, ModelBuilder
+from lightning_ft.model.build import DTYPES, INITS, ModelBuilder, check_model_folder
 from lightning_ft.model.lora import adapter_folder
 from lightning_ft.model.mxfp4 import no_mxfp4_experts
 from lightning_ft.model.quantization import QUANTIZATIONS, check_quantized_training
@@ -277,6 +277,8 @@ def _train(
     """
     resolved = OmegaConf.to_container(cfg, resolve=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if not cfg.model.tokenizer:  # the tokenizer comes from model.name_or_path: a folder that is no model says so first
+        check_model_folder(cfg.model.name_or_path)
     tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
     if not tokenizer_name:
         raise ValueError("set model.tokenizer (a path, a hub name, or `builtin`) or model.name_or_path")

@@ -160,6 +160,10 @@ def test_missing_model_path_and_non_causal_config_are_readable_errors(tmp_path):
 
     proc = run_cli(tmp_path / "a", *FAST, "model=pretrained", f"model.name_or_path={tmp_path / 'nope'}", ok=False)
     assert f"model.name_or_path='{tmp_path / 'nope'}'" in proc.stderr and "Traceback" not in proc.stderr
+    data_folder = tmp_path / "data"  # a folder, but no model: said before its tokenizer is looked for there
+    data_folder.mkdir()
+    proc = run_cli(tmp_path / "c", *FAST, "model=pretrained", f"model.name_or_path={data_folder}", ok=False)
+    assert f"model.name_or_path='{data_folder}': no config.json in that folder" in proc.stderr and "tokenizer" not in proc.stderr
 
     ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path / "vit")
     proc = run_cli(tmp_path / "b", *FAST, "model=pretrained", f"model.name_or_path={tmp_path / 'vit'}",

@@ -75,6 +75,20 @@ INITS = ("pretrained", "random")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_model_folder(name_or_path: str | None) -> None:
+    """Refuse a ``model.name_or_path`` that names a local path but no model checkpoint: a path that does not exist
+    (`check_local_path`), or a folder without a ``config.json``. A hub name passes.
+
+    Raises:
+        FileNotFoundError: naming the key and what is missing.
+    """
+    check_local_path("model.name_or_path", name_or_path)
+    if name_or_path:
+        folder = Path(name_or_path).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no config.json in that folder, so not a model checkpoint")
+
+
 def load_causal_lm(
     name_or_path: str | None,
     init: str = "pretrained",
@@ -130,11 +144,8 @@ def load_causal_lm(
     check_choice("model.init", init, INITS)
     check_choice("model.dtype", dtype, tuple(DTYPES))
     overrides = dict(config or {})
-    check_local_path("model.name_or_path", name_or_path)
+    check_model_folder(name_or_path)
     if name_or_path:
-        folder = Path(name_or_path).expanduser()
-        if folder.is_dir() and not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no config.json in that folder, so not a model checkpoint")
         try:
             hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
         except OSError as err:
