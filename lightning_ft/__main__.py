@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     nothing: what is written after is dropped (`_ClosedPipeGuard`), so a training run goes on, finishes and
     reports its status as if its output had been read; no `BrokenPipeError` traceback."""
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _ClosedPipeGuard(sys.stdout), _ClosedPipeGuard(sys.stderr)
+    # a stream Python set to None (its descriptor closed at start: `fit >&-`) stays None: print() skips it then
+    sys.stdout, sys.stderr = (None if s is None else _ClosedPipeGuard(s) for s in streams)
     try:
         _main(argv)
     finally:

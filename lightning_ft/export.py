@@ -286,6 +286,12 @@ def _weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) 
     if checkpoint == "best":
         import torch
 
+        from lightning_ft.run_dir import check_checkpoint_readable
+
+        try:
+            check_checkpoint_readable(last)  # read for the best checkpoint's name
+        except ValueError as error:
+            raise ExportError(str(error)) from None
         state = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
         best = next((s["best_model_path"] for s in state.get("callbacks", {}).values() if s.get("best_model_path")), None)
         if not best or not (ckpt_dir / Path(best).name).is_file():

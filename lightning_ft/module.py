@@ -215,13 +215,17 @@ class FinetuneModule(L.LightningModule):
     def loss_gradient_bytes(self, batch: PackedBatch) -> int:
         """Bytes the loss of ``batch`` holds for its gradient beyond its no-grad forward (the memory plan's base,
         `lightning_ft.strategies.profiler`): with the chunked linear cross-entropy, its
-        `lightning_ft.kernels.linear_cross_entropy.gradient_bytes` (d hidden in the head's dtype, bf16 over an e4m3
-        head, plus that head's transposed copy and a chunk's e4m3 dz rows); 0 otherwise."""
+        `lightning_ft.kernels.linear_cross_entropy.gradient_bytes` over the row's tokens (its padded rows' where the
+        architecture takes no packed rows): d hidden in the head's dtype (bf16 over an e4m3 head) and its copy in the
+        model's dtype where that differs, plus an e4m3 head's transposed copy and a chunk's e4m3 dz rows; 0 otherwise."""
         head = active_module(self.hf_model.get_output_embeddings()) if self.plain_head else None
         if not self.fused_linear_cross_entropy or type(head) not in (torch.nn.Linear, Fp8Linear) or head.bias is not None:
             return 0
         fp8 = type(head) is Fp8Linear
-        return gradient_bytes(batch.num_tokens, head.in_features, head.out_features, 2 if fp8 else head.weight.element_size(), fp8)
+        tokens = batch.num_tokens if self.packed else batch.num_docs * batch.max_seqlen
+        compute = 2 if fp8 else head.weight.element_size()
+        return gradient_bytes(tokens, head.in_features, head.out_features, compute, fp8,
+                              hidden_element_size=self.hf_model.dtype.itemsize)  # fmt: skip
 
     def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` padded (`PackedBatch.padded`) to the token count its CUDA graphs are recorded for.

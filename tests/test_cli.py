@@ -368,6 +368,13 @@ def test_help_piped_into_a_reader_that_closes_early_ends_quietly():
     assert proc.wait(timeout=120) == 0 and err == "", err
 
 
+def test_a_command_started_with_its_stdout_closed_runs_as_before():
+    """``fit --help >&-``: Python starts with sys.stdout None; what would be printed is skipped, nothing raised."""
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "fit", "--help"], stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.close(1), timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
 @pytest.mark.slow
 def test_a_run_whose_output_reader_closes_early_trains_to_the_end_and_completes(tmp_path):
     """``fit ... 2>&1 | head -2``: the run goes on after its reader has gone, writes its adapter and a completed

@@ -128,6 +128,8 @@ def test_a_checkpoint_cut_short_is_named_by_fit_and_export_with_the_others_to_us
     assert (copy / "summary.json").read_text() == summary_before
     assert export_main([str(copy), "--output", str(tmp_path / "export")]) == 1
     assert expected in capsys.readouterr().err and not (tmp_path / "export").exists()
+    assert export_main([str(copy), "--checkpoint", "best", "--output", str(tmp_path / "export")]) == 1  # reads last.ckpt
+    assert expected in capsys.readouterr().err
 
 
 def test_ctrl_c_during_an_export_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):

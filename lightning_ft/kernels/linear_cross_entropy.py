@@ -163,12 +163,15 @@ def _chunk_size(n_tokens: int, vocab: int, hidden: int) -> int:
 
 
 def gradient_bytes(n_tokens: int, hidden: int, vocab: int, element_size: int, e4m3_head: bool = False,
-                   chunk_size: int | None = None) -> int:
+                   chunk_size: int | None = None, hidden_element_size: int | None = None) -> int:
     """Bytes `fused_linear_cross_entropy` holds for the gradient beyond what it allocates without one: d hidden
-    [N, H] (``element_size`` bytes each, the compute dtype's); with an e4m3 head also the head's transposed copy
-    [H, V] (1 byte each) and a chunk's dz rows [C, V] in e4m3 with their fp32 scales. For a memory plan's base
+    [N, H] (``element_size`` bytes each, the compute dtype's; and its copy in hidden's dtype where
+    ``hidden_element_size`` differs); with an e4m3 head also the head's transposed copy [H, V] (1 byte each) and a
+    chunk's dz rows [C, V] in e4m3 with their fp32 scales. For a memory plan's base
     (`lightning_ft.strategies.profiler`), whose measuring pass runs the loss without gradients."""
     total = n_tokens * hidden * element_size
+    if hidden_element_size is not None and hidden_element_size != element_size:
+        total += n_tokens * hidden * hidden_element_size
     if e4m3_head:
         chunk = min(chunk_size or _chunk_size(n_tokens, vocab, hidden), n_tokens)
         total += vocab * hidden + chunk * (vocab + 4)

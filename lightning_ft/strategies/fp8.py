@@ -125,8 +125,9 @@ def convert_lm_head_to_fp8(model: torch.nn.Module) -> str:
     cross-entropy then computes the logits and their input gradient as fp8 products
     (`lightning_ft.kernels.linear_cross_entropy.fused_linear_cross_entropy` with ``weight_scale``); without it the
     logits come from `Fp8Linear`'s forward. A head that is not a plain ``nn.Linear``, that trains (PEFT's
-    ``modules_to_save`` wraps it), or whose weight is the input embeddings' (tied: the embedding lookup reads it)
-    stays as it is.
+    ``modules_to_save`` wraps it), whose weight is the input embeddings' (tied: the embedding lookup reads it), or
+    that ``torch._scaled_mm`` cannot take (not bf16, or a vocabulary or hidden size that is not a multiple of 16:
+    the fp32 reference over the dequantised head would cost more memory than the bf16 head) stays as it is.
 
     Returns:
         the start-log line saying what was done, or why not.
@@ -140,6 +141,10 @@ def convert_lm_head_to_fp8(model: torch.nn.Module) -> str:
     embeddings = hf.get_input_embeddings()
     if embeddings is not None and getattr(embeddings, "weight", None) is head.weight:
         return "fp8: the lm_head stays as it is (tied to the input embeddings, which the lookup reads in full precision)"
+    if head.weight.dtype != torch.bfloat16 or head.out_features % 16 or head.in_features % 16:
+        # elsewhere the products would run fp8_linear's fp32 reference over the whole dequantised head: more memory
+        return (f"fp8: the lm_head stays as it is (its fp8 GEMMs need a bf16 head of dims that are multiples of 16; it is "
+                f"{str(head.weight.dtype).removeprefix('torch.')} {head.out_features} × {head.in_features})")
     hf.set_output_embeddings(Fp8Linear(head))
     return f"fp8: the lm_head ({head.out_features} × {head.in_features}) in e4m3, per-output-channel scales"
 

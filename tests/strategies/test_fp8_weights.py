@@ -130,9 +130,11 @@ def _head_loss(module, batch):
 
 
 def test_lm_head_in_e4m3_halves_its_memory_and_both_loss_paths_compute_its_fp8_math(monkeypatch):
-    """strategy.fp8_lm_head: the head becomes an Fp8Linear; the chunked linear-CE (kernels.fused_linear_cross_entropy)
-    runs its fp8 products (weight_scale passed) and equals the stock loss over Fp8Linear's forward (the same
-    quantised operands; fp32 1e-5); against the bf16 head the loss stays within 1% and the LoRA gradients within 15%."""
+    """strategy.fp8_lm_head: the bf16 head becomes an Fp8Linear; the chunked linear-CE (kernels.fused_linear_cross_entropy)
+    runs its fp8 products (weight_scale passed) and agrees with the stock loss over Fp8Linear's forward (the same
+    quantised operands, bf16 logits; loss 1e-3, LoRA gradients 2e-2 relative: the two losses' softmax sums differ in
+    order, and a gradient a rounding apart can land an e4m3 step apart); against the bf16 head the loss stays within 1%
+    and the LoRA gradients within 15%."""
     import lightning_ft.module as module_file
     from lightning_ft.data.packing import collate_packed
     from lightning_ft.strategies.fp8 import convert_lm_head_to_fp8
@@ -141,14 +143,14 @@ def test_lm_head_in_e4m3_halves_its_memory_and_both_loss_paths_compute_its_fp8_m
     batch = collate_packed([(ids, ids) for ids in (torch.randint(0, 64, (n,)).tolist() for n in (11, 7, 19))])
     results = {}
     for fused_ce in (True, False):
-        module = _module(fused_ce)
+        module = _module(fused_ce, dtype="bfloat16")
         results["bf16", fused_ce] = _head_loss(module, batch)
         head = module.hf_model.get_output_embeddings()
         line = convert_lm_head_to_fp8(module.model)
         assert line == "fp8: the lm_head (64 × 32) in e4m3, per-output-channel scales"
         fp8_head = module.hf_model.get_output_embeddings()
         assert isinstance(fp8_head, Fp8Linear) and fp8_head.weight_bytes.numel() == head.weight.numel()
-        assert fp8_head.weight_bytes.element_size() * 4 == head.weight.element_size()  # fp32 here: a quarter; bf16: half
+        assert fp8_head.weight_bytes.element_size() * 2 == head.weight.element_size()  # half the bf16 head's bytes
         calls, fused_op = [], module_file.fused_linear_cross_entropy
         monkeypatch.setattr(module_file, "fused_linear_cross_entropy",
                             lambda *a, **k: calls.append(k.get("weight_scale") is not None) or fused_op(*a, **k))  # fmt: skip
@@ -156,9 +158,9 @@ def test_lm_head_in_e4m3_halves_its_memory_and_both_loss_paths_compute_its_fp8_m
         assert calls == ([True] if fused_ce else [])
         assert convert_lm_head_to_fp8(module.model).startswith("fp8: the lm_head stays")  # converted once
     (loss_fused, grads_fused), (loss_stock, grads_stock) = results["fp8", True], results["fp8", False]
-    assert abs(loss_fused - loss_stock) <= 1e-5 * abs(loss_stock)
+    assert abs(loss_fused - loss_stock) <= 1e-3 * abs(loss_stock)
     for name, g in grads_fused.items():
-        assert _rel(g, grads_stock[name]) < 1e-4, name
+        assert _rel(g, grads_stock[name]) < 2e-2, name
     loss_bf16, grads_bf16 = results["bf16", True]
     assert abs(loss_fused - loss_bf16) <= 0.01 * abs(loss_bf16)
     for name, g in grads_fused.items():
@@ -175,8 +177,9 @@ def test_the_memory_plan_counts_the_loss_gradient_of_either_head():
     batch = collate_packed([(list(range(1, 30)), list(range(1, 30)))])
     tokens, hidden, vocab = 29, TINY_MODEL["config"]["hidden_size"], TINY_MODEL["config"]["vocab_size"]
     assert _module(fused_ce=False).loss_gradient_bytes(batch) == 0
-    module = _module(fused_ce=True)
-    assert module.loss_gradient_bytes(batch) == tokens * hidden * 4  # fp32 here
+    assert _module(fused_ce=True).loss_gradient_bytes(batch) == tokens * hidden * 4  # fp32: d hidden alone
+    module = _module(fused_ce=True, dtype="bfloat16")
+    assert module.loss_gradient_bytes(batch) == tokens * hidden * 2
     convert_lm_head_to_fp8(module.model)
     assert module.loss_gradient_bytes(batch) == tokens * hidden * 2 + vocab * hidden + tokens * (vocab + 4)
 
@@ -191,7 +194,10 @@ def test_lm_head_tied_or_trained_stays_as_it_is():
     )
     trained = ModelBuilder(model=TINY_MODEL, lora={**LORA_ALL, "modules_to_save": ["lm_head"]}, seed=0)(torch.device("cpu")).model
     assert "lora.modules_to_save trains it" in convert_lm_head_to_fp8(trained)
-    assert not any(isinstance(m, Fp8Linear) for m in [*model.modules(), *trained.modules()])
+    fp32 = ModelBuilder(model=TINY_MODEL, lora=LORA_ALL, seed=0)(torch.device("cpu")).model  # _scaled_mm takes bf16 only
+    assert convert_lm_head_to_fp8(fp32) == ("fp8: the lm_head stays as it is (its fp8 GEMMs need a bf16 head of dims that "
+                                            "are multiples of 16; it is float32 64 × 32)")
+    assert not any(isinstance(m, Fp8Linear) for m in [*model.modules(), *trained.modules(), *fp32.modules()])
 
 
 def test_fp8_lm_head_needs_fp8():
