@@ -312,10 +312,16 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert "holds another run (summary.json, checkpoints/); resume from that checkpoint in an empty folder" in proc.stderr
     assert {p.name: p.read_bytes() for p in kept} == before
     assert not (tmp_path / "logs" / "metrics.1.csv").exists()
-    # a resume that fails before training resumes (a checkpoint that does not load) keeps the summary, config and .hydra/
+    # a checkpoint file that is no archive (cut short, overwritten) is named and refused before anything moves
     last = Path(summary(tmp_path)["checkpoint_path"])
     good = last.read_bytes()
     last.write_bytes(b"not a checkpoint")
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", ok=False)
+    assert f"{last}: not a readable checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert {p.name: p.read_bytes() for p in kept} == before
+    assert not (tmp_path / "logs" / "metrics.1.csv").exists()
+    # a resume that fails before training resumes (an archive Lightning cannot restore) keeps the summary, config and .hydra/
+    torch.save({"not": "a Lightning checkpoint"}, last)
     run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", ok=False)
     assert {p.name: p.read_bytes() for p in kept} == before
     last.write_bytes(good)
