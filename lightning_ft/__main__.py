@@ -241,7 +241,9 @@ class _ClosedPipeGuard:
 
     def _drop(self) -> None:
         self._closed = True
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)

@@ -253,15 +253,20 @@ def weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) -
             one (`lightning_ft.run_dir.check_checkpoint_readable`).
         FileNotFoundError: a path that does not exist.
     """
-    from lightning_ft.run_dir import check_checkpoint_readable
-
     source = _weights_source(run_dir, cfg, checkpoint)
     if source.is_file():
-        try:
-            check_checkpoint_readable(source)
-        except ValueError as error:
-            raise ExportError(str(error)) from None
+        _check_readable(source)
     return source
+
+
+def _check_readable(checkpoint: Path) -> None:
+    """`lightning_ft.run_dir.check_checkpoint_readable`, its refusal as an `ExportError`."""
+    from lightning_ft.run_dir import check_checkpoint_readable
+
+    try:
+        check_checkpoint_readable(checkpoint)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
 
 
 def _weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) -> Path:
@@ -286,12 +291,7 @@ def _weights_source(run_dir: Path, cfg: dict[str, Any], checkpoint: str | None) 
     if checkpoint == "best":
         import torch
 
-        from lightning_ft.run_dir import check_checkpoint_readable
-
-        try:
-            check_checkpoint_readable(last)  # read for the best checkpoint's name
-        except ValueError as error:
-            raise ExportError(str(error)) from None
+        _check_readable(last)  # read for the best checkpoint's name
         state = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
         best = next((s["best_model_path"] for s in state.get("callbacks", {}).values() if s.get("best_model_path")), None)
         if not best or not (ckpt_dir / Path(best).name).is_file():

@@ -198,17 +198,14 @@ class FinetuneModule(L.LightningModule):
         aux_loss = load_balancing_loss(hf, out.router_logits) if router_logits else None
         if self.plain_head:
             hidden_BTH = out.last_hidden_state
-            head = active_module(hf.get_output_embeddings())
-            if self.fused_linear_cross_entropy and type(head) in (torch.nn.Linear, Fp8Linear) and head.bias is None:
+            if (fused := self._fused_head()) is not None:
                 # targets of position t are labels[t + 1]; the last position has none
                 targets_BT = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-                fp8 = type(head) is Fp8Linear  # strategy.fp8_lm_head: the e4m3 head and its row scales
-                loss_sum, _ = fused_linear_cross_entropy(
-                    hidden_BTH.flatten(0, 1), head.weight_fp8 if fp8 else head.weight, targets_BT.flatten(),
-                    weight_scale=head.weight_scale if fp8 else None,
-                )
+                weight, weight_scale = fused
+                loss_sum, _ = fused_linear_cross_entropy(hidden_BTH.flatten(0, 1), weight, targets_BT.flatten(),
+                                                         weight_scale=weight_scale)  # fmt: skip
                 return loss_sum, aux_loss
-            logits = head(hidden_BTH[:, :-1]).float()
+            logits = active_module(hf.get_output_embeddings())(hidden_BTH[:, :-1]).float()
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, aux_loss
 
@@ -218,14 +215,23 @@ class FinetuneModule(L.LightningModule):
         `lightning_ft.kernels.linear_cross_entropy.gradient_bytes` over the row's tokens (its padded rows' where the
         architecture takes no packed rows): d hidden in the head's dtype (bf16 over an e4m3 head) and its copy in the
         model's dtype where that differs, plus an e4m3 head's transposed copy and a chunk's e4m3 dz rows; 0 otherwise."""
-        head = active_module(self.hf_model.get_output_embeddings()) if self.plain_head else None
-        if not self.fused_linear_cross_entropy or type(head) not in (torch.nn.Linear, Fp8Linear) or head.bias is not None:
+        if not self.plain_head or (fused := self._fused_head()) is None:
             return 0
-        fp8 = type(head) is Fp8Linear
+        weight, weight_scale = fused
+        vocab, hidden = weight.shape
+        fp8 = weight_scale is not None
         tokens = batch.num_tokens if self.packed else batch.num_docs * batch.max_seqlen
-        compute = 2 if fp8 else head.weight.element_size()
-        return gradient_bytes(tokens, head.in_features, head.out_features, compute, fp8,
+        return gradient_bytes(tokens, hidden, vocab, 2 if fp8 else weight.element_size(), fp8,
                               hidden_element_size=self.hf_model.dtype.itemsize)  # fmt: skip
+
+    def _fused_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The (weight [V, H], row scales [V] fp32 or None) the chunked linear cross-entropy takes: a plain linear LM
+        head without bias (PEFT's ``modules_to_save`` copy of one included), e4m3 with its scales under
+        ``strategy.fp8_lm_head``; None where ``kernels.fused_linear_cross_entropy`` is off or the head is another module."""
+        head = active_module(self.hf_model.get_output_embeddings())
+        if not self.fused_linear_cross_entropy or type(head) not in (torch.nn.Linear, Fp8Linear) or head.bias is not None:
+            return None
+        return (head.weight_fp8, head.weight_scale) if type(head) is Fp8Linear else (head.weight, None)
 
     def pad_for_graphs(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` padded (`PackedBatch.padded`) to the token count its CUDA graphs are recorded for.

@@ -55,7 +55,7 @@ __all__ = [
     "E4M3", "E4M3_MAX", "Fp8ExpertWeight", "attach_fp8_rows", "e4m3_cast", "e4m3_row_scales", "fp8_gemm_runs", "fp8_input_grad",
     "fp8_linear", "fp8_linear_reference", "fp8_mm_rowwise", "fp8_product", "fp8_rows_of",
     "fp8_rows_done", "fp8_rows_like", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
-    "quantize_expert_weight", "quantize_weight", "scaled_mm_supported", "transpose_bytes",
+    "quantize_expert_weight", "quantize_weight", "scaled_mm_shape", "scaled_mm_supported", "transpose_bytes",
 ]  # fmt: skip
 
 
@@ -340,11 +340,16 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-def fp8_gemm_runs(device: torch.device, weight: torch.Tensor) -> bool:
-    """Whether a product with this [N, K] e4m3 weight runs ``_scaled_mm`` on ``device`` (sm90+ and N, K multiples of
-    16), else `fp8_mm_rowwise`'s fp32 reference."""
+def scaled_mm_shape(weight: torch.Tensor) -> bool:
+    """Whether ``_scaled_mm`` takes a product with this [N, K] weight: N and K multiples of 16."""
     n, k = weight.shape
-    return scaled_mm_supported(device) and n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
+    return n % _GEMM_MULTIPLE == 0 and k % _GEMM_MULTIPLE == 0
+
+
+def fp8_gemm_runs(device: torch.device, weight: torch.Tensor) -> bool:
+    """Whether a product with this [N, K] e4m3 weight runs ``_scaled_mm`` on ``device`` (sm90+ and `scaled_mm_shape`),
+    else `fp8_mm_rowwise`'s fp32 reference."""
+    return scaled_mm_supported(device) and scaled_mm_shape(weight)
 
 
 def fp8_product(

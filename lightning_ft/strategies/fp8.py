@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from lightning_ft.kernels.fp8 import (
-    E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight,
+    E4M3, Fp8ExpertWeight, fp8_linear, fp8_rows_of, quantize_expert_weight, quantize_weight, scaled_mm_shape,
 )
 from lightning_ft.kernels.moe import QUANTISED_EXPERT_BACKENDS
 from lightning_ft.kernels.nf4 import e4m3_scales_4bit
@@ -141,7 +141,7 @@ def convert_lm_head_to_fp8(model: torch.nn.Module) -> str:
     embeddings = hf.get_input_embeddings()
     if embeddings is not None and getattr(embeddings, "weight", None) is head.weight:
         return "fp8: the lm_head stays as it is (tied to the input embeddings, which the lookup reads in full precision)"
-    if head.weight.dtype != torch.bfloat16 or head.out_features % 16 or head.in_features % 16:
+    if head.weight.dtype != torch.bfloat16 or not scaled_mm_shape(head.weight):
         # elsewhere the products would run fp8_linear's fp32 reference over the whole dequantised head: more memory
         return (f"fp8: the lm_head stays as it is (its fp8 GEMMs need a bf16 head of dims that are multiples of 16; it is "
                 f"{str(head.weight.dtype).removeprefix('torch.')} {head.out_features} × {head.in_features})")
