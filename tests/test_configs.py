@@ -64,3 +64,18 @@ def test_every_config_file_has_a_case():
     files = {str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml")}
     covered = {path for path, _, _ in CASES} | {"hydra/help/lightning_ft.yaml"}  # the latter: every case's hydra config
     assert sorted(files - covered) == [], "configs/ files that no command composes"
+
+
+def test_every_config_folder_is_a_listed_package():
+    """pyproject.toml lists each folder of configs/ as a package: a folder left out still installs its YAML
+    (package-data) but makes setuptools warn at every install."""
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    packages = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(("lightning_ft.configs", *path.relative_to(repo / "configs").parts))
+        for path in [repo / "configs", *(repo / "configs").rglob("*")]
+        if path.is_dir() and path.name != "__pycache__"
+    }
+    assert folders - packages == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(folders - packages)}"
