@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_ft.atomic import out_of_space
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.hydra_record import HydraRecord
+from lightning_ft.callbacks.resumed_metrics import ResumedMetrics
 from lightning_ft.callbacks.summary import RunSummary
 from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import OVERFLOWS, PackedDataModule
@@ -342,7 +343,8 @@ def _train(
         if finished is not None:  # trained to the end, stopped while exporting: RunSummary.on_fit_end exports
             log.warning("ckpt_path=%s: %s %s, but the run's adapter and summary were not written: nothing is trained, "
                         "they are exported from the checkpoint", cfg.ckpt_path, finished[0], " and ".join(finished[1].values()))
-        keep_previous_metrics(run_dir)
+        if (earlier := keep_previous_metrics(run_dir)) is not None:
+            callbacks.append(ResumedMetrics(earlier))
     if first_process():
         for partial in remove_partial_checkpoints(checkpoint_dirs(callbacks)):
             log.info("removed %s, a checkpoint write the interrupted run did not finish", partial)

@@ -219,19 +219,27 @@ def resume_command(run_dir: Path) -> str:
     return shlex.join(["python", "-m", "lightning_ft", "fit", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
 
 
-def keep_previous_metrics(run_dir: Path) -> None:
+def keep_previous_metrics(run_dir: Path) -> Path | None:
     """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
     deletes it when the resumed run's logger starts (before the checkpoint is restored: a resume that
     fails there has it moved already) and would drop the interrupted run's rows.
-    Only the job's first process does it (the other ranks, on any node, never write logs)."""
+    Only the job's first process does it (the other ranks, on any node, never write logs).
+
+    Returns:
+        The file holding the earlier rows for `lightning_ft.callbacks.resumed_metrics.ResumedMetrics` to
+        put back into the new ``metrics.csv``: the one moved now, or (no ``metrics.csv`` here: a resume
+        stopped before its logger wrote) the newest ``metrics.<n>.csv`` left by that attempt; None elsewhere.
+    """
     metrics = run_dir / "logs" / "metrics.csv"
-    if not first_process() or not metrics.exists():
-        return
+    if not first_process():
+        return None
     n = 1
     while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():
         n += 1
+    if not metrics.exists():
+        return metrics.with_name(f"metrics.{n - 1}.csv") if n > 1 else None
     metrics.rename(kept)
-    log.info("resume: the earlier metrics are kept in %s; this run's go to %s", kept, metrics)
+    return kept
 
 
 def check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) -> None:

@@ -334,9 +334,10 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     # a resume that trains records its own overrides in .hydra/, as Hydra did when it wrote them
     overrides = (tmp_path / ".hydra" / "overrides.yaml").read_text()
     assert "- ckpt_path=last\n" in overrides and "- strategy.keep_attention=false\n" in overrides
-    # the first run's metrics survive the resume beside the new file
-    assert (tmp_path / "logs" / "metrics.1.csv").read_text().count("\n") > 1
-    assert (tmp_path / "logs" / "metrics.csv").exists()
+    # one metrics.csv holds the whole run: the first run's rows (steps 0-2), then the resumed run's, each step once
+    assert not (tmp_path / "logs" / "metrics.1.csv").exists()
+    with (tmp_path / "logs" / "metrics.csv").open() as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]] == [0, 1, 2, 3, 4]
     # resuming the finished run (a scheduler re-running the job): says so, trains nothing, changes nothing
     def run_files():  # all but Hydra's job log (appended to) and the folder's lock
         return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name not in (".lock", "__main__.log")}
