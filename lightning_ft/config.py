@@ -127,6 +127,7 @@ class EvalConfig:
     """``eval.``: validation (when ``data.val_fraction`` or ``data.val_path`` gives validation data)."""
 
     every_n_steps: Optional[int] = None  # validate every N optimizer steps (default: every epoch end); always at the end
+    limit_batches: Optional[int] = None  # each validation runs the first N packed rows (per process; null: all of them)
     generate: bool = False  # exact-match accuracy of greedy generations (GSM8K style: the text after `####`)
     num_examples: int = 32  # validation examples generated for (each costs max_new_tokens forward passes)
     max_new_tokens: int = 64

@@ -88,7 +88,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     """Fine-tune as ``cfg`` says; returns the run summary (also written to ``run_dir/summary.json``).
 
     Validation (``data.val_fraction`` or ``data.val_path``) runs every ``eval.every_n_steps``
-    optimizer steps (default: at every epoch end) and once more after the last step.
+    optimizer steps (default: at every epoch end) and once more after the last step, over all validation rows
+    or the first ``eval.limit_batches``.
 
     Raises:
         ValueError: no tokenizer can be named (neither ``model.tokenizer`` nor ``model.name_or_path``),
@@ -192,7 +193,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
 
     Raises:
         ValueError: a value of a `CHOICES` key that is not one of its values (naming them and the closest),
-            ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), an
+            ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), ``eval.every_n_steps`` or
+            ``eval.limit_batches`` < 1, an
             ``optimizer.lr`` that is negative or not a number, or
             ``moe.backend=triton`` or ``model.quantization=mxfp4`` (whose experts only ``triton`` reads) where no CUDA
             device will run Triton (without ``TRITON_INTERPRET=1``).
@@ -215,6 +217,9 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"optimizer.lr={lr!r}: expected a number, such as 2e-4")
     if lr is not None and lr < 0:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
+    for key in ("eval.every_n_steps", "eval.limit_batches"):
+        if (value := OmegaConf.select(cfg, key)) is not None and value < 1:
+            raise ValueError(f"{key}={value}: must be at least 1 (null: {'every epoch end' if 'every' in key else 'all rows'})")
     for group in ("optimizer", "scheduler"):
         _check_factory_keys(group, cfg.get(group))
     quantization, backend = cfg.model.get("quantization"), cfg.moe.backend
@@ -321,10 +326,13 @@ def _train(
     trainer_kwargs.setdefault("enable_progress_bar", cfg.callbacks.get("progress_bar") is not None)
     if not datamodule.has_validation:
         trainer_kwargs["limit_val_batches"] = 0
-    elif cfg.eval.every_n_steps:
-        # counted in micro-batches over the whole run rather than within each epoch
-        trainer_kwargs["val_check_interval"] = cfg.eval.every_n_steps * datamodule.accumulate_grad_batches
-        trainer_kwargs["check_val_every_n_epoch"] = None
+    else:
+        if cfg.eval.every_n_steps:
+            # counted in micro-batches over the whole run rather than within each epoch
+            trainer_kwargs["val_check_interval"] = cfg.eval.every_n_steps * datamodule.accumulate_grad_batches
+            trainer_kwargs["check_val_every_n_epoch"] = None
+        if cfg.eval.limit_batches:  # a batch is one packed row on each process
+            trainer_kwargs["limit_val_batches"] = cfg.eval.limit_batches
     # ckpt_path=last: last.ckpt, or the newest step checkpoint where a kill left last.ckpt unfinished
     ckpt_path = last_checkpoint(callbacks) if cfg.ckpt_path == "last" else cfg.ckpt_path
     if ckpt_path:

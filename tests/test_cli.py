@@ -187,6 +187,8 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("lora.alpha=-4", r"lora.alpha=-4.0: must be positive"),
         ("optimizer.lr=-1", "optimizer.lr=-1: must be at least 0"),
         ("optimizer.lr=abc", "optimizer.lr='abc': expected a number"),
+        ("eval.every_n_steps=0", r"eval.every_n_steps=0: must be at least 1 \(null: every epoch end\)"),
+        ("eval.limit_batches=-1", r"eval.limit_batches=-1: must be at least 1 \(null: all rows\)"),
         ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton$"),
         ("model.attention=sdpaa", r"model.attention=sdpaa: expected one of auto, cudnn, varlen, flex, sdpa; did you mean model.attention=sdpa\?"),
         ("model.quantization=nf5", r"model.quantization=nf5: expected one of none, nf4, mxfp4; did you mean model.quantization=nf4\?"),
@@ -482,13 +484,15 @@ def test_router_training_with_the_load_balancing_loss(tmp_path):
 
 @pytest.mark.slow
 def test_the_run_ends_with_a_result_line_a_compact_bar_and_validation_in_the_loss_curve(tmp_path, monkeypatch):
-    """Validation every 2 of 4 steps, the progress bar on, in an 80-column terminal."""
+    """Validation of 2 rows every 2 of 4 steps, the progress bar on, in an 80-column terminal."""
     from cli_helpers import FAST
 
     monkeypatch.setenv("COLUMNS", "80")
     proc = run_cli(tmp_path, *(o for o in FAST if o != "callbacks.progress_bar=null"), "trainer.max_steps=4",
-                   "data.val_fraction=0.2", "eval.every_n_steps=2")
+                   "data.val_fraction=0.2", "eval.every_n_steps=2", "eval.limit_batches=2")
     s = summary(tmp_path)
+    assert s["data"]["val_rows"] > 2
+    assert f"validation: 2 of {s['data']['val_rows']} packed rows after every 2 steps and the last" in proc.stdout + proc.stderr
     assert [step for step, _ in s["val_losses"]] == [2, 4] and s["val_losses"][-1][1] == s["val_loss"]
     assert len(s["learning_rates"]) == 4 and s["learning_rates"][1] > s["learning_rates"][0]  # the warm-up
     efficiency = 100 * s["data"]["packing_efficiency"]

@@ -102,7 +102,8 @@ def result_line(summary: dict[str, Any]) -> str:
     that did not complete says so first (``failed after 0 steps``); the packing efficiency is left out when no
     row was packed (the data did not load)."""
     status = summary["status"]
-    parts = [f"{summary['steps']} steps" if status == "completed" else f"{status} after {summary['steps']} steps"]
+    steps = f"{summary['steps']} step{'' if summary['steps'] == 1 else 's'}"
+    parts = [steps if status == "completed" else f"{status} after {steps}"]
     if summary["final_loss"] is not None:
         parts.append(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f}")
     if summary["val_loss"] is not None:
@@ -168,11 +169,32 @@ def planned_steps(trainer: L.Trainer) -> str:
     if math.isinf(total):
         return "no bound: set trainer.max_epochs or trainer.max_steps"
     if trainer.max_steps >= 0 and trainer.max_steps == total:
-        bound = f"trainer.max_steps={trainer.max_steps}; an epoch is {per_epoch} steps"
+        bound = f"trainer.max_steps={trainer.max_steps}; an epoch is {per_epoch} step{'' if per_epoch == 1 else 's'}"
     else:
-        bound = f"trainer.max_epochs={trainer.max_epochs} of {per_epoch} steps; trainer.max_steps=N stops after N"
+        bound = f"trainer.max_epochs={trainer.max_epochs} of {per_epoch} step{'' if per_epoch == 1 else 's'}; trainer.max_steps=N stops after N"
     resumed = f", resumed at step {trainer.global_step}" if trainer.global_step else ""
     return f"{int(total)} optimizer step{'' if total == 1 else 's'} ({bound}){resumed}"
+
+
+def planned_validation(trainer: L.Trainer) -> str | None:
+    """How many packed rows each validation runs and when (``eval.limit_batches``, ``eval.every_n_steps``), from the
+    `lightning_ft.data.datamodule.PackedDataModule`'s validation rows; None without validation data."""
+    stats = getattr(getattr(trainer, "datamodule", None), "stats", None)
+    if stats is None or not stats.val_rows or trainer.limit_val_batches == 0:
+        return None
+    per_process = -(-stats.val_rows // trainer.world_size)
+    limit = trainer.limit_val_batches
+    rows = min(limit, per_process) if isinstance(limit, int) else math.ceil(per_process * limit)
+    shown = f"{rows} of {per_process} packed rows" if rows < per_process else f"{rows} packed rows"
+    if trainer.world_size > 1:
+        shown += " on each process"
+    if trainer.check_val_every_n_epoch is None:
+        steps = int(trainer.val_check_interval) // trainer.accumulate_grad_batches
+        when = f"after every {steps} step{'' if steps == 1 else 's'} and the last"
+    else:
+        when = "at each epoch's end and after the last step"
+    cap = "" if rows < per_process else "; eval.limit_batches=N runs the first N"
+    return f"{shown} {when}{cap}"
 
 
 class RunSummary(L.Callback):
@@ -270,6 +292,8 @@ class RunSummary(L.Callback):
         self._started = True
         if trainer.is_global_zero:
             log.info("training: %s", planned_steps(trainer))
+            if (validation := planned_validation(trainer)) is not None:
+                log.info("validation: %s", validation)
             if self.run_config is not None:
                 write_json_atomic(self.run_dir / CONFIG_FILE, self.run_config)
         if pl_module.device.type == "cuda":  # the peak of building (and sharding) the model, apart from training's
