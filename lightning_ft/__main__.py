@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -98,10 +99,26 @@ def _start_task() -> None:
     """Composition is done: later failures are the task's, and ``sys.argv[0]`` is the real one again (Lightning
     starts a multi-device job's other ranks with it)."""
     global _task_started
+    if not _task_started:
+        _plain_warnings()
     _task_started = True
     sys.argv[0] = _argv0
     if isinstance(sys.stderr, _HeldStderr):
         sys.stderr.stream.write(sys.stderr.take())
+
+
+def _plain_warnings() -> None:
+    """Warnings this package raises print as ``warning: <message>``: their text says what happened and what to do,
+    so Python's ``<file>:<line>: UserWarning:`` prefix and the source line add nothing for a user. Warnings
+    from elsewhere keep the format they had (Lightning's, Python's)."""
+    previous = warnings.formatwarning
+
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if str(filename).startswith(_PACKAGE_DIR):
+            return f"warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    warnings.formatwarning = format_warning
 
 
 def _fit_task(cfg) -> Any:

@@ -145,6 +145,8 @@ class FinetuneModule(L.LightningModule):
             execution=getattr(trainer.strategy, "execution", None) if trainer is not None else None,
         )
         self.model = built.model
+        if trainer is not None and (stats := getattr(trainer.datamodule, "stats", None)) is not None:
+            warn_positions_past_limit(stats.longest_document, self.hf_model.config)
         if trainer is not None and hasattr(trainer.strategy, "execution"):
             trainer.strategy.execution = built.execution  # `auto` resolved: the memory plan and summary read the bool
         self.fused_linear_cross_entropy = built.fused_linear_cross_entropy
@@ -568,3 +570,22 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def warn_positions_past_limit(longest_document: int, config: Any) -> None:
+    """Warn (once, rank 0) when a document is longer than the model's ``max_position_embeddings``: its later
+    positions lie past the context the model was trained for (RoPE extrapolation), so they train on positions
+    the model has not seen. Packed rows restart positions at each document, so only a document's length counts.
+
+    Args:
+        longest_document: tokens of the longest document (`lightning_ft.data.datamodule.PackingStats`).
+        config: the model's transformers config (``max_position_embeddings`` absent or None: no check).
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < longest_document:
+        rank_zero_warn(
+            f"a document of {longest_document} tokens is longer than the model's max_position_embeddings={limit}: "
+            f"positions past {limit} are beyond the context it was trained for; lower data.max_tokens to {limit} to "
+            "truncate them, or extend the context on purpose (model.config.rope_parameters)"
+        )
+

@@ -506,3 +506,20 @@ def test_the_run_ends_with_a_result_line_a_compact_bar_and_validation_in_the_los
     assert len(lines[bar].rstrip()) <= 80 and not lines[bar + 1:], lines[bar:]
     assert re.search(r" 4/4 .* loss: \d+\.\d{3} val: \d+\.\d{3} tok/s: [\d,]+$", lines[bar].rstrip()), lines[bar]
     assert (tmp_path / "loss_curve.png").stat().st_size > 0
+
+
+def test_the_packages_warnings_print_as_one_plain_line_and_others_as_before():
+    import warnings
+
+    import lightning_ft.__main__ as cli
+
+    before = warnings.formatwarning
+    try:
+        cli._plain_warnings()
+        ours = warnings.formatwarning("check the data", UserWarning, f"{cli._PACKAGE_DIR}/data/datamodule.py", 12, "x = 1")
+        theirs = warnings.formatwarning("deprecated", FutureWarning, "/elsewhere/lib.py", 3, "y = 2")
+    finally:
+        warnings.formatwarning = before
+    assert ours == "warning: check the data\n"
+    assert theirs == before("deprecated", FutureWarning, "/elsewhere/lib.py", 3, "y = 2")
+

@@ -477,3 +477,18 @@ def test_the_packed_loss_builds_no_transformers_attention_mask(monkeypatch):
         monkeypatch.setattr(masking_utils, name, lambda *args, **kwargs: calls.append(args))
     module.loss_terms(collate_packed(_docs([7, 5], seed=0)), aux=False)
     assert not calls
+
+
+@pytest.mark.parametrize("longest, limit, warned", [(33, 32, True), (32, 32, False), (5000, None, False)])
+def test_a_document_past_the_models_positions_is_warned_about(longest, limit, warned):
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning_ft.module import warn_positions_past_limit
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_positions_past_limit(longest, SimpleNamespace(max_position_embeddings=limit))
+    messages = [str(w.message) for w in caught]
+    expected = [f"a document of {longest} tokens is longer than the model's max_position_embeddings={limit}"] if warned else []
+    assert [m.split(":")[0] for m in messages] == expected

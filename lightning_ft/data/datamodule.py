@@ -62,6 +62,7 @@ class PackingStats:
     packing_efficiency: float = 0.0  # tokens / (packed_rows * max_tokens)
     val_examples: int = 0  # examples held out for validation (data.val_fraction or data.val_path)
     val_rows: int = 0
+    longest_document: int = 0  # tokens of the longest document, training or validation (after truncation)
 
 
 def _count_targets(labels: Sequence[int]) -> int:
@@ -304,6 +305,7 @@ class PackedDataModule(L.LightningDataModule):
         self.stats.target_tokens = sum(_count_targets(labels) for _, labels in docs)
         self.stats.packing_efficiency = tokens / (len(rows) * self.max_tokens)
         self.stats.val_rows = len(self._val_rows)
+        self.stats.longest_document = max((len(ids) for row in (*rows, *self._val_rows) for ids, _ in row), default=0)
         self.stats.val_examples = sum(len(row) for row in self._val_rows)
         if rank_zero_only.rank == 0:  # every rank packs the same rows: say it once
             log.info(
