@@ -14,8 +14,8 @@ Examples::
 Errors: a config that does not compose prints ``error:`` with Hydra's message and then our hints (a
 close key name, the options of a group). An error the project raises on purpose (bad config values,
 bad data, a missing model path, a stopped run) prints as one ``error: ...`` line without a traceback
-and exits with status 1; Ctrl-C prints one ``interrupted: ...`` line (with the command that resumes
-the run where a checkpoint exists) and exits with status 130. ``HYDRA_FULL_ERROR=1`` shows Hydra's
+and exits with status 1; Ctrl-C or SIGTERM prints one ``interrupted: ...`` line (with the command that resumes
+the run where a checkpoint exists) and exits with status 130 or 143 (128 + the signal). ``HYDRA_FULL_ERROR=1`` shows Hydra's
 report with the traceback instead; in a sweep (``-m``) such an error fails the job and the sweeper goes on.
 Any other exception shows its traceback. A run refused before it wrote anything removes the run
 folder Hydra created for it (`lightning_ft.run_dir.remove_unused_run_dir`).
@@ -165,7 +165,7 @@ def _pin_sweep_dir() -> None:
 def _report(err: BaseException) -> NoReturn:
     """End the command on ``err``, an error this package raised on purpose (its message says what to fix).
 
-    Ctrl-C (`lightning_ft.errors.Interrupted`): its one line, exit status 130. Otherwise ``error: <message>``
+    Ctrl-C or SIGTERM (`lightning_ft.errors.Interrupted`): its one line, exit status 130 or 143. Otherwise ``error: <message>``
     and status 1, printed here rather than by Hydra, which would wrap it in "Error executing job with
     overrides" and HYDRA_FULL_ERROR advice. Raised to Hydra as a `RunError` instead with ``HYDRA_FULL_ERROR=1``
     (Hydra then shows the traceback) and in a sweep (the sweeper records the failed job and goes on).
@@ -177,7 +177,7 @@ def _report(err: BaseException) -> NoReturn:
 
     if isinstance(err, Interrupted):
         sys.stderr.write(f"{err}\n")
-        raise SystemExit(130)
+        raise SystemExit(err.exit_status)
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or HydraConfig.get().mode == RunMode.MULTIRUN:
         raise RunError(f"error: {err}") from err
     sys.stderr.write(f"error: {err}\n")

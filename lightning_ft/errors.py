@@ -14,10 +14,17 @@ class TrainingStopped(RuntimeError):
 
 
 class Interrupted(TrainingStopped):
-    """Ctrl-C (SIGINT) stopped training; the message says where and, where a checkpoint exists, how to resume.
+    """A signal stopped training: Ctrl-C (SIGINT) or a scheduler's SIGTERM (preemption, a time limit); the message
+    says where and, where a checkpoint exists, how to resume.
 
-    The command line prints it as one line and exits with status 130 (128 + SIGINT, as a shell does).
+    The command line prints it as one line and exits with status ``exit_status``, 128 + the signal's number as a
+    shell reports a process the signal ended (130 for SIGINT, 143 for SIGTERM): not 0, which a scheduler would
+    take for a finished job, and not 1, which reads as a failure of the run.
     """
+
+    def __init__(self, message: str, signal_number: int = 2) -> None:
+        super().__init__(message)
+        self.exit_status = 128 + int(signal_number)
 
 
 #: what runs out-of-memory advice suggests, cheapest change first

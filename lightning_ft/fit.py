@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -382,7 +383,7 @@ def _train(
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success
-        raise TrainingStopped(stopped_message(trainer, summary, run_dir, "SIGTERM")) from err
+        raise Interrupted("interrupted: " + stopped_message(trainer, summary, run_dir, "SIGTERM"), signal.SIGTERM) from err
     except Exception as err:
         if (full := out_of_space(err)) is not None:
             # every write here is atomic (checkpoints, adapter, summary): what was written before is whole
@@ -397,7 +398,7 @@ def _train(
         if not trainer.interrupted:
             raise
         # Ctrl-C: Lightning tore the run down and exits with status 1 after its one-line notice
-        raise Interrupted("interrupted: " + stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)")) from err
+        raise Interrupted("interrupted: " + stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)"), signal.SIGINT) from err
     return summary.summary
 
 

@@ -449,7 +449,7 @@ def _signal_at_step(run_dir, step, *overrides, signal_name=None):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_with_a_failing_exit_status_and_a_checkpoint_of_the_step_reached(tmp_path):
+def test_sigterm_stops_with_exit_status_143_and_a_checkpoint_of_the_step_reached(tmp_path):
     # before the first periodic checkpoint (every 50 steps by default): SIGTERM itself saves one. The signal
     # comes as step 3's batch starts; Lightning stops after that batch, so at step 3.
     proc = _signal_at_step(tmp_path, 2)
@@ -458,6 +458,7 @@ def test_sigterm_stops_with_a_failing_exit_status_and_a_checkpoint_of_the_step_r
               f"{' '.join(FAST)} trainer.max_steps=50 +callbacks.term._target_=cli_helpers.SignalAtStep "
               f"+callbacks.term.step=2 ckpt_path=last hydra.run.dir={tmp_path}")
     assert resume in proc.stderr  # the run's own overrides, so the printed command is accepted as it is
+    assert proc.returncode == 143 and proc.stderr.splitlines()[-1].startswith("interrupted: training stopped at step 3")
     assert "run again" not in proc.stderr  # the checkpoint is of the step reached
     assert summary(tmp_path)["status"] == "stopped" and summary(tmp_path)["checkpoint_path"] == str(last)
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
