@@ -18,7 +18,7 @@ place at the end; an existing export is replaced only with ``--force``):
 
 The weights come from ``--checkpoint``: ``last`` (``checkpoints/last.ckpt``; the default, falling back
 to the run's ``adapter/`` when the run kept no checkpoint), ``best`` (the checkpoint callback's best
-checkpoint), ``adapter`` (the run's ``adapter/``, written when training finished), or a path to a
+checkpoint by its ``monitor``: with the default ``callbacks.checkpoint.monitor=step``, the newest step checkpoint), ``adapter`` (the run's ``adapter/``, written when training finished), or a path to a
 ``.ckpt`` file or a PEFT adapter folder. The model is rebuilt from the run's ``config.json`` by
 `lightning_ft.model.build.ModelBuilder`, as ``fit`` builds it, with every kernel and the MoE patch off
 and transformers' own SDPA attention: the saved model is stock transformers. A random base is drawn
@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None, help="the export folder (default: RUN_DIR/export)")
     p.add_argument(
         "--checkpoint", default=None, metavar="last|best|adapter|PATH",
-        help="the weights: last (default; the run's adapter/ when it kept no checkpoint), best, adapter, "
+        help="the weights: last (default; the run's adapter/ when it kept no checkpoint), best (the checkpoint "
+        "callback's best by its monitor; with the default monitor, step, the newest step checkpoint), adapter, "
         "or a .ckpt file or PEFT adapter folder",
     )
     p.add_argument("--force", action="store_true", help="replace an existing export folder")

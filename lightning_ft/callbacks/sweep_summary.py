@@ -73,8 +73,9 @@ class SweepSummary(Callback):
     """Writes ``sweep_summary.md`` and ``sweep_summary.csv`` into the sweep folder after every job of a
     multirun (so the table exists even when a later job fails and Hydra stops the sweep) and at its end.
 
-    Logs where the table is once: at the end of the sweep, or after a job that failed (Hydra's sweepers
-    stop there, and the end of the sweep never comes); the writes after the other jobs log at DEBUG."""
+    Logs where the table is at the end of the sweep, and after every job from the first that failed on (Hydra's
+    sweepers raise that failure once the batch of jobs is done, and the end of the sweep never comes); the writes
+    after the jobs before it log at DEBUG."""
 
     def __init__(self) -> None:
         self.errors: dict[str, str] = {}  # job folder -> the first line of its error
@@ -89,7 +90,9 @@ class SweepSummary(Callback):
                 lines = str(error).strip().splitlines() if error is not None else []
                 first = lines[0].removeprefix("error: ") if lines else type(error).__name__
                 self.errors[str(Path(job_dir).absolute())] = first[:200]
-            self._write(Path(config.hydra.sweep.dir), logging.INFO if failed else logging.DEBUG)
+            # once a job failed, the end of the sweep may never come (Hydra's sweepers raise the failure after the
+            # batch of jobs): each later write says where the table is
+            self._write(Path(config.hydra.sweep.dir), logging.INFO if self.errors else logging.DEBUG)
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

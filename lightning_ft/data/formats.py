@@ -303,11 +303,20 @@ def to_examples(
         log.info("data.format=auto: %s looks like the %r format", source, fmt)
     check_choice("data.format", fmt, ("auto", *FORMATS))
     examples: list[Example] = []
+    own = plain = 0  # examples that keep their own system message; examples of plain text (no messages)
     for i, row in enumerate(rows, start=1):
         for example in _row_examples(row, fmt, where(i)):
-            if system_prompt and example.messages is not None and example.messages[0]["role"] != "system":
+            if system_prompt and example.messages is None:
+                plain += 1
+            elif system_prompt and example.messages[0]["role"] == "system":
+                own += 1
+            elif system_prompt:
                 example = replace(example, messages=({"role": "system", "content": system_prompt}, *example.messages))
             examples.append(example)
+    if own or plain:
+        log.info("data.system_prompt: %s: put first in %d of %d examples; %d have a system message of their own and keep "
+                 "it, %d are plain text (no chat template) and take none", source, len(examples) - own - plain,
+                 len(examples), own, plain)
     return examples
 
 

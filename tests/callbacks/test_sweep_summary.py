@@ -1,4 +1,4 @@
-"""`SweepSummary`: the sweep's table after every job, and one line saying where it is."""
+"""`SweepSummary`: the sweep's table after every job, and a line saying where it is."""
 
 import logging
 from pathlib import Path
@@ -17,7 +17,7 @@ def _job(sweep, num, overrides):
     OmegaConf.save({"hydra": {"job": {"num": num}, "overrides": {"task": overrides}}}, hydra_dir / "hydra.yaml")
 
 
-def test_the_sweep_table_is_announced_once_at_the_end_or_after_a_failed_job(tmp_path, caplog):
+def test_the_sweep_table_is_announced_at_the_end_and_after_every_job_from_a_failed_one_on(tmp_path, caplog):
     config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)}}})
     callback, done = SweepSummary(), SimpleNamespace(status=JobStatus.COMPLETED)
     with caplog.at_level(logging.INFO, logger="lightning_ft.callbacks.sweep_summary"):
@@ -34,8 +34,12 @@ def test_the_sweep_table_is_announced_once_at_the_end_or_after_a_failed_job(tmp_
         assert caplog.messages == [f"sweep summary of 2 jobs: {tmp_path / 'sweep_summary.md'}"]
         caplog.clear()
         _job(tmp_path, 2, ["lora.rank=16"])
-        callback.on_job_end(config, SimpleNamespace(status=JobStatus.FAILED))  # the sweep stops here
+        callback.on_job_end(config, SimpleNamespace(status=JobStatus.FAILED))  # the sweep may stop here
         assert caplog.messages == [f"sweep summary of 3 jobs: {tmp_path / 'sweep_summary.md'}"]
+        caplog.clear()
+        _job(tmp_path, 3, ["lora.rank=32"])  # a job of the same batch runs on: the sweeper raises the failure after it
+        callback.on_job_end(config, done)
+        assert caplog.messages == [f"sweep summary of 4 jobs: {tmp_path / 'sweep_summary.md'}"]
 
 
 def test_a_job_refused_before_its_summary_shows_its_error(tmp_path, monkeypatch):
