@@ -79,11 +79,13 @@ class SweepSummary(Callback):
 
     def __init__(self) -> None:
         self.errors: dict[str, str] = {}  # job folder -> the first line of its error
+        self.failed = False  # a job of this sweep failed
 
     @override
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
             failed = getattr(job_return, "status", None) == JobStatus.FAILED
+            self.failed |= failed
             job_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
             if failed and job_dir is not None:  # Hydra keeps the exception (reading `return_value` would raise it)
                 error = getattr(job_return, "_return_value", None)
@@ -92,7 +94,7 @@ class SweepSummary(Callback):
                 self.errors[str(Path(job_dir).absolute())] = first[:200]
             # once a job failed, the end of the sweep may never come (Hydra's sweepers raise the failure after the
             # batch of jobs): each later write says where the table is
-            self._write(Path(config.hydra.sweep.dir), logging.INFO if self.errors else logging.DEBUG)
+            self._write(Path(config.hydra.sweep.dir), logging.INFO if self.failed else logging.DEBUG)
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
