@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import warnings
 from collections.abc import MutableMapping
@@ -358,6 +359,9 @@ class _HeldStderr:
 
 
 #: lines of Hydra's report of a config that does not compose that say nothing to a user of this command
+#: OmegaConf's refusals of a value for a typed key (the type's name in group 1), and those names → ours
+_WRONG_TYPE = (r"Value .* of type '\w+' could not be converted to (\w+)", r"Value .* is not a valid (bool) \(type \w+\)")
+_TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "bool": "true or false", "String": "a string"}
 _HYDRA_ADVICE = ("Set the environment variable HYDRA_FULL_ERROR=1", "full_key:", "reference_type=", "object_type=")
 
 
@@ -365,11 +369,16 @@ def _composition_error(report: str, hinted: bool) -> str:
     """Hydra's ``report`` of a config that does not compose as ``error: <its message>`` without its
     HYDRA_FULL_ERROR advice and OmegaConf's type details; where our hints name the override (``hinted``),
     only its first line (Hydra's "To append to your config use +key=..." would add a key nothing reads, and
-    the hint lists the options). A report with a traceback or without Hydra's advice (an argument error)
-    is returned as it is."""
+    the hint lists the options); a value of the wrong type for a typed key as ``error: <key>=<value>: expected
+    an integer`` (OmegaConf's `_WRONG_TYPE` wording: "Value ... could not be converted to Integer"). A report
+    with a traceback or without Hydra's advice (an argument error) is returned as it is."""
     if "Traceback (most recent call last)" in report or _HYDRA_ADVICE[0] not in report:
         return report
     lines = [line for line in report.splitlines() if line.strip() and not line.strip().startswith(_HYDRA_ADVICE)]
+    if len(lines) >= 2 and (override := re.fullmatch(r"Error merging override (\S+?=.*)", lines[0])):
+        for pattern in _WRONG_TYPE:  # a value of the wrong type for a typed key (lora.rank=eight): said as our checks say it
+            if wanted := re.fullmatch(pattern, lines[1]):
+                return f"error: {override[1]}: expected {_TYPE_NAMES.get(wanted[1], wanted[1].lower())}\n"
     return "error: " + "\n".join(lines[:1] if hinted else lines) + "\n"
 
 

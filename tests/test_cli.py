@@ -50,6 +50,17 @@ def test_unknown_key_is_rejected_at_composition(tmp_path):
         _compose(["data.max_token=3", f"run_dir={tmp_path}"])
 
 
+@pytest.mark.parametrize(("override", "expected"), [
+    ("lora.rank=eight", "lora.rank=eight: expected an integer"),
+    ("lora.dropout=high", "lora.dropout=high: expected a number"),
+    ("lora.enabled=maybe", "lora.enabled=maybe: expected true or false"),
+])
+def test_a_wrong_typed_value_of_a_typed_key_is_one_line_naming_key_and_type(override, expected):
+    proc = subprocess.run([sys.executable, "-m", "lightning_ft", "fit", override], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[0] == f"error: {expected}", proc.stderr
+
+
 @pytest.mark.parametrize(("command", "own_group", "other_group"), [("fit", "+experiment", "bench"), ("bench", "+bench", "data")])
 def test_help_names_the_command_and_lists_only_its_groups(command, own_group, other_group):
     proc = subprocess.run([sys.executable, "-m", "lightning_ft", command, "--help"], capture_output=True, text=True, timeout=120)
