@@ -115,7 +115,7 @@ def _plain_warnings() -> None:
     previous = warnings.formatwarning
 
     def format_warning(message, category, filename, lineno, line=None) -> str:
-        if str(filename).startswith(_PACKAGE_DIR):
+        if _in_package(filename):
             return f"warning: {message}\n"
         return previous(message, category, filename, lineno, line)
 
@@ -190,7 +190,12 @@ def _raised_by_us(err: BaseException) -> bool:
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+    return tb is not None and _in_package(tb.tb_frame.f_code.co_filename)
+
+
+def _in_package(filename: str) -> bool:
+    """Whether a source file is this package's (also when it is imported through a symbolic link)."""
+    return os.path.realpath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
 def _bench_task(cfg) -> None:

@@ -352,8 +352,6 @@ def _train(
         if finished is not None:  # trained to the end, stopped while exporting: RunSummary.on_fit_end exports
             log.warning("ckpt_path=%s: %s %s, but the run's adapter and summary were not written: nothing is trained, "
                         "they are exported from the checkpoint", cfg.ckpt_path, finished[0], " and ".join(finished[1].values()))
-        if (earlier := keep_previous_metrics(run_dir)) is not None:
-            callbacks.append(ResumedMetrics(earlier))
     if first_process():
         for partial in remove_partial_checkpoints(checkpoint_dirs(callbacks)):
             log.info("removed %s, a checkpoint write the interrupted run did not finish", partial)
@@ -380,6 +378,9 @@ def _train(
             hint = "; several devices: strategy=ddp or strategy=fsdp2" if "strategy" in named else ""
         shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named) or "the trainer.* settings"
         raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
+    # after the Trainer is built (a resume it refuses leaves logs/ as it was), before the CSVLogger starts its file
+    if ckpt_path and (earlier := keep_previous_metrics(run_dir)) is not None:
+        trainer.callbacks.append(ResumedMetrics(earlier))
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success

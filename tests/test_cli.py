@@ -519,7 +519,7 @@ def test_the_run_ends_with_a_result_line_a_compact_bar_and_validation_in_the_los
     assert (tmp_path / "loss_curve.png").stat().st_size > 0
 
 
-def test_the_packages_warnings_print_as_one_plain_line_and_others_as_before():
+def test_the_packages_warnings_print_as_one_plain_line_and_others_as_before(tmp_path):
     import warnings
 
     import lightning_ft.__main__ as cli
@@ -532,5 +532,9 @@ def test_the_packages_warnings_print_as_one_plain_line_and_others_as_before():
     finally:
         warnings.formatwarning = before
     assert ours == "warning: check the data\n"
+    # the package imported through a symbolic link (PYTHONPATH=<a link to the checkout>) is still the package
+    link = tmp_path / "link"
+    link.symlink_to(cli._PACKAGE_DIR, target_is_directory=True)
+    assert cli._in_package(str(link / "module.py")) and not cli._in_package(cli._PACKAGE_DIR + "_other/x.py")
     assert theirs == before("deprecated", FutureWarning, "/elsewhere/lib.py", 3, "y = 2")
 

@@ -347,6 +347,17 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert "last.ckpt is at step 5 and trainer.max_steps=5: the run is finished" in proc.stdout + proc.stderr
     assert run_files() == files and any(p.suffix == ".ckpt" for p in files) and any(p.suffix == ".csv" for p in files)
     assert any(".hydra" in p.parts for p in files)
+    # a resume Lightning refuses (a trainer value) leaves logs/ as it was too
+    metrics = (tmp_path / "logs" / "metrics.csv").read_bytes()
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=6", "ckpt_path=last", "trainer.devices=0", ok=False)
+    assert "trainer.devices=0: Lightning refused it" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["metrics.csv"]
+    # killed while exporting (no adapter/): the resume trains nothing, exports, and keeps the whole metrics.csv
+    shutil.rmtree(tmp_path / "adapter")
+    run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")
+    assert summary(tmp_path)["status"] == "completed" and (tmp_path / "adapter").is_dir()
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["metrics.csv"]
+    assert (tmp_path / "logs" / "metrics.csv").read_bytes() == metrics
 
 
 class _Stop(Exception):

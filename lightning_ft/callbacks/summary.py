@@ -188,12 +188,13 @@ def planned_validation(trainer: L.Trainer) -> str | None:
     shown = f"{rows} of {per_process} packed rows" if rows < per_process else f"{rows} packed rows"
     if trainer.world_size > 1:
         shown += " on each process"
-    if trainer.check_val_every_n_epoch is None:
+    every = trainer.check_val_every_n_epoch
+    if every is None:
         steps = int(trainer.val_check_interval) // trainer.accumulate_grad_batches
         when = f"after every {steps} step{'' if steps == 1 else 's'} and the last"
     else:
-        when = "at each epoch's end and after the last step"
-    cap = "" if rows < per_process else "; eval.limit_batches=N runs the first N"
+        when = "at each epoch's end and after the last step" if every == 1 else f"at the end of every {every} epochs"
+    cap = "; eval.limit_batches=N runs the first N" if isinstance(limit, float) and limit == 1.0 else ""
     return f"{shown} {when}{cap}"
 
 

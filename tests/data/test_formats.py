@@ -52,11 +52,11 @@ def test_prompt_completion_rows_become_text_or_conversations():
 
 def test_system_prompt_is_prepended_once_and_the_rows_that_keep_their_own_are_counted(caplog):
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    (ex,) = to_examples([{"messages": turns}], system_prompt="Be brief.")
-    assert ex.messages[0] == {"role": "system", "content": "Be brief."}
-    assert "data.system_prompt" not in caplog.text  # every example took it: nothing to say
     own = [{"role": "system", "content": "Be verbose."}, *turns]
     with caplog.at_level("INFO", logger="lightning_ft.data.formats"):
+        (ex,) = to_examples([{"messages": turns}], system_prompt="Be brief.")
+        assert ex.messages[0] == {"role": "system", "content": "Be brief."}
+        assert "data.system_prompt" not in caplog.text  # every example took it: nothing to say
         examples = to_examples([{"messages": turns}, {"messages": own}], source="chat.jsonl", system_prompt="Be brief.")
     assert [e.messages[0]["content"] for e in examples] == ["Be brief.", "Be verbose."]
     assert "data.system_prompt: chat.jsonl: put first in 1 of 2 examples; 1 have a system message of their own" in caplog.text
