@@ -72,7 +72,7 @@ def _max_error(x, reference):
 def test_backend_equals_per_document_sdpa_bf16(monkeypatch, backend, lengths, sliding_window, sinks, heads, dims):
     """Forward and backward within bf16 error: at most twice the error of the reference run in bf16
     (against the reference in fp32), plus 1e-3 (flash-attention's own test criterion). The sinks'
-    gradient too. ``auto_from_100``: auto with cuDNN from 100 tokens (a row of both kernels)."""
+    gradient too, with one bf16 ulp of its largest value more (a per-head sum, rounded once). ``auto_from_100``: auto with cuDNN from 100 tokens (a row of both kernels)."""
     if backend == "auto_from_100":
         monkeypatch.setattr(attention, "crossover", lambda q, k, v: 100)
         backend = "auto"
@@ -96,7 +96,10 @@ def test_backend_equals_per_document_sdpa_bf16(monkeypatch, backend, lengths, sl
     grads16 = torch.autograd.grad(ref16, inputs, dout)
     grads32 = torch.autograd.grad(ref32, inputs32, dout.float())
     for name, got, bf16, exact in zip("qkvs", grads, grads16, grads32):
-        assert _max_error(got, exact) <= 2 * _max_error(bf16, exact) + 1e-3, f"d{name}"
+        # ds is one sum per head over every query row, rounded once to bf16: a rounding the other way than the
+        # reference's costs a whole ulp of |ds| (measured: -8.75 for -8.693, where the bf16 reference rounded to -8.6875)
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max().item() if name == "s" else 0.0
+        assert _max_error(got, exact) <= 2 * _max_error(bf16, exact) + 1e-3 + ulp, f"d{name}"
 
 
 def test_auto_measures_its_crossover_once_per_shape_class_and_logs_it(monkeypatch, caplog):
@@ -225,6 +228,9 @@ def test_training_step_never_syncs(kind, moe, backend):
     sync inside backward points at ``loss.backward()``). ``qwen3_moe-stock`` runs transformers' own
     experts (``moe=hf``): a failure there locates the syncs of the installed transformers.
     """
+    # the compiles of earlier tests (other head dims, windows, sinks) count toward dynamo's recompile limit, past
+    # which flex runs torch's eager reference, which syncs: this model's compile starts afresh
+    torch._dynamo.reset()
     module = _module(kind, backend, moe)
     optimizer = torch.optim.AdamW([p for p in module.model.parameters() if p.requires_grad], lr=1e-3)
     warm_up = _train_step(module, optimizer, collate_packed(_docs([40, 1, 200, 17], seed=0)))
