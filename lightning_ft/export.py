@@ -421,17 +421,23 @@ def _base_name(name_or_path: str) -> str:
 
 
 def _for_inference(model: Any, tokenizer: Any) -> None:
-    """Undo the training settings ``fit`` puts in the model's config: the KV cache on, transformers' SDPA
-    attention (not the packed attention's registered name, which only this package knows), and the
-    tokenizer's special tokens where the config names none (a random-init model's config has none)."""
-    model.config.use_cache = True
+    """Undo the training settings ``fit`` puts in the model: transformers' SDPA attention (not the packed
+    attention's registered name, which only this package knows), and `inference_settings` on its configs."""
     model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")  # gpt-oss (sinks): eager only
+    inference_settings(model.config, model.generation_config, tokenizer)
+
+
+def inference_settings(config: Any, generation_config: Any, tokenizer: Any) -> None:
+    """A trained model's config and generation config (changed in place) as a model that serves wants them: the
+    KV cache on (``fit`` turns it off), and the tokenizer's special tokens (eos, pad, bos) where a config names
+    none (a random-init model's config has none: generation would not stop at the end token)."""
+    config.use_cache = True
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
         value = getattr(tokenizer, key, None)
         if value is not None:
-            for config in (model.config, model.generation_config):
-                if getattr(config, key, None) is None:
-                    setattr(config, key, value)
+            for settings in (config, generation_config):
+                if settings is not None and getattr(settings, key, None) is None:
+                    setattr(settings, key, value)
 
 
 def _save_model(model: Any, tokenizer: Any, folder: Path) -> None:

@@ -198,7 +198,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
             ``eval.limit_batches`` < 1, an
             ``optimizer.lr`` that is negative or not a number, or
             ``moe.backend=triton`` or ``model.quantization=mxfp4`` (whose experts only ``triton`` reads) where no CUDA
-            device will run Triton (without ``TRITON_INTERPRET=1``).
+            device will run Triton (without ``TRITON_INTERPRET=1``), or ``lora.init_from`` with LoRA off.
         FileNotFoundError: a ``lora.init_from`` folder without a PEFT adapter (`adapter_folder`).
     """
     from lightning_ft.kernels._utils import interpreter_requested
@@ -211,6 +211,12 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"lora.alpha={cfg.lora.alpha}: must be positive (the LoRA update is scaled by alpha / rank)")
     if cfg.lora.enabled and cfg.lora.init_from:
         adapter_folder(cfg.lora.init_from)
+    if not cfg.lora.enabled and cfg.lora.get("init_from"):
+        raise ValueError(
+            f"lora.init_from={cfg.lora.init_from}: an adapter to continue needs LoRA, and lora.enabled=false (lora=none) "
+            "trains the whole model; to fine-tune a trained model fully, export it merged (`python -m lightning_ft "
+            "export <run> --merge`) and start from model=pretrained model.name_or_path=<run>/export/merged"
+        )
     if cfg.lora.enabled and not 0 <= cfg.lora.dropout < 1:
         raise ValueError(f"lora.dropout={cfg.lora.dropout}: expected a probability in [0, 1)")
     lr = cfg.optimizer.get("lr") if cfg.optimizer else None

@@ -141,6 +141,12 @@ def test_full_fine_tuning_and_chat_data(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(s["adapter_dir"]).state_dict()
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "export" / "merged")).state_dict()
     assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+    # the run's own folder serves as the merged export does: the KV cache on, generation stops at the end token
+    from transformers import AutoConfig, GenerationConfig
+
+    for folder in (s["adapter_dir"], tmp_path / "run" / "export" / "merged"):
+        config, generation = AutoConfig.from_pretrained(folder), GenerationConfig.from_pretrained(folder)
+        assert config.use_cache and config.eos_token_id is not None and generation.eos_token_id == config.eos_token_id
 
 
 def test_fit_on_a_prompt_completion_file(tmp_path):
@@ -198,6 +204,7 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("lora.alpha=-4", r"lora.alpha=-4.0: must be positive"),
         ("optimizer.lr=-1", "optimizer.lr=-1: must be at least 0"),
         ("optimizer.lr=abc", "optimizer.lr='abc': expected a number"),
+        ("lora=none lora.init_from=/some/adapter", r"lora.init_from=/some/adapter: an adapter to continue needs LoRA"),
         ("eval.every_n_steps=0", r"eval.every_n_steps=0: must be at least 1 \(null: every epoch end\)"),
         ("eval.limit_batches=-1", r"eval.limit_batches=-1: must be at least 1 \(null: all rows\)"),
         ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton$"),

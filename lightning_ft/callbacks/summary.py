@@ -176,6 +176,21 @@ def planned_steps(trainer: L.Trainer) -> str:
     return f"{int(total)} optimizer step{'' if total == 1 else 's'} ({bound}){resumed}"
 
 
+def _save_inference_configs(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """Over the configs ``save_pretrained`` wrote to ``folder``: copies of the model's with
+    `lightning_ft.export.inference_settings` (the KV cache on, the special tokens), so the folder generates as
+    the merged export does; the training model keeps its own."""
+    import copy
+
+    from lightning_ft.export import inference_settings
+
+    config, generation = copy.deepcopy(model.config), copy.deepcopy(getattr(model, "generation_config", None))
+    inference_settings(config, generation, tokenizer)
+    config.save_pretrained(folder)
+    if generation is not None:
+        generation.save_pretrained(folder)
+
+
 def planned_validation(trainer: L.Trainer) -> str | None:
     """How many packed rows each validation runs and when (``eval.limit_batches``, ``eval.every_n_steps``), from the
     `lightning_ft.data.datamodule.PackedDataModule`'s validation rows; None without validation data."""
@@ -347,9 +362,13 @@ class RunSummary(L.Callback):
         if error is None:
             with atomic_folder(adapter_dir) as tmp:
                 # state_dict: the full weights gathered from FSDP2 shards (None: the model's own)
-                pl_module.model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
-                if datamodule is not None and getattr(datamodule, "tokenizer", None) is not None:
-                    datamodule.tokenizer.save_pretrained(tmp)
+                model = pl_module.model
+                model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
+                tokenizer = getattr(datamodule, "tokenizer", None) if datamodule is not None else None
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                if tokenizer is not None and not hasattr(model, "peft_config"):  # lora=none: the whole model, to serve
+                    _save_inference_configs(model, tokenizer, tmp)
         else:
             recover_folder(adapter_dir)  # an export a crash interrupted: the previous adapter back in place
         throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
