@@ -203,9 +203,11 @@ def _bench_task(cfg) -> None:
     from lightning_ft.bench.runner import run_bench
     from lightning_ft.run_dir import remove_unused_run_dir
 
+    from lightning_ft.errors import BenchFailed
+
     try:
         run_bench(cfg)
-    except ValueError as err:
+    except (ValueError, BenchFailed) as err:
         remove_unused_run_dir()
         if not _raised_by_us(err):
             raise

@@ -27,6 +27,11 @@ class Interrupted(TrainingStopped):
         self.exit_status = 128 + int(signal_number)
 
 
+class BenchFailed(RuntimeError):
+    """``bench`` ran, but no row measured anything (each crashed, timed out or could not start): the message lists
+    why and where each row's output is."""
+
+
 #: what runs out-of-memory advice suggests, cheapest change first
 MEMORY_HINT = (
     "lower data.max_tokens (tokens per packed row), set model.gradient_checkpointing=true, or use a smaller model "

@@ -60,13 +60,16 @@ class FastLanguageModel:
 '''
 
 
-def run_bench(tmp_path, *overrides, env=None):
+def run_bench(tmp_path, *overrides, env=None, ran=True):
     """``python -m lightning_ft bench +bench=tiny_cpu`` for one 48-token length, its rows appended to
-    ``tmp_path/results.csv``; returns the result rows."""
+    ``tmp_path/results.csv``; returns the result rows. ``ran=False``: no row runs, so the command ends with status 1
+    (after writing the results) and its last line says why."""
     cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}",
            "seq_lens=[48]", "warmup_steps=1", "timed_steps=1", f"results_table={tmp_path / 'results.csv'}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == (0 if ran else 1), proc.stderr[-3000:]
+    if not ran:
+        assert proc.stderr.splitlines()[-1].startswith("error: bench: no row ran (") and "Traceback" not in proc.stderr
     return json.loads((tmp_path / "results.json").read_text())["rows"]
 
 DENSE = dict(model_type="llama", hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
@@ -159,7 +162,7 @@ def test_bench_qlora_runs_every_system_over_the_same_nf4_base(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is not None, reason="unsloth is installed here, so it cannot be missing")
 def test_bench_unsloth_missing_is_a_row_saying_why(tmp_path):
-    (row,) = run_bench(tmp_path, "systems=[unsloth]")
+    (row,) = run_bench(tmp_path, "systems=[unsloth]", ran=False)
     assert row["status"] == ("error: ImportError: unsloth not importable: ModuleNotFoundError: No module named 'unsloth'; "
                              'install the peers with pip install -e ".[bench]" (needs a CUDA GPU for unsloth)')
     assert f"| unsloth | 4 | 48 | {row['status']} |" in (tmp_path / "results.md").read_text()
@@ -201,7 +204,11 @@ def test_bench_config_errors_are_one_line_naming_the_key(tmp_path):
     for override, message in (("+strategy.activation_offloading=true", "strategy.activation_offloading: no key 'activation_offloading' in "
                                                                        "strategy; did you mean strategy.activation_offload?"),
                               ("strategy.activation_offload=maybe", "strategy.activation_offload: Value 'maybe' is not a valid bool"),
-                              ("model.activation_offload=true", "model.activation_offload: moved to strategy.activation_offload")):
+                              ("model.activation_offload=true", "model.activation_offload: moved to strategy.activation_offload"),
+                              ("timed_steps=0", "error: timed_steps=0: expected an integer of at least 1"),
+                              ("seq_lens=[]", "error: seq_lens=[]: expected a list of token counts"),
+                              ("seq_lens=[1k]", "error: seq_lens=['1k']: expected a list of token counts"),
+                              ("num_layers=0", "error: num_layers=0: expected an integer of at least 1")):
         cmd = [sys.executable, "-m", "lightning_ft", "bench", "+bench=tiny_cpu", f"hydra.run.dir={tmp_path}", override]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

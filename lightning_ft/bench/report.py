@@ -412,17 +412,19 @@ def main(argv: list[str]) -> int:
     """``bench report`` with its arguments; returns the exit status (errors print one line)."""
     p = parser()
     p.add_argument("--table", default="benchmarks/results.csv", help="the results table (default: %(default)s)")
-    p.add_argument("--out", default="benchmarks/RESULTS.md", help="the markdown file written (default: %(default)s)")
+    p.add_argument("--out", default=None, help="the markdown file written (default: RESULTS.md beside --table)")
     p.add_argument("--plots", default=None, help="folder of the PNG plots (default: plots/ beside --out)")
     p.add_argument("--micro", default=None,
                    help="the micro-benchmarks' table (default: micro.csv beside --table, when it exists)")
     p.add_argument("--drills", default=None, help="the fault drills' table (default: drills.csv beside --table, when it exists)")
     p.add_argument("--fidelity", default=None, help="the fidelity checks' table (default: fidelity.csv beside --table, when it exists)")
     args = p.parse_args(argv)
-    table, out = Path(args.table), Path(args.out)
+    table = Path(args.table)
+    out = Path(args.out) if args.out else table.parent / "RESULTS.md"
     if not table.exists():
-        p.error(f"no results table at {table}: run `python -m lightning_ft bench +bench=PRESET` on a GPU from a git "
-                "checkout (it appends there), or pass --table")
+        default = args.table == p.get_default("table")
+        p.error(f"no results table at {table}" + (": run `python -m lightning_ft bench +bench=PRESET` on a GPU from a git "
+                                                   "checkout (it appends there), or pass --table" if default else ""))
     from lightning_ft.bench.table import TableError
 
     try:

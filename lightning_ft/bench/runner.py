@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lightning_ft.atomic import write_json_atomic
@@ -38,6 +38,7 @@ from lightning_ft.bench.systems import SYSTEMS
 from lightning_ft.bench.worker import ROW_PREFIX
 from lightning_ft.callbacks.summary import allocator_settings
 from lightning_ft.config import command_schema, key_hint
+from lightning_ft.errors import BenchFailed
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: an unknown system name, a key that is not in the config (`command_schema`) or a value of the
-            wrong type, a CUDA device on a machine without one.
+            wrong type, counts that measure nothing (`_check_counts`), a CUDA device on a machine without one.
+        BenchFailed: no row ran (each crashed, timed out or failed to start; an OOM row counts as run), after the
+            result files are written.
     """
     from lightning_ft.bench.flops import measured_peak_flops
 
@@ -98,6 +101,7 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
         OmegaConf.merge(schema, cfg)
     except (ConfigKeyError, ValidationError) as err:
         raise ValueError(key_hint(err.full_key, schema) or f"{err.full_key}: {err.msg.splitlines()[0]}") from None
+    _check_counts(cfg)
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
             f"device={cfg.device}, but this machine has no CUDA GPU: run a CPU preset (+bench=tiny_cpu) or set device=cpu"
@@ -157,9 +161,30 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     log.info("bench: results in %s (results.md, results.json, results.png)", out_dir)
     if table_path:
         where = f"table {table_name!r}" if table_name else "history only: set table=NAME to give them a RESULTS.md table"
-        log.info("bench: %d rows appended to %s (%s); `python -m lightning_ft bench report` regenerates RESULTS.md",
-                 len(rows), table_path, where)
+        report = "" if table_path == results_table.repository_table() else f" --table {table_path}"
+        log.info("bench: %d rows appended to %s (%s); `python -m lightning_ft bench report%s` regenerates RESULTS.md",
+                 len(rows), table_path, where, report)
+    if rows and not any(r.get("status") in ("ok", "OOM") for r in rows):
+        statuses = "; ".join(sorted({f"{r['system']}: {r['status']}" for r in rows}))[:600]
+        raise BenchFailed(f"bench: no row ran ({statuses}); each row's output is in {out_dir}/worker_<system>_<seq_len>.log")
     return _with_ratios(rows)
+
+
+def _check_counts(cfg: DictConfig) -> None:
+    """Refuse, before any worker starts, the counts a run cannot measure with: ``seq_lens`` a non-empty list of
+    positive integers, ``timed_steps`` ≥ 1, ``warmup_steps`` ≥ 0, ``num_layers`` null or ≥ 1 (a ValueError naming
+    the key)."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    seq_lens = cfg.get("seq_lens")
+    if not isinstance(seq_lens, (list, ListConfig)) or not seq_lens or not all(count(n) and n > 0 for n in seq_lens):
+        raise ValueError(f"seq_lens={seq_lens}: expected a list of token counts, such as seq_lens=[2048,8192]")
+    for key, least in (("timed_steps", 1), ("warmup_steps", 0)):
+        if not count(value := cfg.get(key)) or value < least:
+            raise ValueError(f"{key}={value}: expected an integer of at least {least}")
+    if (layers := cfg.get("num_layers")) is not None and (not count(layers) or layers < 1):
+        raise ValueError(f"num_layers={layers}: expected an integer of at least 1 (null: the model's own depth)")
 
 
 #: overrides that leave a preset's measurement as it is (which lengths and systems, how many steps, where output goes)
