@@ -133,7 +133,8 @@ def load_causal_lm(
             not a causal LM, a ``config`` value of the wrong type for transformers (naming
             ``model.config.<key>`` and the type expected), a ``config`` key that is a near miss of a
             field (``num_hidden_layer``), an embedding table smaller than the tokenizer, or a
-            ``quantization`` the checkpoint contradicts (`lightning_ft.model.quantization.check_quantization`).
+            ``quantization`` the checkpoint contradicts (`lightning_ft.model.quantization.check_quantization`), a
+            checkpoint whose tensors do not fit the config (``model.config`` of another shape).
         ImportError: ``quantization=nf4`` without bitsandbytes (naming the ``qlora`` extra).
         FileNotFoundError: ``name_or_path`` is neither a local checkpoint (a folder with a
             ``config.json``) nor a reachable hub name.
@@ -200,9 +201,19 @@ def load_causal_lm(
     keep_mxfp4 = quantization == "mxfp4" and method == "mxfp4"
     on_load = experts_in_nf4 and quantization == "nf4" and method is None
     with keeping_mxfp4() if keep_mxfp4 else nf4_experts.quantizing_on_load() if on_load else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
+            )
+        except RuntimeError as err:
+            if "size mismatch" not in str(err) and "ignore_mismatched_sizes" not in str(err):
+                raise
+            shown = ", ".join(f"{k}={v}" for k, v in overrides.items() if not isinstance(v, dict))[:300]
+            raise ValueError(
+                f"model.name_or_path={name_or_path}: its weights do not fit the config they load with (a tensor's shape "
+                f"differs); model.config overrides the checkpoint's config.json ({shown or 'no keys'}): "
+                "start from model=pretrained to take the checkpoint's own shape"
+            ) from err
     if quantization == "mxfp4" and not keep_mxfp4:
         _quantize_experts(model, "loading")
     return model

@@ -64,7 +64,7 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
 
     Raises:
         FileNotFoundError: ``init_from`` is not a folder holding a PEFT ``adapter_config.json``.
-        ValueError: a name in ``target_modules``, ``target_parameters`` or ``modules_to_save`` matches nothing in
+        ValueError: an ``init_from`` adapter that does not fit the model (PEFT's size mismatch); a name in ``target_modules``, ``target_parameters`` or ``modules_to_save`` matches nothing in
             ``model`` (PEFT would drop it silently, or only warn, and train without that adapter), a
             ``target_modules`` string that is no regular expression or matches no module name (PEFT
             would raise only after loading), or a ``target_parameters`` string; a ``modules_to_save`` module that
@@ -74,14 +74,22 @@ def add_lora(model: torch.nn.Module, lora: dict[str, Any]) -> torch.nn.Module:
 
     if lora.get("init_from"):
         init_from = adapter_folder(lora["init_from"])
-        model = PeftModel.from_pretrained(model, str(init_from), is_trainable=True)
+        try:
+            model = PeftModel.from_pretrained(model, str(init_from), is_trainable=True)
+        except (RuntimeError, ValueError) as err:  # PEFT: "size mismatch for ...", or targets the model lacks
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            first = next((line for line in lines if "size mismatch" in line), lines[0] if lines else type(err).__name__)[:300]
+            raise ValueError(
+                f"lora.init_from={str(init_from)!r}: the adapter does not fit this model ({first}); an adapter continues "
+                "on the base it was trained on (its adapter_config.json's base_model_name_or_path)"
+            ) from err
         loaded = model.peft_config["default"]
         modules = loaded.target_modules  # a list, or one regular expression
         targets = [modules] if isinstance(modules, str) else sorted(modules or [])
         rank_zero_info(
-            f"lora.init_from={str(init_from)!r}: rank {loaded.r}, alpha {loaded.lora_alpha}, targets "
-            f"{targets + list(loaded.target_parameters or [])}, modules_to_save {sorted(loaded.modules_to_save or [])} "
-            "(lora.rank/alpha/targets/modules_to_save ignored)"
+            f"lora.init_from={str(init_from)!r} (trained on {loaded.base_model_name_or_path}): rank {loaded.r}, alpha "
+            f"{loaded.lora_alpha}, targets {targets + list(loaded.target_parameters or [])}, modules_to_save "
+            f"{sorted(loaded.modules_to_save or [])} (lora.rank/alpha/targets/modules_to_save ignored)"
         )
         return model
     target_modules = lora["target_modules"]

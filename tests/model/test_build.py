@@ -285,3 +285,18 @@ def test_the_start_log_names_the_stock_experts_backend_of_an_moe_model(caplog):
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         ModelBuilder(TINY_MODEL, LORA, moe={"backend": "hf"}, seed=0)(torch.device("cpu"))
     assert "moe: hf experts backend (transformers' own; moe=auto, grouped_mm or triton for ours)" in caplog.messages
+
+
+def test_an_adapter_or_checkpoint_of_another_shape_is_refused_by_key(tmp_path):
+    """lora.init_from with an adapter of other dims, and a checkpoint loaded under a model.config of another shape:
+    one ValueError naming the key and the mismatch, not PEFT's or transformers' report."""
+    built = ModelBuilder(model=TINY_MODEL, lora=LORA)(CPU)
+    built.model.save_pretrained(tmp_path / "adapter")
+    wider = {**TINY_MODEL, "config": {**TINY_MODEL["config"], "hidden_size": 48}}
+    with pytest.raises(ValueError, match=r"lora.init_from=.*: the adapter does not fit this model \(size mismatch for .*q_proj"):
+        ModelBuilder(model=wider, lora={**LORA, "init_from": str(tmp_path / "adapter")})(CPU)
+    from lightning_ft.model.build import load_causal_lm
+
+    load_causal_lm(None, "random", dict(TINY_MODEL["config"])).save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"model.name_or_path=.*base: its weights do not fit .*\(hidden_size=48\)"):
+        load_causal_lm(str(tmp_path / "base"), "pretrained", {"hidden_size": 48})
