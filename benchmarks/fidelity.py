@@ -106,7 +106,9 @@ def planned_config(overrides: list[str]) -> dict[str, Any]:
     command = [sys.executable, "-m", "lightning_ft", "fit", *overrides, "--cfg", "job"]
     proc = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
     if proc.returncode != 0:
-        raise ValueError(f"fit {shlex.join(overrides)}: {(proc.stderr.strip().splitlines() or ['no config'])[-1]}")
+        lines = proc.stderr.strip().splitlines()
+        error = next((line for line in lines if line.startswith("error: ")), lines[-1] if lines else "no config")
+        raise ValueError(f"fit {shlex.join(overrides)}: {error.removeprefix('error: ')}")
     return yaml.safe_load(proc.stdout)
 
 

@@ -134,6 +134,8 @@ def test_fidelity_refuses_an_unbalanced_quote_in_a_side_before_training(tmp_path
      "give both the same", ()),
     (("trainer.max_steps=4", "data.val_fraction=0.1"), "kernels=all",
      "trainer.max_steps=4 is less than one smoothing window (--window 20): no step to compare", ()),
+    (("trainer.max_steps=4", "data.val_fraction=0.1"), "lora.rank=eight",
+     "fit trainer.max_steps=4 data.val_fraction=0.1 lora.rank=eight: lora.rank=eight: expected an integer", ()),
     (("trainer.max_steps=25", "data.val_fraction=0.1"), "kernels=all",
      "trainer.max_steps=25: the first step compared would be 30 (the first multiple of --every 15 from --window 20 on): "
      "lower --every or train more steps", ("--every", "15")),
