@@ -201,9 +201,8 @@ def _in_package(filename: str) -> bool:
 def _bench_task(cfg) -> None:
     _start_task()
     from lightning_ft.bench.runner import run_bench
-    from lightning_ft.run_dir import remove_unused_run_dir
-
     from lightning_ft.errors import BenchFailed
+    from lightning_ft.run_dir import remove_unused_run_dir
 
     try:
         run_bench(cfg)
@@ -365,10 +364,10 @@ class _HeldStderr:
         return getattr(self.stream, name)
 
 
-#: lines of Hydra's report of a config that does not compose that say nothing to a user of this command
 #: OmegaConf's refusals of a value for a typed key (the type's name in group 1), and those names → ours
 _WRONG_TYPE = (r"Value .* of type '\w+' could not be converted to (\w+)", r"Value .* is not a valid (bool) \(type \w+\)")
 _TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "bool": "true or false", "String": "a string"}
+#: lines of Hydra's report of a config that does not compose that say nothing to a user of this command
 _HYDRA_ADVICE = ("Set the environment variable HYDRA_FULL_ERROR=1", "full_key:", "reference_type=", "object_type=")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ class Interrupted(TrainingStopped):
     take for a finished job, and not 1, which reads as a failure of the run.
     """
 
-    def __init__(self, message: str, signal_number: int = 2) -> None:
+    def __init__(self, message: str, signal_number: int = signal.SIGINT) -> None:
         super().__init__(message)
         self.exit_status = 128 + int(signal_number)
 

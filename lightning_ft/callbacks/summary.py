@@ -102,7 +102,7 @@ def result_line(summary: dict[str, Any]) -> str:
     that did not complete says so first (``failed after 0 steps``); the packing efficiency is left out when no
     row was packed (the data did not load)."""
     status = summary["status"]
-    steps = f"{summary['steps']} step{'' if summary['steps'] == 1 else 's'}"
+    steps = _steps(summary["steps"])
     parts = [steps if status == "completed" else f"{status} after {steps}"]
     if summary["final_loss"] is not None:
         parts.append(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f}")
@@ -161,6 +161,11 @@ def offload_line(graphs: dict[str, Any], copies: dict[str, float | None]) -> str
     )
 
 
+def _steps(count: int) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{count} step{'' if count == 1 else 's'}"
+
+
 def planned_steps(trainer: L.Trainer) -> str:
     """How many optimizer steps the run takes and what bounds them (``trainer.max_epochs`` or ``trainer.max_steps``),
     from Lightning's ``estimated_stepping_batches``; after the data is set up (``on_train_start``)."""
@@ -169,9 +174,9 @@ def planned_steps(trainer: L.Trainer) -> str:
     if math.isinf(total):
         return "no bound: set trainer.max_epochs or trainer.max_steps"
     if trainer.max_steps >= 0 and trainer.max_steps == total:
-        bound = f"trainer.max_steps={trainer.max_steps}; an epoch is {per_epoch} step{'' if per_epoch == 1 else 's'}"
+        bound = f"trainer.max_steps={trainer.max_steps}; an epoch is {_steps(per_epoch)}"
     else:
-        bound = f"trainer.max_epochs={trainer.max_epochs} of {per_epoch} step{'' if per_epoch == 1 else 's'}; trainer.max_steps=N stops after N"
+        bound = f"trainer.max_epochs={trainer.max_epochs} of {_steps(per_epoch)}; trainer.max_steps=N stops after N"
     resumed = f", resumed at step {trainer.global_step}" if trainer.global_step else ""
     return f"{int(total)} optimizer step{'' if total == 1 else 's'} ({bound}){resumed}"
 
@@ -206,7 +211,7 @@ def planned_validation(trainer: L.Trainer) -> str | None:
     every = trainer.check_val_every_n_epoch
     if every is None:
         steps = int(trainer.val_check_interval) // trainer.accumulate_grad_batches
-        when = f"after every {steps} step{'' if steps == 1 else 's'} and the last"
+        when = f"after every {_steps(steps)} and the last"
     else:
         when = "at each epoch's end and after the last step" if every == 1 else f"at the end of every {every} epochs"
     cap = "; eval.limit_batches=N runs the first N" if isinstance(limit, float) and limit == 1.0 else ""
