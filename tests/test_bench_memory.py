@@ -85,13 +85,16 @@ def test_the_report_leads_with_speed_at_equal_memory(tmp_path):
         _table_row(system="unsloth", tokens_per_s=6000.0, peak_mem_gib=7.5, peak_reserved_gib=8.0),
         _table_row(tokens_per_s=9000.0, peak_mem_gib=7.4, memory_matched="unsloth", memory_budget_gib=7.5),
         _table_row(tokens_per_s=10000.0, peak_mem_gib=12.3),  # the same run's default lightning_ft row
+        _table_row(tokens_per_s=11000.0, peak_mem_gib=7.3, memory_matched="unsloth", memory_budget_gib=7.5,
+                   settings="bf16 ckpt fp8+head"),  # another path at the same budget: a row of its own
     ])
     out = tmp_path / "RESULTS.md"
     assert main(["--table", str(table), "--out", str(out)]) == 0
     text = out.read_text()
     assert text.index("## Speed at equal memory") < text.index("## qwen3_moe")
-    assert ("| qwen3_moe | qwen3_moe_30b_a3b (48) | 8192 | `unsloth` | 6,000 | 7.50 | 9,000 | 1.50× | 7.40 | yes | 2026-12-03 (3af38d2) |"
+    assert ("| qwen3_moe | qwen3_moe_30b_a3b (48) | 8192 | `unsloth` | 6,000 | 7.50 | bf16 | 9,000 | 1.50× | 7.40 | yes | 2026-12-03 (3af38d2) |"
             in text)
+    assert "| `unsloth` | 6,000 | 7.50 | fp8+head | 11,000 | 1.83× | 7.30 | yes |" in text
     # the per-table section shows both lightning_ft rows, the matched one named so
     assert "| `lightning_ft` at `unsloth`'s memory |" in text and "| 8192 | 48 | `lightning_ft` | " in text
     assert json.dumps(text)  # one readable file

@@ -78,16 +78,17 @@ def _system_cell(row: dict[str, Any], named: set[str] = frozenset()) -> str:
 
 def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
     """Speed at equal memory: the latest memory-matched ``lightning_ft`` row of each (table, model, layers, length,
-    peer) beside the peer's row of its run (whose peak was its budget); [] where there are none."""
+    peer, `variant`) beside the peer's row of its run (whose peak was its budget); [] where there are none. The
+    *path* column names the variant (``bf16`` for none), so an fp8 row never reads as the bf16 one."""
     latest: dict[tuple, dict[str, Any]] = {}
     for index, row in sorted(enumerate(rows), key=lambda item: (item[1]["date"], item[0])):
         if row.get("memory_matched") and row["table"]:
-            latest[(row["table"], row["model"], row["layers"], row["seq_len"], row["memory_matched"])] = row
+            latest[(row["table"], row["model"], row["layers"], row["seq_len"], row["memory_matched"], variant(row))] = row
     if not latest:
         return []
-    head = ["table", "model (layers)", "tokens", "peer", "peer tokens/s", "peer peak GiB", "lightning_ft tokens/s", "× peer",
+    head = ["table", "model (layers)", "tokens", "peer", "peer tokens/s", "peer peak GiB", "path", "lightning_ft tokens/s", "× peer",
             "lightning_ft peak GiB", "within budget", "run (commit)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("table", "model (layers)", "peer", "run (commit)") else "---:"
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("table", "model (layers)", "peer", "path", "run (commit)") else "---:"
                                                         for h in head) + "|"]
     for r in latest.values():
         peer = _peer(rows, r, r["memory_matched"])
@@ -96,13 +97,21 @@ def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
             "yes" if r["peak_mem_gib"] <= r["memory_budget_gib"] else f"no (+{r['peak_mem_gib'] - r['memory_budget_gib']:.2f})")
         cells = [r["table"], f"{r['model']} ({r['layers']})", str(r["seq_len"]), f"`{r['memory_matched']}`",
                  _num(peer and peer["tokens_per_s"], ",.0f"), _num(peer and peer["peak_mem_gib"], ".2f"),
+                 _weights_path(r),
                  _num(r["tokens_per_s"], ",.0f") if ok else r["status"], _ratio(r["tokens_per_s"] if ok else None, peer and peer["tokens_per_s"]),
                  _num(r["peak_mem_gib"] if ok else None, ".2f"), within, f"{r['date'][:10]} ({r['commit']})"]
         lines.append("| " + " | ".join(cells) + " |")
     return ["## Speed at equal memory", "",
             "`lightning_ft` with `strategy.memory_budget_gib` set to the peer's measured peak (allocated) of the same run "
-            "and length (`python -m lightning_ft bench +bench=PRESET memory_matched=PEER`): tokens/s at equal memory. "
+            "and length (`python -m lightning_ft bench +bench=PRESET memory_matched=PEER`): tokens/s at equal memory. *Path*: "
+            "the frozen base's format (`bf16`; `nf4`; `fp8`: e4m3, `fp8+head`: the LM head too) and the MoE backend where one was set. "
             "*Within budget*: whether its own measured peak kept to that budget (by how many GiB it went over).", "", *lines, ""]
+
+
+def _weights_path(row: dict[str, Any]) -> str:
+    """The frozen base's format and the row's `variant`: ``bf16``, ``nf4``, ``fp8+head``, ``bf16 moe=auto``..."""
+    tokens = [t for t in (row.get("settings") or "").split() if t in ("nf4", "fp8", "fp8+head") or t.startswith("moe=")]
+    return " ".join(tokens if any(t in ("nf4", "fp8", "fp8+head") for t in tokens) else ["bf16", *tokens])
 
 
 def _peer(rows: list[dict[str, Any]], row: dict[str, Any], system: str) -> dict[str, Any] | None:
