@@ -23,6 +23,7 @@ from lightning_ft.atomic import out_of_space
 from lightning_ft.callbacks.generation_eval import GenerationEval
 from lightning_ft.callbacks.hydra_record import HydraRecord
 from lightning_ft.callbacks.resumed_metrics import ResumedMetrics
+from lightning_ft.callbacks.sigterm import SigtermAtStepEnd
 from lightning_ft.callbacks.summary import RunSummary
 from lightning_ft.config import trainer_key_hint, unknown_schema_keys
 from lightning_ft.data.datamodule import OVERFLOWS, PackedDataModule
@@ -327,6 +328,7 @@ def _train(
         callbacks.append(GenerationEval(cfg.eval.num_examples, cfg.eval.max_new_tokens))
     summary = RunSummary(run_dir, resolved, resuming=bool(cfg.ckpt_path), run_config=written)
     callbacks.append(summary)
+    callbacks.append(SigtermAtStepEnd())
     if hydra_record is not None:
         callbacks.append(hydra_record)
     # callbacks.progress_bar=null means no progress bar at all (not Lightning's default one)

@@ -128,13 +128,23 @@ class BypassLora(L.Callback):
 
 class SignalAtStep(L.Callback):
     """Sends this process ``signal_name`` (SIGTERM: as a scheduler does; SIGINT: Ctrl-C) once ``step``
-    optimizer steps are done."""
+    optimizer steps are done, as each training batch starts (every process of a DDP run signals itself, as
+    ``kill -TERM -<pgid>`` does); with ``in_validation``, as the first validation batch after ``step`` starts."""
 
-    def __init__(self, step: int, signal_name: str = "SIGTERM"):
+    def __init__(self, step: int, signal_name: str = "SIGTERM", in_validation: bool = False):
         self.step = step
         self.signal_name = signal_name
+        self.in_validation = in_validation
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.in_validation:
+            self._signal(trainer)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.in_validation and not trainer.sanity_checking:
+            self._signal(trainer)
+
+    def _signal(self, trainer) -> None:
         if trainer.global_step >= self.step:
             import signal
 

@@ -478,13 +478,44 @@ def test_sigterm_stops_with_exit_status_143_and_a_checkpoint_of_the_step_reached
 
 
 @pytest.mark.slow
-def test_sigterm_mid_accumulation_saves_nothing_half_accumulated(tmp_path):
-    # the signal comes as the first of step 3's two micro-batches starts; Lightning stops after that batch,
-    # which finished no step: the last periodic checkpoint (step 2) stays the one to resume from
+def test_sigterm_mid_accumulation_stops_at_the_end_of_that_step_and_saves_it(tmp_path):
+    # the signal comes as the first of step 3's two micro-batches starts: the second one runs too, and the
+    # run stops at step 3's end with its checkpoint (a half-accumulated step is never saved)
     proc = _signal_at_step(tmp_path, 2, "trainer.accumulate_grad_batches=2", "callbacks.checkpoint.every_n_train_steps=2")
-    assert "training stopped at step 2 by SIGTERM; resume from" in proc.stderr
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step000002.ckpt"]
+    assert proc.returncode == 143 and "training stopped at step 3 by SIGTERM; resume from" in proc.stderr
+    assert "(step 3" not in proc.stderr  # the checkpoint is of the step reached: no step runs again
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step000002.ckpt", "step000003.ckpt"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_ddp_process_stops_them_together_at_a_step_end(tmp_path):
+    """Each of 2 CPU processes gets SIGTERM (``kill -TERM -<pgid>``, a scheduler stopping the job) in the middle of
+    an accumulated step: both finish that step and stop, one checkpoint of it is written, rank 0 says how to resume
+    and rank 1 only that it stopped. Lightning's own handler ran a collective inside the handler: they hung."""
+    proc = _signal_at_step(tmp_path, 2, "trainer.devices=2", "trainer.accumulate_grad_batches=2")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "interrupted: training stopped at step 3 by SIGTERM; resume from" in proc.stderr
+    assert "[rank 1] training stopped at step 3 by SIGTERM; rank 0's line says how to resume" in proc.stderr
+    assert "nothing to resume" not in proc.stderr
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_sigterm_during_validation_finishes_it_and_keeps_its_loss(tmp_path):
+    """SIGTERM in the validation of step 4: the validation finishes, its loss is in the summary and the metrics,
+    the checkpoint is of step 4, and the resumed run does not lose that validation point."""
+    val = ("data.val_fraction=0.2", "eval.every_n_steps=4")
+    proc = _signal_at_step(tmp_path, 4, *val, "+callbacks.term.in_validation=true")
+    assert proc.returncode == 143 and "training stopped at step 4 by SIGTERM; resume from" in proc.stderr
+    assert [step for step, _ in summary(tmp_path)["val_losses"]] == [4]
+    run_cli(tmp_path, *FAST, "trainer.max_steps=8", *val, "ckpt_path=last")
+    assert [step for step, _ in summary(tmp_path)["val_losses"]] == [4, 8]
+    with (tmp_path / "logs" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    # the loggers' step counts from 0 (optimizer step 4 is row step 3), each step once, as in a run never stopped
+    assert [int(row["step"]) for row in rows if row.get("val/loss")] == [3, 7]
+    assert [int(row["step"]) for row in rows if row.get("train/loss")] == list(range(8))
 
 
 @pytest.mark.slow

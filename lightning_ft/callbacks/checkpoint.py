@@ -22,11 +22,11 @@ class StepCheckpoint(ModelCheckpoint):
     would have (Lightning writes it after closing the epoch, from where it resumes at the wrong row).
 
     Lightning 2.6 raises `SIGTERMException` only between batches (the training loop's
-    ``on_advance_end``, after every callback's ``on_train_batch_end``; on every DDP/FSDP2 rank at the
-    same batch), so the weights, optimizer and loop state are those of a finished batch. The
-    checkpoint is written only when that batch finished an optimizer step: with
-    ``accumulate_grad_batches`` > 1 the other batches leave half-accumulated gradients, which a
-    checkpoint does not hold. Lightning's own ``save_on_exception`` is not used: it saves on any
+    ``on_advance_end``, after every callback's ``on_train_batch_end``), and `SigtermAtStepEnd` makes that
+    the end of an optimizer step, on every DDP/FSDP2 rank at the same batch, so the weights, optimizer and
+    loop state are those of a finished step. The checkpoint is written only when that batch finished an
+    optimizer step (without `SigtermAtStepEnd`, other batches leave half-accumulated gradients, which a
+    checkpoint does not hold). Lightning's own ``save_on_exception`` is not used: it saves on any
     exception, e.g. Ctrl-C in the middle of a backward pass or of an optimizer step, where the state
     is half-updated; after Ctrl-C the last periodic checkpoint stays the one to resume from.
     Writes are atomic like every checkpoint here (`AtomicCheckpointIO`).
@@ -71,9 +71,17 @@ class StepCheckpoint(ModelCheckpoint):
             return
         # the periodic saves' path: the step checkpoint joins the kept ones (save_top_k rotates it out
         # later; Lightning's own save on exception writes it outside them, where it stays for good), then last.ckpt
-        candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        # Lightning counts the batch among those that stepped (the loggers' step) only after on_train_batch_end, where
+        # its own saves run, and adds it back on restart: save the count as such a save would hold it (its fit loop
+        # does the same around its epoch-end saves), or the resumed run's metrics would be logged a step late
+        loop = trainer.fit_loop.epoch_loop
+        loop._batches_that_stepped -= 1
+        try:
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        finally:
+            loop._batches_that_stepped += 1
         rank_zero_info(f"SIGTERM: saved the checkpoint of step {trainer.global_step} ({self._last_checkpoint_saved})")
 
     @override

@@ -1,0 +1,85 @@
+"""SIGTERM stops training at the end of the optimizer step in progress, on every process at once."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+
+class SigtermAtStepEnd(Callback):
+    """Takes over SIGTERM while training: the signal is noted, and every process stops together at the end of
+    the optimizer step in progress (after a validation under way), where `StepCheckpoint` saves that step.
+
+    Lightning 2.6's own handler acts where each process notices the signal. With gradient accumulation that
+    can be mid-step, where no checkpoint can be written (half-accumulated gradients are not in one), so
+    the run stopped with nothing saved since the last periodic checkpoint; in a validation it dropped
+    that validation's result; and with several processes, each signalled one runs a collective inside
+    the signal handler (a broadcast from rank 0), so a SIGTERM sent to every process (a scheduler
+    stopping a job, ``kill -TERM -<pgid>``) left them waiting on each other for good.
+
+    Here the handler only notes the signal. At each optimizer step's end (the batch that stepped) and at
+    each validation's end, the processes agree (`Strategy.reduce_boolean_decision`: one all-reduce of a
+    flag, so a signal to any one process stops them all) and, when one was signalled, set Lightning's
+    ``received_sigterm`` on all of them, so that its training loop raises ``SIGTERMException`` after that
+    batch on every process alike. During a validation the flag is held back until it ends, so a validation
+    that has begun finishes and its loss is logged and kept. The cost is that all-reduce once per step
+    where there are several processes (Lightning already broadcasts its flag every batch), nothing
+    otherwise. Lightning restores the handlers it found when training ends.
+
+    Source: Lightning's ``_SignalConnector`` and ``_TrainingEpochLoop.on_advance_end`` (2.6), whose
+    ``received_sigterm`` this sets (a private attribute: ``tests/test_sigterm.py`` holds the behaviour).
+    """
+
+    def __init__(self) -> None:
+        self._signalled = False
+        self._step_at_batch_start: int | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._signalled = False
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if not self._signalled:
+            log.info("SIGTERM: training stops at the end of the optimizer step in progress (a validation under way "
+                     "finishes first), where a checkpoint is saved")
+        self._signalled = True
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step != self._step_at_batch_start:  # this batch finished an optimizer step
+            self._decide(trainer)
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:  # hold the stop back: the evaluation loop would end this validation early
+            trainer._signal_connector.received_sigterm = False
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
+            self._decide(trainer)
+
+    def _decide(self, trainer: L.Trainer) -> None:
+        """Every process calls this at the same point (a collective where there are several)."""
+        stop = trainer.strategy.reduce_boolean_decision(self._signalled, all=False) if trainer.world_size > 1 \
+            else self._signalled
+        if stop:
+            self._signalled = True
+            trainer._signal_connector.received_sigterm = True
