@@ -178,7 +178,7 @@ def export(
             model.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # LoRA leaves the embeddings as they are
             tokenizer.save_pretrained(tmp / "adapter")
             written["adapter"] = output / "adapter"
-            model = model.unload()  # the base again, its LoRA layers removed (nothing merged)
+            model = _unload_to_base(model)
         _for_inference(model, tokenizer)
         if lora and random_base:
             _save_model(model, tokenizer, tmp / "base")
@@ -206,7 +206,7 @@ def export(
 
 
 #: what the export reads of the run's config (dotted keys, resolved); other keys may hold interpolations only Hydra resolves
-RUN_KEYS = ("model", "lora", "seed", "trainer.accelerator", "callbacks.checkpoint.dirpath", "moe.backend")
+RUN_KEYS = ("model", "lora", "seed", "trainer.accelerator", "callbacks.checkpoint.dirpath", "moe.backend", "moe.train_router")
 
 
 def run_config(run_dir: Path) -> dict[str, Any]:
@@ -359,7 +359,7 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         model={**model, **stock},
         lora={**cfg["lora"], "enabled": lora},
         kernels={},
-        moe={"backend": "hf"},
+        moe={"backend": "hf", "train_router": bool(cfg.get("moe.train_router"))},  # trained routers: in modules_to_save
         vocab_size=vocab_size,
         seed=cfg.get("seed"),
         execution=Execution(cuda_graphs=False),
@@ -367,6 +367,23 @@ def build_stock_model(cfg: dict[str, Any], vocab_size: int, lora: bool, device: 
         experts_in_nf4=holds_nf4_experts(nf4_experts_backend(cfg.get("moe.backend") or "hf", on_cuda)),  # as the run held them
     )
     return builder(device=torch.device(device))
+
+
+def _unload_to_base(peft_model: Any) -> Any:
+    """The base model under ``peft_model``: its LoRA layers removed (nothing merged) and each ``modules_to_save``
+    module (``lora.modules_to_save``, the routers of ``moe.train_router``) its original, frozen self again. PEFT's
+    ``unload()`` leaves the trained copy in its place, which the adapter holds; the base written beside the adapter
+    must be the weights the adapter was trained over."""
+    from peft.utils import ModulesToSaveWrapper
+
+    prefix = "base_model.model."
+    originals = {name.removeprefix(prefix): module.original_module for name, module in peft_model.named_modules()
+                 if isinstance(module, ModulesToSaveWrapper)}
+    base = peft_model.unload()
+    for name, original in originals.items():
+        parent, _, child = name.rpartition(".")
+        setattr(base.get_submodule(parent), child, original)
+    return base
 
 
 def load_weights(model: Any, source: Path, lora: bool) -> Any:

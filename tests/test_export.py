@@ -198,3 +198,35 @@ def test_merge_of_a_qlora_run_is_a_dequantised_model_with_the_trained_logits(tmp
     assert export_main([str(run_dir), "--checkpoint", "adapter", "--merge", "--output", str(tmp_path / "from_adapter")]) == 0
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "from_adapter" / "merged"))
     torch.testing.assert_close(_logits(again, ids), _logits(merged, ids))
+
+
+@pytest.mark.slow
+def test_a_run_that_trains_whole_modules_exports_the_untouched_base_and_the_trained_copies(tmp_path):
+    """moe.train_router=true and lora.modules_to_save: the routers and the LM head train in full (PEFT's trainable
+    copies, saved in the adapter). base/ holds the weights they were trained from, the adapter over it and merged/
+    compute the trained logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ft.export import build_stock_model, run_config
+
+    run_dir = tmp_path / "run"
+    run_cli(run_dir, *FAST, "trainer.max_steps=3", "moe.train_router=true", "lora.modules_to_save=[lm_head]",
+            "+callbacks.logits._target_=cli_helpers.DumpLogits", f"+callbacks.logits.path={run_dir / 'logits.pt'}")
+    assert export_main([str(run_dir), "--merge"]) == 0
+    out = run_dir / "export"
+    cfg = run_config(run_dir)
+    cfg = {**cfg, "lora": {**cfg["lora"], "modules_to_save": None}, "moe.train_router": False}  # the base alone
+    fresh = build_stock_model(cfg, vocab_size=AutoModelForCausalLM.from_pretrained(str(out / "base")).config.vocab_size,
+                              lora=False, device="cpu").model.state_dict()
+    base = load_file(out / "base" / "model.safetensors")
+    whole = [name for name in base if name == "lm_head.weight" or name.endswith("mlp.gate.weight")]
+    assert len(whole) == 1 + 4 and all(torch.equal(base[name], fresh[name]) for name in whole), whole  # untrained
+    trained_copies = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert any("lm_head" in name for name in trained_copies) and any("mlp.gate" in name for name in trained_copies)
+    reference = torch.load(run_dir / "logits.pt")
+    ids, trained = reference["input_ids"], reference["logits"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(out / "base")), str(out / "adapter"))
+    torch.testing.assert_close(_logits(adapted, ids), trained, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(str(out / "merged")), ids), trained, atol=ATOL, rtol=RTOL)
