@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_ft.data.builtin import builtin_rows
 from lightning_ft.data.formats import read_rows, to_examples
 from lightning_ft.data.packing import PackedBatch, collate_packed, pack_sequences
-from lightning_ft.data.tokenization import IGNORE_INDEX, tokenize_example
+from lightning_ft.data.tokenization import IGNORE_INDEX, target_text, tokenize_example
 from lightning_ft.errors import check_choice
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class PackingStats:
     examples: int = 0
     truncated: int = 0
     dropped_too_long: int = 0
-    dropped_no_targets: int = 0  # no target token left after prompt masking (and truncation)
+    dropped_no_targets: int = 0  # no target token left after prompt masking (and truncation), or an empty reply
     packed_rows: int = 0
     dropped_rows: int = 0  # rows left over when the steps are split evenly across ranks
     tokens: int = 0
@@ -329,7 +329,12 @@ class PackedDataModule(L.LightningDataModule):
         docs: list[Document] = []
         first_no_target: tuple[str, list[int]] | None = None
         cut_off = 0  # examples whose targets were all past data.max_tokens: truncation, not the template, left none
+        empty: list[str] = []  # examples whose reply (or text) is empty: only the end-of-turn tokens would train
         for ex in examples:
+            if not (self.train_on_prompt or target_text(ex).strip()):
+                stats.dropped_no_targets += 1
+                empty.append(ex.source)
+                continue
             ids, labels = tokenize_example(ex, self.tokenizer, self.train_on_prompt)
             truncated = len(ids) > self.max_tokens
             if truncated:
@@ -351,6 +356,14 @@ class PackedDataModule(L.LightningDataModule):
                 f"{source}: {too_long} of {len(examples)} examples are longer than data.max_tokens={self.max_tokens} "
                 f"and were {action} (data.overflow={self.overflow}); raise data.max_tokens to keep them whole"
             )
+        if empty:
+            what = "text" if examples[0].messages is None else "reply"
+            message = (f"{source}: {len(empty)} of {len(examples)} examples have an empty {what} (the first: {empty[0]}): "
+                       "nothing to learn but the end-of-turn tokens")
+            if len(empty) > self.max_no_target_fraction * len(examples):
+                raise ValueError(f"{message}; more than data.max_no_target_fraction={self.max_no_target_fraction} of "
+                                 f"them: check the {what} field of the data")
+            rank_zero_warn(f"{message}; they were dropped")
         if first_no_target is not None and stats.dropped_no_targets > self.max_no_target_fraction * len(examples):
             where, ids = first_no_target
             text = self.tokenizer.decode(ids)

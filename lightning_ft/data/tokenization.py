@@ -108,6 +108,17 @@ def _train_builtin_tokenizer(path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def target_text(example: Example) -> str:
+    """The text ``example`` trains on with prompt masking: its text (the ``text`` format, a standard
+    ``prompt_completion`` row's completion), or its target assistant turns' contents (every assistant turn, or those
+    among the last ``completion_turns`` messages), joined. Whitespace only means nothing to learn but the template's
+    end-of-turn tokens."""
+    if example.messages is None:
+        return example.text or ""
+    first = 0 if example.completion_turns is None else len(example.messages) - example.completion_turns
+    return "".join(m["content"] for i, m in enumerate(example.messages) if m["role"] == "assistant" and i >= first)
+
+
 def tokenize_example(
     example: Example, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool = False
 ) -> tuple[list[int], list[int]]:

@@ -97,6 +97,29 @@ def test_examples_whose_replies_truncation_cut_off_name_data_max_tokens_first(to
         _datamodule(tokenizer, max_tokens=8)
 
 
+def test_examples_with_an_empty_reply_or_text_are_dropped_and_named(tokenizer, tmp_path):
+    """An empty answer trains nothing but the template's end-of-turn tokens: such examples are dropped with a warning
+    naming the first; when they are most of the data the run stops (chat, qa and text alike)."""
+    rows = [{"question": f"q{i}?", "answer": "" if i in (2, 5) else f"a{i}"} for i in range(10)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match=r"2 of 10 examples have an empty reply \(the first: .*qa.jsonl:3\): nothing to "
+                                         r"learn but the end-of-turn tokens; they were dropped"):
+        dm = _datamodule(tokenizer, path=str(path), num_examples=None)
+    assert dm.stats.dropped_no_targets == 2 and sum(len(row) for row in dm._train_rows) == 8
+    assert _datamodule(tokenizer, path=str(path), num_examples=None, train_on_prompt=True).stats.dropped_no_targets == 0
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]})
+                            + "\n" for _ in range(4)))
+    with pytest.raises(ValueError, match=r"4 of 4 examples have an empty reply \(the first: .*chat.jsonl:1\).*"
+                                         r"data.max_no_target_fraction=0.5 of them: check the reply field of the data"):
+        _datamodule(tokenizer, path=str(chat), num_examples=None, format="auto")
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(3)))
+    with pytest.raises(ValueError, match=r"3 of 3 examples have an empty text"):
+        _datamodule(tokenizer, path=str(text), num_examples=None, format="auto")
+
+
 def test_validation_file_and_generation_examples(tokenizer, tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"question": f"Half of {2 * i}?", "answer": f"#### {i}"}) + "\n" for i in range(5)))
