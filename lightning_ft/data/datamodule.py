@@ -19,12 +19,15 @@ micro-batch.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -83,6 +86,18 @@ class _RowDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of every row's tokens and labels in order (16 hex digits of SHA-1): the same data, template,
+        tokenizer and packing give the same one."""
+        digest = hashlib.sha1()
+        for row in self.rows:
+            for ids, labels in row:
+                digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+                digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+            digest.update(b"|")  # row boundaries count: the same documents packed otherwise differ
+        return digest.hexdigest()[:16]
 
     def __getitem__(self, i: int) -> PackedBatch:
         step_tokens, step_target_tokens = self.step_counts[i // self.step_size]
@@ -175,22 +190,33 @@ class StepDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at micro-batch ``consumed`` of epoch ``epoch`` at the next iteration.
 
+        The layout's ``data`` is the training rows' `_RowDataset.fingerprint`: other data (a file edited or replaced,
+        another template or tokenizer) is refused mid-epoch and warned about at an epoch's start, where the new data
+        trains from. A checkpoint written before a layout key existed is compared on the others.
+
         Raises:
             ValueError: the checkpoint stopped mid-epoch and was written with another data layout
-                (rows, micro-batches per step, ranks or seed), so its position means nothing here.
+                (rows, micro-batches per step, ranks, seed or the data itself), so its position means nothing here.
         """
-        if state["consumed"] and state["layout"] != self._layout():
+        saved, here = state["layout"], self._layout()
+        changed = [key for key in here if key in saved and saved[key] != here[key]]
+        if state["consumed"] and changed:
+            data = " (the training data's tokens differ: data.path's contents, the data.* settings, the template or the tokenizer)"
             raise ValueError(
-                f"cannot resume mid-epoch: the checkpoint's data layout was {state['layout']}, this run's is "
-                f"{self._layout()}; resume with the same data, data.max_tokens, trainer.accumulate_grad_batches, "
-                "trainer.devices and seed as the run that wrote it"
+                f"cannot resume mid-epoch: the checkpoint's data layout was {saved}, this run's is {here}"
+                f"{data if 'data' in changed else ''}; resume with the same data, data.max_tokens, "
+                "trainer.accumulate_grad_batches, trainer.devices and seed as the run that wrote it"
             )
+        if "data" in changed:
+            rank_zero_warn(f"resuming at the start of epoch {state['epoch']} with other training data than the run that wrote "
+                           "the checkpoint (its tokens differ): the new data trains from here")
         self.sampler.set_epoch(state["epoch"])
         self.sampler.start = state["consumed"]
 
-    def _layout(self) -> dict[str, int]:
+    def _layout(self) -> dict[str, int | str]:
         s = self.sampler
-        return {"rows": s.num_rows, "micro_batches": s.k, "world_size": s.world_size, "seed": s.seed}
+        return {"rows": s.num_rows, "micro_batches": s.k, "world_size": s.world_size, "seed": s.seed,
+                "data": self.dataset.fingerprint}
 
 
 class PackedDataModule(L.LightningDataModule):

@@ -65,6 +65,24 @@ def test_loader_refuses_a_state_of_another_data_layout(tokenizer):
         other.load_state_dict({**state, "consumed": 3})
 
 
+def test_loader_refuses_other_data_mid_epoch_and_warns_at_an_epoch_start(tokenizer, tmp_path):
+    """Edited data (the same row count, other tokens) is caught by the rows' fingerprint."""
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(40)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    state = {**_datamodule(tokenizer, path=str(path), num_examples=None).train_dataloader().state_dict(), "consumed": 2}
+    path.write_text("".join(json.dumps({**r, "answer": r["answer"].replace("1", "7")}) + "\n" for r in rows))
+    edited = _datamodule(tokenizer, path=str(path), num_examples=None).train_dataloader()
+    assert edited._layout()["rows"] == state["layout"]["rows"] and edited._layout()["data"] != state["layout"]["data"]
+    with pytest.raises(ValueError, match=r"cannot resume mid-epoch.*\(the training data's tokens differ: data.path's contents"):
+        edited.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"resuming at the start of epoch 0 with other training data"):
+        edited.load_state_dict({**state, "consumed": 0})
+    old = {**state, "layout": {k: v for k, v in state["layout"].items() if k != "data"}}  # written before the fingerprint
+    edited.load_state_dict(old)
+    assert edited.sampler.start == 2
+
+
 def test_overlong_examples_are_truncated_or_dropped_and_counted(tokenizer, tmp_path):
     rows = [{"question": f"q{i}?", "answer": f"a{i}"} for i in range(10)]
     rows[3]["answer"] = " ".join(["word"] * 200)
