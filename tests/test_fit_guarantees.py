@@ -567,7 +567,7 @@ def test_sweep_summary_is_written_even_when_a_job_fails(tmp_path):
     run_cli(tmp_path, "-m", "data.max_tokens=16,128", "data.overflow=drop", "trainer.max_steps=2", *FAST[:2], "data.num_examples=60",
             f"hydra.sweep.dir={sweep}", ok=False)
     table = (sweep / "sweep_summary.md").read_text()
-    assert "| 0 | data.max_tokens=16" in table and "| failed |" in table  # its data error, not a stop
+    assert "| 0 | data.max_tokens=16" in table and "| failed: ValueError: " in table  # its data error, not a stop
 
 
 @pytest.mark.slow

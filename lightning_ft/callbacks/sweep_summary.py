@@ -47,7 +47,7 @@ def sweep_rows(sweep_dir: Path, errors: dict[str, str] | None = None) -> list[di
         rows.append({
             "job": job.job.num,
             "overrides": " ".join(job.overrides.task),
-            "status": summary.get("status") or (f"failed: {error}" if error is not None else "no summary.json"),
+            "status": _status(summary, error),
             "steps": summary.get("steps"),
             "final_loss": summary.get("final_loss"),
             "val_loss": summary.get("val_loss"),
@@ -55,6 +55,16 @@ def sweep_rows(sweep_dir: Path, errors: dict[str, str] | None = None) -> list[di
             "run_dir": str(job_dir),
         })
     return sorted(rows, key=lambda r: r["job"])
+
+
+def _status(summary: dict[str, Any], error: str | None) -> str:
+    """A job's status cell: its summary's status, with the error's first line where it did not complete (the job's own
+    record, else the one the sweep caught); ``failed: ...`` before the job wrote a summary."""
+    status = summary.get("status")
+    if status is None:
+        return f"failed: {error}" if error is not None else "no summary.json"
+    why = summary.get("error") or error
+    return status if status == "completed" or not why else f"{status}: {str(why).splitlines()[0]}"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -57,3 +57,19 @@ def test_a_job_refused_before_its_summary_shows_its_error(tmp_path, monkeypatch)
     table = (tmp_path / "sweep" / "sweep_summary.md").read_text()
     assert "| 0 | lora.rank=0 | failed: lora.rank=0: expected a positive integer |" in table
     assert "| 1 | lora.rank=1 | no summary.json |" in table
+
+
+def test_a_job_that_failed_after_writing_its_summary_shows_its_error(tmp_path):
+    """The job's summary.json status with its error's first line; a completed job shows its status alone."""
+    import json
+
+    callback = SweepSummary()
+    for num, summary in enumerate([{"status": "failed", "error": "ValueError: data.path: no such file\n(more)"},
+                                   {"status": "completed", "steps": 3}]):
+        _job(tmp_path, num, [f"lora.rank={num + 4}"])
+        (tmp_path / str(num) / "summary.json").write_text(json.dumps(summary))
+    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)}}})
+    callback.on_job_end(config, SimpleNamespace(status=JobStatus.COMPLETED))
+    table = (tmp_path / "sweep_summary.md").read_text()
+    assert "| 0 | lora.rank=4 | failed: ValueError: data.path: no such file |" in table
+    assert "| 1 | lora.rank=5 | completed | 3 |" in table
