@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from hydra.utils import get_object, instantiate
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -335,6 +336,9 @@ def _train(
     trainer_kwargs.setdefault("enable_progress_bar", cfg.callbacks.get("progress_bar") is not None)
     if not datamodule.has_validation:
         trainer_kwargs["limit_val_batches"] = 0
+        if set_keys := [f"eval.{k}={cfg.eval[k]}" for k in ("every_n_steps", "limit_batches") if cfg.eval[k]]:
+            rank_zero_warn(f"{', '.join(set_keys)}: no validation data, so no validation runs; set data.val_fraction or "
+                           "data.val_path")
     else:
         if cfg.eval.every_n_steps:
             # counted in micro-batches over the whole run rather than within each epoch

@@ -619,3 +619,10 @@ def test_default_run_folder_names_the_slurm_job_and_otherwise_the_time_and_proce
     from lightning_ft.config import run_name
 
     assert re.fullmatch(expected, run_name(environ)), run_name(environ)
+
+
+@pytest.mark.slow
+def test_validation_settings_without_validation_data_are_named(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=1", "eval.every_n_steps=3", "eval.limit_batches=2")
+    assert ("warning: eval.every_n_steps=3, eval.limit_batches=2: no validation data, so no validation runs; set "
+            "data.val_fraction or data.val_path") in proc.stderr
