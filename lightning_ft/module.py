@@ -45,6 +45,7 @@ import contextlib
 import inspect
 import math
 import random
+import warnings
 from functools import partial
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import SumMetric
 from typing_extensions import override
 
@@ -72,6 +74,11 @@ from lightning_ft.model.support import decoder_of
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE
 from lightning_ft.strategies.fp8 import Fp8Linear
 from lightning_ft.strategies.fsdp2 import full_tensor, local_tensor, shard_model
+
+# The validation loss is logged once the torchmetrics sums were synced across processes (`on_validation_epoch_end`):
+# Lightning's advice to log it with sync_dist=True under DDP would only average equal values.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/(loss|perplexity)'",
+                        category=PossibleUserWarning)
 
 
 #: train.on_nonfinite: what a NaN/Inf loss or gradient does
@@ -400,7 +407,7 @@ class FinetuneModule(L.LightningModule):
     @override
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss_sum.compute() / self.val_tokens.compute().clamp(min=1)
-        self.log_dict({"val/loss": loss, "val/perplexity": loss.exp()}, prog_bar=True)
+        self.log_dict({"val/loss": loss, "val/perplexity": loss.exp()}, prog_bar=True)  # global: compute() synced the sums
         self.val_loss_sum.reset()
         self.val_tokens.reset()
 
