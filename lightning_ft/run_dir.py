@@ -189,9 +189,9 @@ def stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: 
     """What stopped training, at which step, and the command that resumes it (from which step the last checkpoint is).
 
     On a process other than the job's first (global rank 0, which writes the summary and the checkpoints and prints
-    the full line), only the stop and a pointer to rank 0's line: this process does not know the checkpoint."""
+    the resume command), only the stop: this process does not know the checkpoint."""
     if trainer.global_rank != 0:
-        return f"[rank {trainer.global_rank}] training stopped at step {trainer.global_step} by {by}; rank 0's line says how to resume"
+        return f"[rank {trainer.global_rank}] training stopped at step {trainer.global_step} by {by}"
     last = summary.summary.get("checkpoint_path")
     if not last:
         return (

@@ -129,12 +129,14 @@ class BypassLora(L.Callback):
 class SignalAtStep(L.Callback):
     """Sends this process ``signal_name`` (SIGTERM: as a scheduler does; SIGINT: Ctrl-C) once ``step``
     optimizer steps are done, as each training batch starts (every process of a DDP run signals itself, as
-    ``kill -TERM -<pgid>`` does); with ``in_validation``, as the first validation batch after ``step`` starts."""
+    ``kill -TERM -<pgid>`` does; with ``rank``, that process alone); with ``in_validation``, as the first validation
+    batch after ``step`` starts."""
 
-    def __init__(self, step: int, signal_name: str = "SIGTERM", in_validation: bool = False):
+    def __init__(self, step: int, signal_name: str = "SIGTERM", in_validation: bool = False, rank: int | None = None):
         self.step = step
         self.signal_name = signal_name
         self.in_validation = in_validation
+        self.rank = rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.in_validation:
@@ -145,7 +147,7 @@ class SignalAtStep(L.Callback):
             self._signal(trainer)
 
     def _signal(self, trainer) -> None:
-        if trainer.global_step >= self.step:
+        if trainer.global_step >= self.step and self.rank in (None, trainer.global_rank):
             import signal
 
             if self.signal_name == "SIGINT" and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

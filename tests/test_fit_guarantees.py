@@ -475,6 +475,8 @@ def test_sigterm_stops_with_exit_status_143_and_a_checkpoint_of_the_step_reached
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
     resumed = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")
     assert summary(tmp_path)["status"] == "completed" and summary(tmp_path)["steps"] == 5, resumed.stderr[-2000:]
+    with (tmp_path / "logs" / "metrics.csv").open() as f:  # each step once, numbered as in a run never stopped
+        assert [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")] == list(range(5))
 
 
 @pytest.mark.slow
@@ -496,8 +498,17 @@ def test_sigterm_to_every_ddp_process_stops_them_together_at_a_step_end(tmp_path
     proc = _signal_at_step(tmp_path, 2, "trainer.devices=2", "trainer.accumulate_grad_batches=2")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "interrupted: training stopped at step 3 by SIGTERM; resume from" in proc.stderr
-    assert "[rank 1] training stopped at step 3 by SIGTERM; rank 0's line says how to resume" in proc.stderr
+    assert "[rank 1] training stopped at step 3 by SIGTERM\n" in proc.stderr
     assert "nothing to resume" not in proc.stderr
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_ddp_process_stops_both(tmp_path):
+    """Only rank 1 is signalled (rank 0 runs on): the processes agree at the step's end and both stop there."""
+    proc = _signal_at_step(tmp_path, 2, "trainer.devices=2", "+callbacks.term.rank=1")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "interrupted: training stopped at step 3 by SIGTERM; resume from" in proc.stderr
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 3
 
 
@@ -567,7 +578,7 @@ def test_sweep_summary_is_written_even_when_a_job_fails(tmp_path):
     run_cli(tmp_path, "-m", "data.max_tokens=16,128", "data.overflow=drop", "trainer.max_steps=2", *FAST[:2], "data.num_examples=60",
             f"hydra.sweep.dir={sweep}", ok=False)
     table = (sweep / "sweep_summary.md").read_text()
-    assert "| 0 | data.max_tokens=16" in table and "| failed: ValueError: " in table  # its data error, not a stop
+    assert "| 0 | data.max_tokens=16" in table and "| failed: " in table and "examples was filtered out" in table  # its error
 
 
 @pytest.mark.slow

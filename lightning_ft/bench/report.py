@@ -45,10 +45,14 @@ This file is generated: `python -m lightning_ft bench report` rebuilds it and th
 [results.csv](results.csv), to which every GPU bench run appends its rows (see [README.md](README.md))."""
 
 
+#: settings tokens that name the frozen base's format: 4-bit NF4, MXFP4 experts, e4m3 (``fp8+head``: the lm_head too)
+BASE_FORMATS = ("nf4", "mxfp4", "fp8", "fp8+head")
+
+
 def variant(row: dict[str, Any]) -> str:
-    """The row's settings that pick another path of one system, whose rows are kept apart: ``fp8`` (``fp8+head``
-    with the lm_head in e4m3 too) and ``moe=...`` (e.g. ``"moe=triton fp8"``), "" for none."""
-    return " ".join(t for t in (row.get("settings") or "").split() if t in ("fp8", "fp8+head") or t.startswith("moe="))
+    """The row's settings that pick another path of one system, whose rows are kept apart: the base's format
+    (`BASE_FORMATS`) and ``moe=...`` (e.g. ``"moe=triton fp8"``), "" for none."""
+    return " ".join(t for t in (row.get("settings") or "").split() if t in BASE_FORMATS or t.startswith("moe="))
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -109,9 +113,10 @@ def equal_memory_section(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _weights_path(row: dict[str, Any]) -> str:
-    """The frozen base's format and the row's `variant`: ``bf16``, ``nf4``, ``fp8+head``, ``bf16 moe=auto``..."""
-    tokens = [t for t in (row.get("settings") or "").split() if t in ("nf4", "fp8", "fp8+head") or t.startswith("moe=")]
-    return " ".join(tokens if any(t in ("nf4", "fp8", "fp8+head") for t in tokens) else ["bf16", *tokens])
+    """The frozen base's format and the row's `variant`: ``nf4``, ``fp8+head``, ``bf16 moe=auto`` (the compute dtype,
+    the settings' first word, where the base keeps it)..."""
+    settings, tokens = (row.get("settings") or "bf16").split(), variant(row).split()
+    return " ".join(tokens if any(t in BASE_FORMATS for t in tokens) else [settings[0], *tokens])
 
 
 def _peer(rows: list[dict[str, Any]], row: dict[str, Any], system: str) -> dict[str, Any] | None:

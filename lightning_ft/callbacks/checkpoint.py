@@ -35,6 +35,7 @@ class StepCheckpoint(ModelCheckpoint):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._step_at_batch_start: int | None = None  # None: no training batch has started in this process
+        self._validated_at: int | None = None  # the step after which the last validation of this process ran
         self._trainer: weakref.ref[L.Trainer] | None = None
 
     @override
@@ -58,6 +59,8 @@ class StepCheckpoint(ModelCheckpoint):
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated_at = trainer.global_step
         if not (_reached_max_steps(trainer) and self._last_global_step_saved == trainer.global_step):  # kept in-epoch
             super().on_validation_end(trainer, pl_module)
 
@@ -71,17 +74,19 @@ class StepCheckpoint(ModelCheckpoint):
             return
         # the periodic saves' path: the step checkpoint joins the kept ones (save_top_k rotates it out
         # later; Lightning's own save on exception writes it outside them, where it stays for good), then last.ckpt
-        # Lightning counts the batch among those that stepped (the loggers' step) only after on_train_batch_end, where
-        # its own saves run, and adds it back on restart: save the count as such a save would hold it (its fit loop
-        # does the same around its epoch-end saves), or the resumed run's metrics would be logged a step late
+        # The loggers' step (the epoch loop's count of batches that stepped) is saved as counted here, after the batch.
+        # A run resumed from a batch that ended with a validation counts that batch once more (Lightning's restart
+        # skips the validation, then its on_advance_end counts the batch): save one less there, or the resumed run's
+        # metrics would be logged a step late. Without a validation it counts nothing again.
+        shift = int(self._validated_at == trainer.global_step)
         loop = trainer.fit_loop.epoch_loop
-        loop._batches_that_stepped -= 1
+        loop._batches_that_stepped -= shift
         try:
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
         finally:
-            loop._batches_that_stepped += 1
+            loop._batches_that_stepped += shift
         rank_zero_info(f"SIGTERM: saved the checkpoint of step {trainer.global_step} ({self._last_checkpoint_saved})")
 
     @override

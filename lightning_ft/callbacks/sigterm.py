@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -27,43 +27,70 @@ class SigtermAtStepEnd(Callback):
     the signal handler (a broadcast from rank 0), so a SIGTERM sent to every process (a scheduler
     stopping a job, ``kill -TERM -<pgid>``) left them waiting on each other for good.
 
-    Here the handler only notes the signal. At each optimizer step's end (the batch that stepped) and at
-    each validation's end, the processes agree (`Strategy.reduce_boolean_decision`: one all-reduce of a
-    flag, so a signal to any one process stops them all) and, when one was signalled, set Lightning's
-    ``received_sigterm`` on all of them, so that its training loop raises ``SIGTERMException`` after that
-    batch on every process alike. During a validation the flag is held back until it ends, so a validation
-    that has begun finishes and its loss is logged and kept. The cost is that all-reduce once per step
-    where there are several processes (Lightning already broadcasts its flag every batch), nothing
-    otherwise. Lightning restores the handlers it found when training ends.
+    Here the handler only notes the signal (and calls any handler installed before Lightning's, e.g. a job
+    launcher's). At each optimizer step's end (the batch that stepped) and at the end of a validation that
+    follows one, the processes agree (`Strategy.reduce_boolean_decision`: one all-reduce of a flag, so a
+    signal to any one process stops them all) and, when one was signalled, set Lightning's ``received_sigterm``
+    on all of them, so that its training loop raises ``SIGTERMException`` after that batch on every process
+    alike. During a validation the flag is held back until it ends, so a validation that has begun finishes
+    and its loss is logged and kept: a scheduler's grace period must cover the rest of a step and a validation
+    (``eval.limit_batches`` bounds the latter). A signal during the last step lets the run finish. The cost is
+    that all-reduce once per step where there are several processes (Lightning already broadcasts its flag
+    every batch), nothing otherwise. The handler is in place from the sanity-check validation on; Lightning
+    restores the handlers it found when training ends.
 
     Source: Lightning's ``_SignalConnector`` and ``_TrainingEpochLoop.on_advance_end`` (2.6), whose
-    ``received_sigterm`` this sets (a private attribute: ``tests/test_sigterm.py`` holds the behaviour).
+    ``received_sigterm`` this sets (a private attribute; the behaviour is held by the SIGTERM tests of
+    ``tests/test_fit_guarantees.py``).
     """
 
     def __init__(self) -> None:
         self._signalled = False
-        self._step_at_batch_start: int | None = None
+        self._stepped = False  # the current training batch finished an optimizer step
+        self._others: list[Callable[..., Any]] = []
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._signalled = False
+
+    @override
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._signalled = False
-        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            signal.signal(signal.SIGTERM, self._note)
+        self._install(trainer)
+
+    def _install(self, trainer: L.Trainer) -> None:
+        if threading.current_thread() is not threading.main_thread():  # signal handlers can only be set there
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current == self._note:
+            return
+        # Lightning's handler is a composite of its own notifier and whatever was installed before it: keep the latter
+        connector = trainer._signal_connector
+        handlers = getattr(current, "signal_handlers", [current])
+        self._others = [h for h in handlers if callable(h) and getattr(h, "__self__", None) is not connector]
+        signal.signal(signal.SIGTERM, self._note)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if not self._signalled:
             log.info("SIGTERM: training stops at the end of the optimizer step in progress (a validation under way "
                      "finishes first), where a checkpoint is saved")
         self._signalled = True
+        for handler in self._others:
+            handler(signum, frame)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
+        self._stepped = False
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step != self._step_at_batch_start:  # this batch finished an optimizer step
+        self._stepped = trainer.global_step != self._step_at_batch_start
+        if self._stepped:
             self._decide(trainer)
 
     @override
@@ -73,13 +100,18 @@ class SigtermAtStepEnd(Callback):
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
+        # a validation that follows a micro-batch of an unfinished step (a cadence that does not fall on step ends)
+        # leaves the decision to that step's end
+        if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING and self._stepped:
             self._decide(trainer)
 
     def _decide(self, trainer: L.Trainer) -> None:
         """Every process calls this at the same point (a collective where there are several)."""
         stop = trainer.strategy.reduce_boolean_decision(self._signalled, all=False) if trainer.world_size > 1 \
             else self._signalled
-        if stop:
-            self._signalled = True
-            trainer._signal_connector.received_sigterm = True
+        if not stop:
+            return
+        self._signalled = True
+        if 0 < trainer.max_steps <= trainer.global_step:
+            return  # the last step is done: the run finishes as if no signal had come
+        trainer._signal_connector.received_sigterm = True

@@ -58,12 +58,14 @@ def sweep_rows(sweep_dir: Path, errors: dict[str, str] | None = None) -> list[di
 
 
 def _status(summary: dict[str, Any], error: str | None) -> str:
-    """A job's status cell: its summary's status, with the error's first line where it did not complete (the job's own
-    record, else the one the sweep caught); ``failed: ...`` before the job wrote a summary."""
+    """A job's status cell: its summary's status, with the first line of why where it did not complete (the message
+    the job ended with, which the sweep caught, else the exception its summary records, unless that has no message:
+    a SIGTERM's); ``failed: ...`` before the job wrote a summary."""
     status = summary.get("status")
     if status is None:
         return f"failed: {error}" if error is not None else "no summary.json"
-    why = summary.get("error") or error
+    recorded = str(summary.get("error") or "")
+    why = error or (recorded if recorded.partition(":")[2].strip() else None)
     return status if status == "completed" or not why else f"{status}: {str(why).splitlines()[0]}"
 
 

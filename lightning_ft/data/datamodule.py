@@ -19,7 +19,6 @@ micro-batch.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import random
@@ -34,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 from lightning_ft.data.builtin import builtin_rows
-from lightning_ft.data.formats import read_rows, to_examples
+from lightning_ft.data.formats import Example, read_rows, to_examples
 from lightning_ft.data.packing import PackedBatch, collate_packed, pack_sequences
 from lightning_ft.data.tokenization import IGNORE_INDEX, target_text, tokenize_example
 from lightning_ft.errors import check_choice
@@ -87,21 +86,21 @@ class _RowDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """A digest of every row's tokens and labels in order (16 hex digits of SHA-1): the same data, template,
-        tokenizer and packing give the same one."""
-        digest = hashlib.sha1()
-        for row in self.rows:
-            for ids, labels in row:
-                digest.update(np.asarray(ids, dtype=np.int64).tobytes())
-                digest.update(np.asarray(labels, dtype=np.int64).tobytes())
-            digest.update(b"|")  # row boundaries count: the same documents packed otherwise differ
-        return digest.hexdigest()[:16]
-
     def __getitem__(self, i: int) -> PackedBatch:
         step_tokens, step_target_tokens = self.step_counts[i // self.step_size]
         return collate_packed(self.rows[i], step_tokens, step_target_tokens)
+
+
+def rows_fingerprint(rows: list[list[Document]]) -> str:
+    """A digest of packed rows' tokens and labels, in order (16 hex digits of SHA-1): the same data, template,
+    tokenizer, packing and seed give the same one. ~30 ns a token."""
+    digest = hashlib.sha1()
+    for row in rows:
+        for ids, labels in row:
+            digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+            digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+        digest.update(b"|")  # row boundaries count: the same documents packed otherwise differ
+    return digest.hexdigest()[:16]
 
 
 def _first(items: list[PackedBatch]) -> PackedBatch:
@@ -167,6 +166,9 @@ class StepDataLoader(DataLoader):
     Attributes:
         consumed: micro-batches of the current epoch the training loop has taken; the owner
             (`PackedDataModule`) increments it as each batch reaches the loop.
+        fingerprint: `rows_fingerprint` of the run's training rows (before they are cut to whole steps for several
+            processes, so another device count at an epoch's start keeps it), saved in the resume state; set by the
+            owner ("" compares equal to any).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -174,6 +176,7 @@ class StepDataLoader(DataLoader):
         if not isinstance(self.sampler, StepSampler):
             raise TypeError(f"StepDataLoader needs a StepSampler, got {type(self.sampler).__name__}")
         self.consumed = 0
+        self.fingerprint = ""
 
     @override
     def __iter__(self) -> Iterator[Any]:
@@ -190,16 +193,16 @@ class StepDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at micro-batch ``consumed`` of epoch ``epoch`` at the next iteration.
 
-        The layout's ``data`` is the training rows' `_RowDataset.fingerprint`: other data (a file edited or replaced,
-        another template or tokenizer) is refused mid-epoch and warned about at an epoch's start, where the new data
-        trains from. A checkpoint written before a layout key existed is compared on the others.
+        The layout's ``data`` is the training rows' ``fingerprint``: other data (a file edited or replaced, another
+        template or tokenizer) is refused mid-epoch and warned about at an epoch's start, where the new data trains
+        from. A checkpoint written before a layout key existed, or a loader without a fingerprint, compares the others.
 
         Raises:
             ValueError: the checkpoint stopped mid-epoch and was written with another data layout
                 (rows, micro-batches per step, ranks, seed or the data itself), so its position means nothing here.
         """
         saved, here = state["layout"], self._layout()
-        changed = [key for key in here if key in saved and saved[key] != here[key]]
+        changed = [key for key in here if key in saved and saved[key] != here[key] and (key != "data" or here[key] and saved[key])]
         if state["consumed"] and changed:
             data = " (the training data's tokens differ: data.path's contents, the data.* settings, the template or the tokenizer)"
             raise ValueError(
@@ -216,7 +219,7 @@ class StepDataLoader(DataLoader):
     def _layout(self) -> dict[str, int | str]:
         s = self.sampler
         return {"rows": s.num_rows, "micro_batches": s.k, "world_size": s.world_size, "seed": s.seed,
-                "data": self.dataset.fingerprint}
+                "data": self.fingerprint}
 
 
 class PackedDataModule(L.LightningDataModule):
@@ -315,6 +318,7 @@ class PackedDataModule(L.LightningDataModule):
             if self.val_fraction > 0 and not 0 < n_val < len(rows):
                 raise ValueError(f"data.val_fraction={self.val_fraction} leaves {n_val} of {len(rows)} packed rows for validation")
             self._val_rows, self._train_rows = rows[:n_val], rows[n_val:]
+        self._fingerprint = rows_fingerprint(self._train_rows)  # before the cut to whole steps: the device count may change
         world_size = self.trainer.world_size if self.trainer is not None else 1
         if world_size > 1:  # every rank must take the same number of steps
             keep = len(self._train_rows) // self._step_size * self._step_size
@@ -355,11 +359,10 @@ class PackedDataModule(L.LightningDataModule):
         docs: list[Document] = []
         first_no_target: tuple[str, list[int]] | None = None
         cut_off = 0  # examples whose targets were all past data.max_tokens: truncation, not the template, left none
-        empty: list[str] = []  # examples whose reply (or text) is empty: only the end-of-turn tokens would train
+        empty: list[Example] = []  # examples whose reply (or text) is empty: only the end-of-turn tokens would train
         for ex in examples:
             if not (self.train_on_prompt or target_text(ex).strip()):
-                stats.dropped_no_targets += 1
-                empty.append(ex.source)
+                empty.append(ex)
                 continue
             ids, labels = tokenize_example(ex, self.tokenizer, self.train_on_prompt)
             truncated = len(ids) > self.max_tokens
@@ -382,25 +385,28 @@ class PackedDataModule(L.LightningDataModule):
                 f"{source}: {too_long} of {len(examples)} examples are longer than data.max_tokens={self.max_tokens} "
                 f"and were {action} (data.overflow={self.overflow}); raise data.max_tokens to keep them whole"
             )
+        stats.dropped_no_targets += len(empty)
         if empty:
-            what = "text" if examples[0].messages is None else "reply"
-            message = (f"{source}: {len(empty)} of {len(examples)} examples have an empty {what} (the first: {empty[0]}): "
+            first = empty[0]
+            what = "reply" if first.messages is not None else "completion" if first.prompt is not None else "text"
+            message = (f"{source}: {len(empty)} of {len(examples)} examples have an empty {what} (the first: {first.source}): "
                        "nothing to learn but the end-of-turn tokens")
             if len(empty) > self.max_no_target_fraction * len(examples):
                 raise ValueError(f"{message}; more than data.max_no_target_fraction={self.max_no_target_fraction} of "
                                  f"them: check the {what} field of the data")
             rank_zero_warn(f"{message}; they were dropped")
-        if first_no_target is not None and stats.dropped_no_targets > self.max_no_target_fraction * len(examples):
+        no_target = stats.dropped_no_targets - len(empty)  # a reply the template or truncation left without target tokens
+        if first_no_target is not None and no_target > self.max_no_target_fraction * len(examples):
             where, ids = first_no_target
             text = self.tokenizer.decode(ids)
             shown = repr(text[:300]) + ("..." if len(text) > 300 else "")
             template = "check that the tokenizer's chat template renders the assistant replies (or set data.train_on_prompt=true)"
             fix = (  # the likelier cause first: truncation that left most of them without their reply
                 f"{cut_off} of them lost their reply to truncation at data.max_tokens={self.max_tokens}: raise "
-                f"data.max_tokens; else {template}" if 2 * cut_off >= stats.dropped_no_targets else template[0].upper() + template[1:]
+                f"data.max_tokens; else {template}" if 2 * cut_off >= no_target else template[0].upper() + template[1:]
             )
             raise ValueError(
-                f"{source}: {stats.dropped_no_targets} of {len(examples)} examples have no target token after prompt "
+                f"{source}: {no_target} of {len(examples)} examples have no target token after prompt "
                 f"masking, more than data.max_no_target_fraction={self.max_no_target_fraction} of them; the first is "
                 f"{where}, rendered as {shown}. {fix}"
             )
@@ -469,6 +475,7 @@ class PackedDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StepDataLoader:
         self._train_loader = self._loader(self._train_rows, self.accumulate_grad_batches, shuffle=True)
+        self._train_loader.fingerprint = self._fingerprint
         if self.trainer is not None:
             # Note: the epoch the fit loop is at (a resumed run's, restored by now). Lightning makes the loader's
             # iterator right after this call, and with workers it draws its first indices at once, before the

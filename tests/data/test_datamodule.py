@@ -81,6 +81,12 @@ def test_loader_refuses_other_data_mid_epoch_and_warns_at_an_epoch_start(tokeniz
     old = {**state, "layout": {k: v for k, v in state["layout"].items() if k != "data"}}  # written before the fingerprint
     edited.load_state_dict(old)
     assert edited.sampler.start == 2
+    # the fingerprint is of the rows before they are cut to whole steps of several processes: another device count
+    # (allowed at an epoch's start) keeps it
+    two = PackedDataModule(tokenizer, path=str(path), max_tokens=128, format="qa", seed=3, accumulate_grad_batches=3)
+    two.trainer = SimpleNamespace(world_size=2, global_rank=0)
+    two.setup()
+    assert two.stats.dropped_rows > 0 and two._fingerprint == edited.fingerprint
 
 
 def test_overlong_examples_are_truncated_or_dropped_and_counted(tokenizer, tmp_path):
