@@ -191,7 +191,7 @@ def stopped_message(trainer: L.Trainer, summary: RunSummary, run_dir: Path, by: 
     On a process other than the job's first (global rank 0, which writes the summary and the checkpoints and prints
     the resume command), only the stop: this process does not know the checkpoint."""
     if trainer.global_rank != 0:
-        return f"[rank {trainer.global_rank}] training stopped at step {trainer.global_step} by {by}"
+        return f"training stopped at step {trainer.global_step} by {by} (process of rank {trainer.global_rank})"
     last = summary.summary.get("checkpoint_path")
     if not last:
         return (

@@ -498,7 +498,7 @@ def test_sigterm_to_every_ddp_process_stops_them_together_at_a_step_end(tmp_path
     proc = _signal_at_step(tmp_path, 2, "trainer.devices=2", "trainer.accumulate_grad_batches=2")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "interrupted: training stopped at step 3 by SIGTERM; resume from" in proc.stderr
-    assert "[rank 1] training stopped at step 3 by SIGTERM\n" in proc.stderr
+    assert "interrupted: training stopped at step 3 by SIGTERM (process of rank 1)\n" in proc.stderr
     assert "nothing to resume" not in proc.stderr
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 3
 

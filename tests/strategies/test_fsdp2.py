@@ -255,3 +255,16 @@ def test_fsdp2_on_two_gpus_gives_the_gradients_of_one_gpu_in_bf16_with_every_ker
     assert summary(tmp_path / "fsdp2")["world_size"] == 2
     assert (tmp_path / "fsdp2" / "adapter" / "adapter_model.safetensors").exists()
     assert Path(summary(tmp_path / "fsdp2")["checkpoint_path"]).is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_fsdp2_process_stops_them_at_a_step_end_and_resumes(tmp_path):
+    """Both processes signalled mid-accumulation: they finish the step, save it (a collective save under FSDP2) and
+    stop with status 143; the run resumes from that step."""
+    common = (*FAST, "strategy=fsdp2", "trainer.devices=2", "trainer.accumulate_grad_batches=2")
+    proc = run_cli(tmp_path, *common, "trainer.max_steps=50", "+callbacks.term._target_=cli_helpers.SignalAtStep",
+                   "+callbacks.term.step=2", ok=False)
+    assert proc.returncode == 143 and "interrupted: training stopped at step 3 by SIGTERM; resume from" in proc.stderr
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 3
+    run_cli(tmp_path, *common, "trainer.max_steps=5", "ckpt_path=last")
+    assert summary(tmp_path)["status"] == "completed" and summary(tmp_path)["steps"] == 5
