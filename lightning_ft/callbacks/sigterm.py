@@ -46,6 +46,7 @@ class SigtermAtStepEnd(Callback):
 
     def __init__(self) -> None:
         self._signalled = False
+        self._step_at_batch_start = 0
         self._stepped = False  # the current training batch finished an optimizer step
         self._others: list[Callable[..., Any]] = []
 

@@ -385,6 +385,7 @@ class PackedDataModule(L.LightningDataModule):
                 f"{source}: {too_long} of {len(examples)} examples are longer than data.max_tokens={self.max_tokens} "
                 f"and were {action} (data.overflow={self.overflow}); raise data.max_tokens to keep them whole"
             )
+        no_target = stats.dropped_no_targets  # replies the template or truncation left without target tokens
         stats.dropped_no_targets += len(empty)
         if empty:
             first = empty[0]
@@ -395,7 +396,6 @@ class PackedDataModule(L.LightningDataModule):
                 raise ValueError(f"{message}; more than data.max_no_target_fraction={self.max_no_target_fraction} of "
                                  f"them: check the {what} field of the data")
             rank_zero_warn(f"{message}; they were dropped")
-        no_target = stats.dropped_no_targets - len(empty)  # a reply the template or truncation left without target tokens
         if first_no_target is not None and no_target > self.max_no_target_fraction * len(examples):
             where, ids = first_no_target
             text = self.tokenizer.decode(ids)
