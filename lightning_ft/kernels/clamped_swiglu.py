@@ -44,15 +44,23 @@ _BLOCK = 1024
 
 
 @triton.jit
+def _pair_offsets(cols, mask):
+    """[BLOCK, 2] offsets of the interleaved (gate, up) pairs of columns ``cols`` and their mask: each pair is
+    two adjacent elements, so a thread's pairs are one contiguous run (a coalesced, vectorised load) where two
+    stride-2 loads each touch every cache line."""
+    pair = tl.arange(0, 2)
+    return 2 * cols[:, None] + pair[None, :], mask[:, None] & (pair[None, :] < 2)
+
+
+@triton.jit
 def _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS: tl.constexpr):
     """fp32 (gate, up) before clamping: h's interleaved columns of ``row`` plus its expert's bias."""
-    g = tl.load(H + row * stride_h + 2 * cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(H + row * stride_h + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+    offs, pair_mask = _pair_offsets(cols, mask)
+    h = tl.load(H + row * stride_h + offs, mask=pair_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         expert = tl.load(EXPERT + row).to(tl.int64)
-        g += tl.load(B + expert * stride_b + 2 * cols, mask=mask, other=0.0).to(tl.float32)
-        u += tl.load(B + expert * stride_b + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
-    return g, u
+        h += tl.load(B + expert * stride_b + offs, mask=pair_mask, other=0.0).to(tl.float32)
+    return tl.split(h)
 
 
 @triton.jit
@@ -97,8 +105,8 @@ def _clamped_swiglu_bwd_kernel(
         dy = dy * w
         dg = tl.where(g_in <= limit, dy * (u + 1.0) * (s + alpha * a * (1.0 - s)), 0.0)
         du = tl.where((u_in >= -limit) & (u_in <= limit), dy * a, 0.0)
-        tl.store(DH + row * stride_dh + 2 * cols, dg.to(DH.dtype.element_ty), mask=mask)
-        tl.store(DH + row * stride_dh + 2 * cols + 1, du.to(DH.dtype.element_ty), mask=mask)
+        offs, pair_mask = _pair_offsets(cols, mask)
+        tl.store(DH + row * stride_dh + offs, tl.join(dg, du).to(DH.dtype.element_ty), mask=pair_mask)
     if WEIGHT_GRAD:
         tl.store(DW + row, tl.sum(dw, axis=0).to(DW.dtype.element_ty))
 
