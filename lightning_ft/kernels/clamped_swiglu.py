@@ -12,8 +12,9 @@ out in torch this is a dozen elementwise passes over [S, F]-sized tensors per fo
 backward (32,768 routed rows × 5,760 columns at 8K tokens of gpt-oss-20b: 377 MB each), plus an
 [S, F] tensor of gathered biases: profiled on the H100, a third of a gpt-oss step. Here it is one
 pass each way: the forward reads h once and writes y; the backward reads h and dy and writes dh
-(and the row weight's gradient), recomputing the activation. The bias is read per row from the
-[E, F] table by the row's expert (``expert_S``), never gathered into [S, F].
+(and the row weight's gradient, as one fp32 partial sum per block of columns), recomputing the
+activation. The bias is read per row from the [E, F] table by the row's expert (``expert_S``),
+never gathered into [S, F].
 
 Math of the backward (torch's clamp passes gradient where min ≤ x ≤ max, as here), with
 s = sigmoid(alpha * gate):
@@ -82,33 +83,29 @@ def _clamped_swiglu_fwd_kernel(
 
 @triton.jit
 def _clamped_swiglu_bwd_kernel(
-    DY, H, B, EXPERT, W, DH, DW, n_cols, stride_dy, stride_h, stride_b, stride_dh, alpha, limit,
+    DY, H, B, EXPERT, W, DH, DW, n_cols, stride_dy, stride_h, stride_b, stride_dh, stride_dw, alpha, limit,
     HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per row (the weight's gradient is a whole-row sum), column blocks in a loop."""
+    """One program per row and block of columns (as the forward); with the weight's gradient, each program writes
+    its block's fp32 partial sum to ``DW[row, block]`` (summed over the blocks after, in a fixed order)."""
     row = tl.program_id(0).to(tl.int64)
-    w = 1.0
-    if HAS_WEIGHT:
-        w = tl.load(W + row).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        g_in, u_in = _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS)
-        g = tl.minimum(g_in, limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(tl.maximum(u_in, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-        s = tl.sigmoid(alpha * g)
-        a = g * s
-        if WEIGHT_GRAD:
-            dw += dy * (u + 1.0) * a
-        dy = dy * w
-        dg = tl.where(g_in <= limit, dy * (u + 1.0) * (s + alpha * a * (1.0 - s)), 0.0)
-        du = tl.where((u_in >= -limit) & (u_in <= limit), dy * a, 0.0)
-        offs, pair_mask = _pair_offsets(cols, mask)
-        tl.store(DH + row * stride_dh + offs, tl.join(dg, du).to(DH.dtype.element_ty), mask=pair_mask)
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g_in, u_in = _gate_up(H, B, EXPERT, row, cols, mask, stride_h, stride_b, HAS_BIAS)
+    g = tl.minimum(g_in, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(u_in, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+    s = tl.sigmoid(alpha * g)
+    a = g * s
     if WEIGHT_GRAD:
-        tl.store(DW + row, tl.sum(dw, axis=0).to(DW.dtype.element_ty))
+        tl.store(DW + row * stride_dw + block, tl.sum(dy * (u + 1.0) * a, axis=0))
+    if HAS_WEIGHT:
+        dy = dy * tl.load(W + row).to(tl.float32)
+    dg = tl.where(g_in <= limit, dy * (u + 1.0) * (s + alpha * a * (1.0 - s)), 0.0)
+    du = tl.where((u_in >= -limit) & (u_in <= limit), dy * a, 0.0)
+    offs, pair_mask = _pair_offsets(cols, mask)
+    tl.store(DH + row * stride_dh + offs, tl.join(dg, du).to(DH.dtype.element_ty), mask=pair_mask)
 
 
 def _block(n_cols: int) -> int:
@@ -141,18 +138,22 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         rows, n_cols = h.shape[0], h.shape[1] // 2
         dh = row_padded(rows, 2 * n_cols, ctx.pad_grad, h)
-        d_weight = torch.empty_like(row_weight) if ctx.needs_input_grad[1] else None
         block = _block(n_cols)
+        n_blocks = triton.cdiv(n_cols, block)
+        # the weight's gradient: one fp32 partial sum per row and block of columns, summed below
+        partial = torch.empty(rows, n_blocks, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[1] else None
         if dh.numel():
-            _clamped_swiglu_bwd_kernel[(rows,)](
+            _clamped_swiglu_bwd_kernel[(rows, n_blocks)](
                 dy, h, h if bias_EF is None else bias_EF, h if expert_S is None else expert_S,
-                h if row_weight is None else row_weight, dh, dh if d_weight is None else d_weight, n_cols,
+                h if row_weight is None else row_weight, dh, dh if partial is None else partial, n_cols,
                 dy.stride(0), h.stride(0), 0 if bias_EF is None else bias_EF.stride(0), dh.stride(0),
-                ctx.alpha, ctx.limit, HAS_BIAS=bias_EF is not None, HAS_WEIGHT=row_weight is not None,
-                WEIGHT_GRAD=d_weight is not None, BLOCK=block, num_warps=num_warps_for(block),
+                0 if partial is None else partial.stride(0), ctx.alpha, ctx.limit, HAS_BIAS=bias_EF is not None,
+                HAS_WEIGHT=row_weight is not None, WEIGHT_GRAD=partial is not None, BLOCK=block,
+                num_warps=num_warps_for(block),
             )  # fmt: skip
-        elif d_weight is not None:
-            d_weight.zero_()
+        elif partial is not None:
+            partial.zero_()
+        d_weight = None if partial is None else partial.sum(1).to(row_weight.dtype)
         d_bias = None
         if ctx.needs_input_grad[2]:
             d_bias = torch.zeros(bias_EF.shape, dtype=torch.float32, device=dh.device)

@@ -27,8 +27,9 @@ def _grads(fn, h, weight, bias, expert, dy, cast):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter,experts", [(37, 45, 3), (1, 8, 1), (0, 64, 2), (9, 2880, 5), (5, 1500, 4)])
 def test_matches_reference(device, dtype, rows, inter, experts, weighted, biased):
-    """Values spread well past ±limit (both clamps active); I = 45 (odd), 1500 and 2880 (several column blocks in
-    the backward's row loop); zero rows; an expert with no rows (ids drawn from fewer than E)."""
+    """Values spread well past ±limit (both clamps active); I = 45 (odd), 1500 and 2880 (several column blocks,
+    whose partial sums make the row weight's gradient); zero rows; an expert with no rows (ids drawn from fewer
+    than E)."""
     torch.manual_seed(0)
     h = (6 * torch.randn(rows, 2 * inter, device=device)).to(dtype)
     weight = torch.rand(rows, device=device).to(dtype) if weighted else None
