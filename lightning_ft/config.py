@@ -291,7 +291,8 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
     ``+``; for a group only the other command reads (``fit +bench=``, ``bench +experiment=``): that
     command. For ``a.b=value`` with a key that is not in the command's schema (`command_schema`):
     `key_hint`; for fit's ``trainer.<name>`` that is not a `lightning.Trainer` argument, the closest
-    ones. Other keys under free-form nodes (``callbacks.``, ``model.config.``, ``optimizer.``) are not
+    ones; for ``optimizer.<name>`` / ``scheduler.<name>`` that its ``_target_`` does not take, the closest arguments
+    (`callable_key_hint`). Other keys under free-form nodes (``callbacks.``, ``model.config.``) are not
     checked here; Hydra's own message says to add them with ``+``. The last hint is always how to see the composed config.
     """
     import difflib
@@ -327,6 +328,8 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
             continue
         if key.startswith("trainer.") and key.count(".") == 1 and "trainer" in schema:
             hints += trainer_key_hint(key.split(".")[1])
+        elif key.split(".")[0] in CALLABLE_NODES and key.count(".") == 1 and key.split(".")[0] in schema:
+            hints += callable_key_hint(key, command, overrides)
         elif hint := key_hint(key, schema):
             hints.append(hint)
     hints.append(
@@ -334,6 +337,41 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
         f"`python -m lightning_ft {command} --help` lists the config groups and their options"
     )
     return hints
+
+
+CALLABLE_NODES = {"optimizer": "optimizer", "scheduler": "optimizer"}  # node: the group whose options set it
+
+
+def callable_key_hint(key: str, command: str, overrides: list[str]) -> list[str]:
+    """``optimizer.<name>`` or ``scheduler.<name>``: [] for an argument of the node's ``_target_`` (as the chosen
+    option of its group sets it), or a key of the node itself; else one line naming the closest arguments."""
+    import difflib
+    import inspect
+
+    from hydra.utils import get_method
+    from omegaconf import DictConfig, OmegaConf
+
+    node, name = key.split(".")
+    group = CALLABLE_NODES[node]
+    chosen = next((item.split("=", 1)[1] for item in overrides if item.split("=", 1)[0] == group), None)
+    if chosen is None:
+        chosen = next((str(e[group]) for e in _primary_config(command).get("defaults", [])
+                       if isinstance(e, DictConfig) and group in e), None)
+    found = [root / group / f"{chosen}.yaml" for root in (Path(config_dir()), *searchpath_dirs(overrides))]
+    path = next((f for f in found if f.is_file()), None)
+    if path is None:
+        return []
+    config = OmegaConf.load(path).get(node)
+    try:
+        target = get_method(config["_target_"])
+        known = list(inspect.signature(target).parameters)[1:]  # the first: the parameters / the optimizer
+    except Exception:  # no _target_, or one that does not import here: Hydra's message stands alone
+        return []
+    if name in known or name in config:
+        return []
+    close = difflib.get_close_matches(name, known, n=3)
+    return [f"{key}: not an argument of {config['_target_']} ({group}={chosen})"
+            + (f"; did you mean {', '.join(f'{node}.{c}' for c in close)}?" if close else f"; arguments: {', '.join(known)}")]
 
 
 def parse_hint(item: str) -> str | None:

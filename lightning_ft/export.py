@@ -1,7 +1,8 @@
 """``python -m lightning_ft export RUN_DIR``: a run's weights as files that transformers, PEFT and vLLM load.
 
 Writes into ``--output`` (default ``RUN_DIR/export``), all at once (a temporary folder renamed into
-place at the end; an existing export is replaced only with ``--force``):
+place at the end; an existing export is replaced only with ``--force``, and never a folder that holds
+anything but an export's ``adapter/``, ``base/`` and ``merged/``, nor the run folder itself):
 
 - ``adapter/``: the PEFT LoRA adapter with the tokenizer; ``peft.PeftModel.from_pretrained`` loads it
   over the base that ``adapter_config.json``'s ``base_model_name_or_path`` names.
@@ -116,6 +117,27 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+EXPORT_FOLDERS = ("adapter", "base", "merged")  # what an export folder holds
+
+
+def _check_output(output: Path, run_dir: Path, force: bool) -> None:
+    """Refuse an ``output`` whose replacement would delete anything but an earlier export: the run folder or a
+    folder holding it, a file, or (even with ``force``) a folder with entries other than `EXPORT_FOLDERS`."""
+    if output == run_dir or run_dir.is_relative_to(output):
+        raise ExportError(f"--output {output} holds the run folder {run_dir}: replacing it would delete the run; "
+                          "choose a folder of its own (the default is RUN_DIR/export)")
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise ExportError(f"--output {output} is a file: choose a folder")
+    if not force:
+        raise ExportError(f"{output} exists: pass --force to replace it, or --output another folder")
+    if others := sorted(p.name for p in output.iterdir() if p.name not in EXPORT_FOLDERS):
+        raise ExportError(f"--output {output} is not an earlier export (it holds {', '.join(others[:5])}"
+                          f"{', ...' if len(others) > 5 else ''}): --force replaces only a folder of "
+                          f"{', '.join(f'{name}/' for name in EXPORT_FOLDERS)}; choose another --output")
+
+
 def export(
     run_dir: Path, merge: bool = False, output: Path | None = None, checkpoint: str | None = None, force: bool = False,
 ) -> dict[str, Path]:
@@ -126,22 +148,21 @@ def export(
         merge: also write ``merged/``.
         output: the export folder (default ``run_dir/export``).
         checkpoint: ``last``, ``best``, ``adapter`` or a path (None: ``last``, else the run's ``adapter/``).
-        force: replace an existing ``output``.
+        force: replace an existing ``output`` that holds an earlier export (`EXPORT_FOLDERS` only).
 
     Returns:
         ``{"adapter" | "base" | "merged": folder}`` of what was written (final paths).
 
     Raises:
         ExportError: not a run folder, no checkpoint to export, an existing ``output`` without
-            ``force``, a checkpoint that does not fit the run's model, a full fine-tuning run without
+            ``force``, an ``output`` that is not an earlier export or that holds the run folder, a checkpoint that does not fit the run's model, a full fine-tuning run without
             ``merge``, or a random base drawn on CUDA with no CUDA device here.
         FileNotFoundError: a ``checkpoint`` path that does not exist.
     """
     run_dir = Path(run_dir).expanduser().resolve()
     cfg = run_config(run_dir)
     output = (Path(output).expanduser() if output is not None else run_dir / "export").resolve()
-    if output.exists() and not force:
-        raise ExportError(f"{output} exists: pass --force to replace it, or --output another folder")
+    _check_output(output, run_dir, force)
     source = weights_source(run_dir, cfg, checkpoint)
     lora = bool(cfg["lora"].get("enabled", True))
     if not lora and not merge:

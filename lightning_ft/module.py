@@ -394,10 +394,13 @@ class FinetuneModule(L.LightningModule):
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: PackedBatch, batch_idx: int) -> None:
-        max_steps = self.trainer.max_steps
-        if max_steps > 0 and self.trainer.global_step >= max_steps:
-            # ask the loop to stop now: Lightning then runs validation once more (if there is any)
-            self.trainer.should_stop = True
+        trainer = self.trainer
+        last_steps = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+        if last_steps or (last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+            # ask the loop to stop now: Lightning then runs validation once more (if there is any), also when
+            # eval.every_n_steps validates by batch count (which the last batch of the last epoch may not meet)
+            trainer.should_stop = True
 
     @override
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:

@@ -414,6 +414,17 @@ def test_a_plus_before_a_group_of_the_defaults_list_is_named():
     assert override_hints(["+experiment=gsm8k_tiny", "hparams_search=optuna"])[:-1] == []  # the added group, an option
 
 
+def test_an_optimizer_or_scheduler_argument_typo_names_the_closest_arguments():
+    from lightning_ft.config import override_hints
+
+    assert override_hints(["optimizer.lrr=1e-3"])[0] == (
+        "optimizer.lrr: not an argument of torch.optim.AdamW (optimizer=adamw); did you mean optimizer.lr?")
+    assert override_hints(["scheduler.num_warmup_step=2"])[0].startswith(
+        "scheduler.num_warmup_step: not an argument of transformers.get_cosine_schedule_with_warmup (optimizer=adamw); "
+        "did you mean scheduler.num_warmup_steps")
+    assert override_hints(["optimizer.eps=1e-6", "scheduler.num_cycles=0.3", "optimizer._partial_=true"])[:-1] == []
+
+
 def test_a_users_searchpath_options_are_options_in_the_hints(tmp_path):
     """A user's own experiment through ``hydra.searchpath``: set, no hint; mistyped, the closest among theirs and ours."""
     from lightning_ft.config import override_hints

@@ -110,6 +110,31 @@ def test_export_picks_the_checkpoint_asked_for(run, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_force_replaces_an_earlier_export_and_nothing_else(run, tmp_path, capsys):
+    """--force never deletes the run, a folder holding it, a file, or a folder that is not an export."""
+    import shutil
+
+    copy = tmp_path / "work" / "run"
+    shutil.copytree(run, copy)
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    for output, expected in (
+        (copy, f"--output {copy} holds the run folder {copy}: replacing it would delete the run"),
+        (tmp_path / "work", f"--output {tmp_path / 'work'} holds the run folder {copy}"),
+        (copy / "adapter", f"--output {copy / 'adapter'} is not an earlier export (it holds README.md, adapter_config.json"),
+        (tmp_path / "file", f"--output {tmp_path / 'file'} is a file"),
+    ):
+        assert export_main([str(copy), "--output", str(output), "--force"]) == 1
+        assert expected in capsys.readouterr().err
+    assert (copy / "checkpoints" / "last.ckpt").is_file() and (copy / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "work" / "notes.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+    assert export_main([str(copy)]) == 0 and export_main([str(copy)]) == 1  # RUN_DIR/export, then it exists
+    assert "exists: pass --force to replace it" in capsys.readouterr().err
+    assert export_main([str(copy), "--force"]) == 0  # an earlier export: replaced
+    assert sorted(p.name for p in (copy / "export").iterdir()) == ["adapter", "base"]
+
+
+@pytest.mark.slow
 def test_a_checkpoint_cut_short_is_named_by_fit_and_export_with_the_others_to_use(run, tmp_path, capsys):
     """A damaged last.ckpt (cut short: no zip directory at its end): one error line naming the file and the folder's
     other checkpoints, from a resume (nothing written: the summary stays as it was) and from an export."""

@@ -637,3 +637,27 @@ def test_validation_settings_without_validation_data_are_named(tmp_path):
     proc = run_cli(tmp_path, *FAST, "trainer.max_steps=1", "eval.every_n_steps=3", "eval.limit_batches=2")
     assert ("warning: eval.every_n_steps=3, eval.limit_batches=2: no validation data, so no validation runs; set "
             "data.val_fraction or data.val_path") in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_ended_by_max_epochs_validates_and_checkpoints_its_last_step(tmp_path):
+    """The last step of a run that trainer.max_epochs ends, between periodic saves and validations, is validated and
+    saved (its step checkpoint and last.ckpt), and a resume from there with a larger max_epochs trains on exactly
+    (a learning rate that does not depend on the run's length: the schedule is rebuilt for the new one)."""
+    common = (*FAST[:-1], "trainer.max_steps=-1", "data.val_fraction=0.2",
+              "scheduler._target_=transformers.get_constant_schedule_with_warmup")
+    run_cli(tmp_path / "full", *common, "trainer.max_epochs=2")
+    full = summary(tmp_path / "full")
+    per_epoch = full["steps"] // 2
+    assert per_epoch >= 4 and full["steps"] == 2 * per_epoch, full["steps"]
+    every = (f"callbacks.checkpoint.every_n_train_steps={per_epoch - 1}", f"eval.every_n_steps={per_epoch - 1}")
+    run_cli(tmp_path / "run", *common, *every, "trainer.max_epochs=1")
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == per_epoch
+    assert f"step{per_epoch:06d}.ckpt" in {p.name for p in ckpts.iterdir()}
+    assert [step for step, _ in summary(tmp_path / "run")["val_losses"]] == [per_epoch - 1, per_epoch]
+    run_cli(tmp_path / "run", *common, *every, "trainer.max_epochs=2", "ckpt_path=last")
+    losses = summary(tmp_path / "run")["step_losses"]
+    assert len(losses) == full["steps"]
+    for step in range(per_epoch, full["steps"]):
+        assert abs(losses[step] - full["step_losses"][step]) <= 1e-6, (step + 1, losses[step], full["step_losses"][step])

@@ -17,9 +17,11 @@ class StepCheckpoint(ModelCheckpoint):
     """Lightning's `ModelCheckpoint` that also writes a step checkpoint and ``last.ckpt`` when SIGTERM
     stops training, so a preempted job resumes from the step it reached rather than from the last
     periodic save (``every_n_train_steps``; before the first one there would be nothing to resume),
-    and that writes ``last.ckpt`` of a run ended by ``trainer.max_steps`` at its last step, inside the
+    that writes ``last.ckpt`` of a run ended by ``trainer.max_steps`` at its last step, inside the
     epoch, so that the run extended with a larger ``trainer.max_steps`` trains the rows the longer run
-    would have (Lightning writes it after closing the epoch, from where it resumes at the wrong row).
+    would have (Lightning writes it after closing the epoch, from where it resumes at the wrong row),
+    and that saves the last step of a run ended otherwise (``trainer.max_epochs``) when no periodic save
+    did (Lightning's ``last.ckpt`` would stay at the last periodic save).
 
     Lightning 2.6 raises `SIGTERMException` only between batches (the training loop's
     ``on_advance_end``, after every callback's ``on_train_batch_end``), and `SigtermAtStepEnd` makes that
@@ -63,6 +65,19 @@ class StepCheckpoint(ModelCheckpoint):
             self._validated_at = trainer.global_step
         if not (_reached_max_steps(trainer) and self._last_global_step_saved == trainer.global_step):  # kept in-epoch
             super().on_validation_end(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's writes last.ckpt here only if this process wrote none yet: a run whose last step is not a
+        # periodic save (the data ran out, trainer.max_epochs) would leave last.ckpt at an earlier step, which
+        # export and resume read. Here that step gets its step checkpoint and last.ckpt, written after the epoch
+        # closed (as Lightning's epoch-end saves: a resume with a larger trainer.max_epochs starts the next epoch).
+        if self._step_at_batch_start is None or self._should_skip_saving_checkpoint(trainer):  # trained nothing / saved
+            super().on_train_end(trainer, pl_module)
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("qa", "instruction", "chat", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant")
+TOOL_ROLES = ("tool", "function", "ipython")  # tool results: not supported (refused by name)
+TOOL_KEYS = ("tool_calls", "function_call")  # an assistant's tool calls: not supported
+_IGNORED_WARNED: set[tuple[str, ...]] = set()  # sets of ignored message keys already warned about
 _REQUIRED = {
     "qa": ("question", "answer"),
     "instruction": ("instruction", "output | instances"),
@@ -289,7 +292,8 @@ def to_examples(
 
     Raises:
         ValueError: unknown format, a row missing the fields of its format, a non-string field,
-            or a chat message with an unknown role (each names the row).
+            a chat message with an unknown role, or a tool call, tool result or tool definitions (each names
+            the row; tool-calling conversations are not supported).
     """
     if not rows:
         raise ValueError(f"{source}: no rows")
@@ -360,6 +364,9 @@ def _row_examples(row: dict[str, Any], fmt: str, where: str) -> Iterable[Example
             prompt = f"{instruction}\n\n{given}" if given else instruction
             yield Example(messages=(_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))), source=where)
     else:
+        if row.get("tools"):
+            raise ValueError(f"{where}: 'tools' (tool definitions) are not supported: tool-calling conversations "
+                             "are not trained; leave such rows out")
         yield Example(messages=tuple(_messages(row, "messages", where)), source=where)
 
 
@@ -398,9 +405,18 @@ def _messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, str]]
                 f"{where}: {key}[{j}] has no {' or '.join(map(repr, absent))} "
                 f"(it has {sorted(m)}{_close_keys(sorted(m), ['role', 'content'])})"
             )
+        if m["role"] in TOOL_ROLES or any(m.get(k) for k in TOOL_KEYS):
+            raise ValueError(
+                f"{where}: {key}[{j}] is a tool call or a tool's result: tool-calling conversations are not supported "
+                f"(each message is a {', '.join(ROLES)} turn of text); leave such rows out"
+            )
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: {key}[{j}] has the unknown role {m['role']!r}; expected one of {ROLES}")
-        out.append(_msg(m["role"], _string(m, "content", f"{where} {key}[{j}]")))
+        if (ignored := tuple(sorted(set(m) - {"role", "content", *TOOL_KEYS}))) and ignored not in _IGNORED_WARNED:
+            _IGNORED_WARNED.add(ignored)
+            log.warning("%s: %s[%d]: the message keys %s are ignored (only 'role' and 'content' are read; "
+                        "warned once per set of keys)", where, key, j, list(ignored))
+        out.append(_msg(m["role"], _string(m, "content", f"{where}: {key}[{j}]")))
     return out
 
 

@@ -74,6 +74,37 @@ def test_unknown_role_names_the_row():
 
 
 @pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "tool", "content": "42"},
+    ],
+    ids=["tool_calls", "tool_calls_empty_content", "tool_result"],
+)
+def test_tool_calling_rows_are_refused_by_name(message):
+    rows = [{"messages": [{"role": "user", "content": "x"}, message]}]
+    with pytest.raises(ValueError, match=r"row 1: messages\[1\] is a tool call or a tool's result: tool-calling "
+                                         r"conversations are not supported"):
+        to_examples(rows)
+    with pytest.raises(ValueError, match=r"row 1: 'tools' \(tool definitions\) are not supported"):
+        to_examples([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": [{}]}])
+
+
+def test_message_keys_besides_role_and_content_are_named_once(caplog, monkeypatch):
+    from lightning_ft.data import formats
+
+    monkeypatch.setattr(formats, "_IGNORED_WARNED", set())
+    rows = [{"messages": [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": "y"}]}] * 3
+    with caplog.at_level("WARNING"):
+        examples = to_examples(rows, source="chat.jsonl")
+    assert [m["content"] for m in examples[0].messages] == ["x", "y"]
+    warned = [r.getMessage() for r in caplog.records if "are ignored" in r.getMessage()]
+    assert warned == ["chat.jsonl row 1: messages[0]: the message keys ['name'] are ignored (only 'role' and 'content' "
+                      "are read; warned once per set of keys)"]
+
+
+@pytest.mark.parametrize(
     "name, text, error",
     [
         ("bad.jsonl", '{"text": "ok"}\n{"text": "broken"\n', r"bad.jsonl:2: not valid JSON"),
@@ -126,7 +157,7 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
         ([{"prompt": [{"role": "user", "content": "p"}], "completion": [{"role": "user", "content": "c"}]}],
          r"train.jsonl:1: completion\[0\] has the role 'user'; the completion holds the assistant's reply"),
         ([{"prompt": [{"role": "user", "content": "p"}], "completion": [{"role": "assistant", "content": 4}]}],
-         r"train.jsonl:1 completion\[0\]: field 'content' must be a string, got int"),
+         r"train.jsonl:1: completion\[0\]: field 'content' must be a string, got int"),
         ([{"question": "q", "answr": "a"}],
          r"train.jsonl:1: cannot tell the data format from the fields \['answr', 'question'\]; .*; did you mean 'answer' for 'answr'\?"),
     ],
