@@ -59,6 +59,7 @@ from lightning_ft.run_dir import (
     first_process,
     keep_previous_metrics,
     last_checkpoint,
+    restore_failure,
     run_dir_lock,
     stopped_message,
 )
@@ -406,6 +407,8 @@ def _train(
         if (oom := out_of_memory(err)) is not None:
             raise TrainingStopped(stopped_message(trainer, summary, run_dir, f"running out of memory ({oom})")
                                   + f"; to fit: {MEMORY_HINT}") from err
+        if ckpt_path and (refused := restore_failure(err, checkpoint_file(ckpt_path, callbacks))) is not None:
+            raise refused from err
         raise
     except SystemExit as err:
         if not trainer.interrupted:

@@ -295,6 +295,24 @@ def checkpoint_file(ckpt_path: str, callbacks: list[Any]) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
+def restore_failure(err: BaseException, path: Path | str | None) -> ValueError | None:
+    """A one-line error for ``err`` when Lightning raised it while restoring the checkpoint ``path`` (its traceback
+    passes through Lightning's checkpoint connector: a checkpoint of another kind, e.g. weights only, or of another
+    model shape), naming the file and the folder's other checkpoints; None for any other error."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    if path is None or not any(f.endswith("checkpoint_connector.py") for f in frames):
+        return None
+    path = Path(path)
+    reason = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    reason = reason.splitlines()[0] if reason else type(err).__name__
+    others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
+    hint = f"; the folder's other checkpoints: {', '.join(others)} (pass one's path instead)" if others else ""
+    return ValueError(f"{path}: Lightning could not restore this checkpoint ({type(err).__name__}: {reason}){hint}")
+
+
 def check_checkpoint_readable(path: Path | str) -> None:
     """Raise ValueError naming ``path`` when it does not read as a checkpoint: torch writes each one as a zip archive
     whose directory sits at its end, so a file cut short or overwritten has none. Only the directory is read (not

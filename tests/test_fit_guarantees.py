@@ -661,3 +661,22 @@ def test_a_run_ended_by_max_epochs_validates_and_checkpoints_its_last_step(tmp_p
     assert len(losses) == full["steps"]
     for step in range(per_epoch, full["steps"]):
         assert abs(losses[step] - full["step_losses"][step]) <= 1e-6, (step + 1, losses[step], full["step_losses"][step])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_lightning_cannot_restore_is_one_error_line_naming_it(tmp_path):
+    """A weights-only checkpoint and one of another adapter shape: one ``error:`` line naming the file and why, no
+    traceback, the summary left as it was."""
+    run_cli(tmp_path, *FAST, "trainer.max_steps=2")
+    before = (tmp_path / "summary.json").read_text()
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=False)
+    key = next(k for k in state["state_dict"] if "lora_A" in k)
+    weights_only = {k: v for k, v in state.items() if k != "optimizer_states"}
+    reshaped = {**state, "state_dict": {**state["state_dict"], key: state["state_dict"][key][:1]}}
+    for broken, reason in ((weights_only, "KeyError: Trying to restore optimizer state but checkpoint contains only the model"),
+                           (reshaped, "RuntimeError: Error(s) in loading state_dict")):
+        torch.save(broken, last)
+        proc = run_cli(tmp_path, *FAST, "trainer.max_steps=4", "ckpt_path=last", ok=False)
+        assert f"error: {last}: Lightning could not restore this checkpoint ({reason}" in proc.stderr
+        assert "Traceback" not in proc.stderr and (tmp_path / "summary.json").read_text() == before
