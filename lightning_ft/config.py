@@ -343,8 +343,10 @@ CALLABLE_NODES = {"optimizer": "optimizer", "scheduler": "optimizer"}  # node: t
 
 
 def callable_key_hint(key: str, command: str, overrides: list[str]) -> list[str]:
-    """``optimizer.<name>`` or ``scheduler.<name>``: [] for an argument of the node's ``_target_`` (as the chosen
-    option of its group sets it), or a key of the node itself; else one line naming the closest arguments."""
+    """``optimizer.<name>`` or ``scheduler.<name>``: one line naming the closest arguments when ``name`` is neither an
+    argument of the node's ``_target_`` (as the last ``optimizer=`` option, or the defaults list's, sets it) nor a key
+    of the node; [] otherwise, and wherever the target is not known from the files alone (set on the command line or
+    by an experiment, a file that does not load, a callable taking ``**kwargs``)."""
     import difflib
     import inspect
 
@@ -353,24 +355,26 @@ def callable_key_hint(key: str, command: str, overrides: list[str]) -> list[str]
 
     node, name = key.split(".")
     group = CALLABLE_NODES[node]
-    chosen = next((item.split("=", 1)[1] for item in overrides if item.split("=", 1)[0] == group), None)
-    if chosen is None:
-        chosen = next((str(e[group]) for e in _primary_config(command).get("defaults", [])
-                       if isinstance(e, DictConfig) and group in e), None)
-    found = [root / group / f"{chosen}.yaml" for root in (Path(config_dir()), *searchpath_dirs(overrides))]
-    path = next((f for f in found if f.is_file()), None)
-    if path is None:
+    keys = [item.split("=", 1)[0].lstrip("+~") for item in overrides]
+    if f"{node}._target_" in keys or "experiment" in keys:
         return []
-    config = OmegaConf.load(path).get(node)
+    chosen = [item.split("=", 1)[1] for item, k in zip(overrides, keys) if k == group and "=" in item]
+    option = chosen[-1] if chosen else next(
+        (str(e[group]) for e in _primary_config(command).get("defaults", []) if isinstance(e, DictConfig) and group in e), None)
+    found = [root / group / f"{option}.yaml" for root in (Path(config_dir()), *searchpath_dirs(overrides))]
     try:
-        target = get_method(config["_target_"])
-        known = list(inspect.signature(target).parameters)[1:]  # the first: the parameters / the optimizer
-    except Exception:  # no _target_, or one that does not import here: Hydra's message stands alone
+        config = OmegaConf.load(next(f for f in found if f.is_file()))[node]
+        target = config["_target_"]
+        parameters = inspect.signature(get_method(target)).parameters
+    except Exception:  # no such file or node, no _target_, one that does not import: Hydra's message stands alone
         return []
-    if name in known or name in config:
+    if name in config or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    known = [n for n in parameters if n not in ("params", "optimizer")]  # what the code passes itself
+    if name in known:
         return []
     close = difflib.get_close_matches(name, known, n=3)
-    return [f"{key}: not an argument of {config['_target_']} ({group}={chosen})"
+    return [f"{key}: not an argument of {target} ({group}={option})"
             + (f"; did you mean {', '.join(f'{node}.{c}' for c in close)}?" if close else f"; arguments: {', '.join(known)}")]
 
 

@@ -62,6 +62,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import SumMetric
 from typing_extensions import override
 
+from lightning_ft.callbacks.checkpoint import training_ends_after_this_batch
 from lightning_ft.data.packing import PackedBatch
 from lightning_ft.data.tokenization import IGNORE_INDEX
 from lightning_ft.errors import TrainingStopped, check_choice
@@ -394,13 +395,10 @@ class FinetuneModule(L.LightningModule):
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: PackedBatch, batch_idx: int) -> None:
-        trainer = self.trainer
-        last_steps = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-        if last_steps or (last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+        if training_ends_after_this_batch(self.trainer):
             # ask the loop to stop now: Lightning then runs validation once more (if there is any), also when
             # eval.every_n_steps validates by batch count (which the last batch of the last epoch may not meet)
-            trainer.should_stop = True
+            self.trainer.should_stop = True
 
     @override
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:

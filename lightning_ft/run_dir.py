@@ -301,9 +301,11 @@ def restore_failure(err: BaseException, path: Path | str | None) -> ValueError |
     model shape), naming the file and the folder's other checkpoints; None for any other error."""
     frames, tb = [], err.__traceback__
     while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
         tb = tb.tb_next
-    if path is None or not any(f.endswith("checkpoint_connector.py") for f in frames):
+    restoring = any(file.endswith("checkpoint_connector.py") and (name.startswith(("restore", "_restore")) or name == "resume_start")
+                    for file, name in frames)  # not its saves (dump_checkpoint), which live in the same file
+    if path is None or not restoring:
         return None
     path = Path(path)
     reason = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)

@@ -207,3 +207,15 @@ class DumpLogits(L.Callback):
             logits = pl_module.model(input_ids=ids.to(pl_module.device)).logits.float().cpu()
         pl_module.model.train()
         torch.save({"input_ids": ids, "logits": logits}, self.path)
+
+
+class StopAtStep(L.Callback):
+    """Asks the loop to stop (``trainer.should_stop``, as a Timer or early stopping does) once ``step`` optimizer
+    steps are done."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

@@ -423,6 +423,17 @@ def test_an_optimizer_or_scheduler_argument_typo_names_the_closest_arguments():
         "scheduler.num_warmup_step: not an argument of transformers.get_cosine_schedule_with_warmup (optimizer=adamw); "
         "did you mean scheduler.num_warmup_steps")
     assert override_hints(["optimizer.eps=1e-6", "scheduler.num_cycles=0.3", "optimizer._partial_=true"])[:-1] == []
+    # the callable is not the option file's: no guess
+    assert override_hints(["optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9"])[:-1] == []
+    assert override_hints(["+experiment=gsm8k_tiny", "optimizer.lrr=1"])[:-1] == []
+
+
+def test_an_optimizer_option_file_that_does_not_load_leaves_hydras_message_alone(tmp_path):
+    from lightning_ft.config import override_hints
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "bad.yaml").write_text("optimizer: [unclosed\n")
+    assert override_hints([f"hydra.searchpath=[file://{tmp_path}]", "optimizer=bad", "optimizer.lrr=1"])[:-1] == []
 
 
 def test_a_users_searchpath_options_are_options_in_the_hints(tmp_path):

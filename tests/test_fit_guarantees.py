@@ -643,7 +643,8 @@ def test_validation_settings_without_validation_data_are_named(tmp_path):
 def test_a_run_ended_by_max_epochs_validates_and_checkpoints_its_last_step(tmp_path):
     """The last step of a run that trainer.max_epochs ends, between periodic saves and validations, is validated and
     saved (its step checkpoint and last.ckpt), and a resume from there with a larger max_epochs trains on exactly
-    (a learning rate that does not depend on the run's length: the schedule is rebuilt for the new one)."""
+    (a learning rate that does not depend on the run's length: the schedule is rebuilt for the new one). A stop
+    within the epoch leaves last.ckpt inside it; a SIGTERM during the last step lets the run finish."""
     common = (*FAST[:-1], "trainer.max_steps=-1", "data.val_fraction=0.2",
               "scheduler._target_=transformers.get_constant_schedule_with_warmup")
     run_cli(tmp_path / "full", *common, "trainer.max_epochs=2")
@@ -661,6 +662,21 @@ def test_a_run_ended_by_max_epochs_validates_and_checkpoints_its_last_step(tmp_p
     assert len(losses) == full["steps"]
     for step in range(per_epoch, full["steps"]):
         assert abs(losses[step] - full["step_losses"][step]) <= 1e-6, (step + 1, losses[step], full["step_losses"][step])
+
+    # stopped within the epoch (trainer.should_stop, as a Timer does) after step 3: last.ckpt stays the periodic save of
+    # step 2, inside the epoch, and the resume trains the epoch's other steps
+    stop = ("callbacks.checkpoint.every_n_train_steps=2", "+callbacks.stop._target_=cli_helpers.StopAtStep",
+            "+callbacks.stop.step=3")
+    run_cli(tmp_path / "stopped", *common, *stop, "trainer.max_epochs=1")
+    assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    run_cli(tmp_path / "stopped", *common, "callbacks.checkpoint.every_n_train_steps=2", "trainer.max_epochs=1",
+            "ckpt_path=last", "+callbacks.stop._target_=cli_helpers.StopAtStep", f"+callbacks.stop.step={10 * per_epoch}")
+    assert summary(tmp_path / "stopped")["steps"] == per_epoch
+
+    # SIGTERM during the last step of the last epoch: the run finishes (as one ended by trainer.max_steps does)
+    run_cli(tmp_path / "signalled", *common, "trainer.max_epochs=1", "+callbacks.term._target_=cli_helpers.SignalAtStep",
+            f"+callbacks.term.step={per_epoch - 1}")
+    assert summary(tmp_path / "signalled")["status"] == "completed" and summary(tmp_path / "signalled")["steps"] == per_epoch
 
 
 @pytest.mark.slow
@@ -680,3 +696,25 @@ def test_a_checkpoint_lightning_cannot_restore_is_one_error_line_naming_it(tmp_p
         proc = run_cli(tmp_path, *FAST, "trainer.max_steps=4", "ckpt_path=last", ok=False)
         assert f"error: {last}: Lightning could not restore this checkpoint ({reason}" in proc.stderr
         assert "Traceback" not in proc.stderr and (tmp_path / "summary.json").read_text() == before
+
+
+def test_only_errors_of_lightnings_restore_are_called_restore_failures(tmp_path):
+    """Its checkpoint connector also saves (``dump_checkpoint``): an error there keeps its own traceback."""
+    from lightning_ft.run_dir import restore_failure
+
+    def raised_in(function):
+        code = compile(f"def {function}():\n    raise RuntimeError('boom')\n",
+                       "lightning/pytorch/trainer/connectors/checkpoint_connector.py", "exec")
+        namespace = {}
+        exec(code, namespace)
+        with pytest.raises(RuntimeError) as info:
+            namespace[function]()
+        return info.value
+
+    (tmp_path / "step000002.ckpt").write_bytes(b"")
+    for function in ("restore_model", "_restore_modules_and_callbacks", "resume_start"):
+        assert str(restore_failure(raised_in(function), tmp_path / "last.ckpt")) == (
+            f"{tmp_path / 'last.ckpt'}: Lightning could not restore this checkpoint (RuntimeError: boom); the folder's "
+            "other checkpoints: step000002.ckpt (pass one's path instead)")
+    assert restore_failure(raised_in("dump_checkpoint"), tmp_path / "last.ckpt") is None
+    assert restore_failure(RuntimeError("elsewhere"), tmp_path / "last.ckpt") is None

@@ -20,7 +20,7 @@ class StepCheckpoint(ModelCheckpoint):
     that writes ``last.ckpt`` of a run ended by ``trainer.max_steps`` at its last step, inside the
     epoch, so that the run extended with a larger ``trainer.max_steps`` trains the rows the longer run
     would have (Lightning writes it after closing the epoch, from where it resumes at the wrong row),
-    and that saves the last step of a run ended otherwise (``trainer.max_epochs``) when no periodic save
+    and that saves the last step of a run whose data ran out (``trainer.max_epochs``) when no periodic save
     did (Lightning's ``last.ckpt`` would stay at the last periodic save).
 
     Lightning 2.6 raises `SIGTERMException` only between batches (the training loop's
@@ -72,7 +72,10 @@ class StepCheckpoint(ModelCheckpoint):
         # periodic save (the data ran out, trainer.max_epochs) would leave last.ckpt at an earlier step, which
         # export and resume read. Here that step gets its step checkpoint and last.ckpt, written after the epoch
         # closed (as Lightning's epoch-end saves: a resume with a larger trainer.max_epochs starts the next epoch).
-        if self._step_at_batch_start is None or self._should_skip_saving_checkpoint(trainer):  # trained nothing / saved
+        # Only where the epoch's data ran out: a stop within an epoch (trainer.should_stop: a Timer, early stopping)
+        # saved after the epoch closed would count that epoch done, and a resume would skip the rest of its rows.
+        ran_out = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self._step_at_batch_start is None or not ran_out or self._should_skip_saving_checkpoint(trainer):
             super().on_train_end(trainer, pl_module)
             return
         candidates = self._monitor_candidates(trainer)
@@ -146,3 +149,12 @@ class StepCheckpoint(ModelCheckpoint):
 
 def _reached_max_steps(trainer: L.Trainer) -> bool:
     return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+
+
+def training_ends_after_this_batch(trainer: L.Trainer) -> bool:
+    """Whether the training batch that just ran is the run's last: ``trainer.max_steps`` reached, or the last batch of
+    the last epoch (``trainer.max_epochs``). Read after the batch (``on_train_batch_end``, or a validation after it)."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+    return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch

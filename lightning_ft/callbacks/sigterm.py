@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_ft.callbacks.checkpoint import training_ends_after_this_batch
+
 log = logging.getLogger(__name__)
 
 
@@ -113,6 +115,6 @@ class SigtermAtStepEnd(Callback):
         if not stop:
             return
         self._signalled = True
-        if 0 < trainer.max_steps <= trainer.global_step:
+        if training_ends_after_this_batch(trainer):
             return  # the last step is done: the run finishes as if no signal had come
         trainer._signal_connector.received_sigterm = True

@@ -336,6 +336,9 @@ def _row_examples(row: dict[str, Any], fmt: str, where: str) -> Iterable[Example
             f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing or null: {missing} "
             f"(the row has {has}{_close_keys(has, wanted)})"
         )
+    if row.get("tools"):
+        raise ValueError(f"{where}: 'tools' (tool definitions) are not supported: tool-calling conversations are not "
+                         "trained; leave such rows out")
     if fmt == "text":
         yield Example(text=_string(row, "text", where), source=where)
     elif fmt == "qa":
@@ -364,9 +367,6 @@ def _row_examples(row: dict[str, Any], fmt: str, where: str) -> Iterable[Example
             prompt = f"{instruction}\n\n{given}" if given else instruction
             yield Example(messages=(_msg("user", prompt), _msg("assistant", _string(inst, "output", inst_where))), source=where)
     else:
-        if row.get("tools"):
-            raise ValueError(f"{where}: 'tools' (tool definitions) are not supported: tool-calling conversations "
-                             "are not trained; leave such rows out")
         yield Example(messages=tuple(_messages(row, "messages", where)), source=where)
 
 
@@ -400,19 +400,21 @@ def _messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, str]]
     for j, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: {key}[{j}] must be an object with 'role' and 'content', got a {type(m).__name__}")
+        if m.get("role") in TOOL_ROLES or any(m.get(k) for k in TOOL_KEYS):
+            raise ValueError(
+                f"{where}: {key}[{j}] is a tool call or a tool's result: tool-calling conversations are not supported "
+                f"(each message is a {', '.join(ROLES)} turn of text); leave such rows out"
+            )
         if absent := [k for k in ("role", "content") if k not in m]:
             raise ValueError(
                 f"{where}: {key}[{j}] has no {' or '.join(map(repr, absent))} "
                 f"(it has {sorted(m)}{_close_keys(sorted(m), ['role', 'content'])})"
             )
-        if m["role"] in TOOL_ROLES or any(m.get(k) for k in TOOL_KEYS):
-            raise ValueError(
-                f"{where}: {key}[{j}] is a tool call or a tool's result: tool-calling conversations are not supported "
-                f"(each message is a {', '.join(ROLES)} turn of text); leave such rows out"
-            )
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: {key}[{j}] has the unknown role {m['role']!r}; expected one of {ROLES}")
-        if (ignored := tuple(sorted(set(m) - {"role", "content", *TOOL_KEYS}))) and ignored not in _IGNORED_WARNED:
+        # keys set to None are absent (parquet and datasets rows hold every key of their schema)
+        ignored = tuple(sorted(k for k, v in m.items() if v is not None and k not in ("role", "content", *TOOL_KEYS)))
+        if ignored and ignored not in _IGNORED_WARNED:
             _IGNORED_WARNED.add(ignored)
             log.warning("%s: %s[%d]: the message keys %s are ignored (only 'role' and 'content' are read; "
                         "warned once per set of keys)", where, key, j, list(ignored))

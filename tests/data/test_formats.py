@@ -78,24 +78,37 @@ def test_unknown_role_names_the_row():
     [
         {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]},
         {"role": "tool", "content": "42"},
     ],
-    ids=["tool_calls", "tool_calls_empty_content", "tool_result"],
+    ids=["tool_calls", "tool_calls_empty_content", "tool_calls_no_content", "tool_result"],
 )
 def test_tool_calling_rows_are_refused_by_name(message):
     rows = [{"messages": [{"role": "user", "content": "x"}, message]}]
     with pytest.raises(ValueError, match=r"row 1: messages\[1\] is a tool call or a tool's result: tool-calling "
                                          r"conversations are not supported"):
         to_examples(rows)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"prompt": [{"role": "user", "content": "x"}], "completion": [{"role": "assistant", "content": "y"}]},
+    ],
+    ids=["chat", "prompt_completion"],
+)
+def test_rows_with_tool_definitions_are_refused_by_name(row):
     with pytest.raises(ValueError, match=r"row 1: 'tools' \(tool definitions\) are not supported"):
-        to_examples([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": [{}]}])
+        to_examples([{**row, "tools": [{"type": "function"}]}])
 
 
 def test_message_keys_besides_role_and_content_are_named_once(caplog, monkeypatch):
     from lightning_ft.data import formats
 
     monkeypatch.setattr(formats, "_IGNORED_WARNED", set())
-    rows = [{"messages": [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": "y"}]}] * 3
+    rows = [{"messages": [{"role": "user", "content": "x", "name": "ann"},  # a key set to None counts as absent
+                          {"role": "assistant", "content": "y", "name": None}]}] * 3
     with caplog.at_level("WARNING"):
         examples = to_examples(rows, source="chat.jsonl")
     assert [m["content"] for m in examples[0].messages] == ["x", "y"]
