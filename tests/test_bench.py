@@ -117,9 +117,10 @@ def test_bench_smoke_runs_both_systems_with_the_same_math(tmp_path):
     assert rows[1]["x_vs_hf_peft"] > 0
     assert "| hf_peft |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 0
-    # profile=true ranks the timed step's ops (on the CPU by host time) for each row
+    # profile=true ranks the timed step's ops (on the CPU by host time) for each row, then per input shape
     for system in ("hf_peft", "lightning_ft"):
-        assert "aten::mm" in (tmp_path / f"profile_{system}_48.txt").read_text()
+        profile = (tmp_path / f"profile_{system}_48.txt").read_text()
+        assert "aten::mm" in profile and "Input Shapes" in profile
         assert "BENCH_ROW " in (tmp_path / f"worker_{system}_48.log").read_text()  # each worker's whole output
     # each row appended to the results table, with the columns of the schema
     from lightning_ft.bench.table import COLUMN_NAMES, read_rows

@@ -310,8 +310,8 @@ class StepTimer:
     boundary: a run's peak is the larger of these and the allocator's peak since the last reset.
 
     With ``spec["profile"]`` (a file path) the timed steps (those after ``spec["warmup_steps"]``)
-    also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time
-    and `summary` gets the device-busy time and kernel launches per step (device busy far below
+    also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time,
+    then by input shape (with ``strategy.cuda_graphs=false``: a graph's replay hides its ops), and `summary` gets the device-busy time and kernel launches per step (device busy far below
     the step time means the step waits on the host: Python, launches or syncs).
     """
 
@@ -351,7 +351,7 @@ class StepTimer:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.startswith("cuda"):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self._profiler.__enter__()
         _sync(self.device)
         self._t0 = time.perf_counter()
@@ -379,6 +379,11 @@ class StepTimer:
         # names wide enough to tell the kernels apart (the default cuts them at 55 characters)
         tables = [events.table(sort_by=key, row_limit=60, max_name_column_width=110)
                   for key in (["self_device_time_total"] if device_events else []) + ["self_cpu_time_total"]]
+        # the ops again per input shape (which add or copy of which tensor): ops run eagerly only, as a CUDA
+        # graph's replay is one host call whose kernels carry no op or shape
+        by_shape = self._profiler.key_averages(group_by_input_shape=True)
+        tables.append(by_shape.table(sort_by="self_device_time_total" if device_events else "self_cpu_time_total",
+                                     row_limit=40, max_name_column_width=60, max_shapes_column_width=100))
         with open(self.profile_path, "w") as f:
             f.write(f"{steps} profiled steps; {self.summary or 'no device kernels (a CPU run)'}\n" + "\n".join(tables) + "\n")
         self._profiler = None
