@@ -115,7 +115,7 @@ def test_force_replaces_an_earlier_export_and_nothing_else(run, tmp_path, capsys
     import shutil
 
     copy = tmp_path / "work" / "run"
-    shutil.copytree(run, copy)
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))  # the default export of an earlier test
     (tmp_path / "work" / "notes.txt").write_text("mine")
     (tmp_path / "file").write_text("mine")
     for output, expected in (
