@@ -326,9 +326,10 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
         if other := next((c for c, read in other_groups.items() if key in read), None):
             hints.append(f"{typed}: `{key}` is a config group of `python -m lightning_ft {other}`, not of `{command}`")
             continue
-        if key.startswith("trainer.") and key.count(".") == 1 and "trainer" in schema:
+        node = key.split(".")[0]
+        if node == "trainer" and key.count(".") == 1 and node in schema:
             hints += trainer_key_hint(key.split(".")[1])
-        elif key.split(".")[0] in CALLABLE_NODES and key.count(".") == 1 and key.split(".")[0] in schema:
+        elif node in CALLABLE_NODES and key.count(".") == 1 and node in schema:
             hints += callable_key_hint(key, command, overrides)
         elif hint := key_hint(key, schema):
             hints.append(hint)

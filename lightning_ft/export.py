@@ -155,8 +155,9 @@ def export(
 
     Raises:
         ExportError: not a run folder, no checkpoint to export, an existing ``output`` without
-            ``force``, an ``output`` that is not an earlier export or that holds the run folder, a checkpoint that does not fit the run's model, a full fine-tuning run without
-            ``merge``, or a random base drawn on CUDA with no CUDA device here.
+            ``force``, an ``output`` that is not an earlier export or that holds the run folder, a
+            checkpoint that does not fit the run's model, a full fine-tuning run without ``merge``, or a
+            random base drawn on CUDA with no CUDA device here.
         FileNotFoundError: a ``checkpoint`` path that does not exist.
     """
     run_dir = Path(run_dir).expanduser().resolve()

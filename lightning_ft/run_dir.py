@@ -16,6 +16,7 @@ import logging
 import os
 import shlex
 import shutil
+import traceback
 import zipfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -299,20 +300,23 @@ def restore_failure(err: BaseException, path: Path | str | None) -> ValueError |
     """A one-line error for ``err`` when Lightning raised it while restoring the checkpoint ``path`` (its traceback
     passes through Lightning's checkpoint connector: a checkpoint of another kind, e.g. weights only, or of another
     model shape), naming the file and the folder's other checkpoints; None for any other error."""
-    frames, tb = [], err.__traceback__
-    while tb is not None:
-        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
-        tb = tb.tb_next
-    restoring = any(file.endswith("checkpoint_connector.py") and (name.startswith(("restore", "_restore")) or name == "resume_start")
-                    for file, name in frames)  # not its saves (dump_checkpoint), which live in the same file
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(err.__traceback__)]
+    restoring = any(code.co_filename.endswith("checkpoint_connector.py")
+                    and (code.co_name.startswith(("restore", "_restore")) or code.co_name == "resume_start")
+                    for code in codes)  # not its saves (dump_checkpoint), which live in the same file
     if path is None or not restoring:
         return None
     path = Path(path)
     reason = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
     reason = reason.splitlines()[0] if reason else type(err).__name__
+    return ValueError(f"{path}: Lightning could not restore this checkpoint ({type(err).__name__}: {reason})"
+                      f"{_other_checkpoints_hint(path)}")
+
+
+def _other_checkpoints_hint(path: Path) -> str:
+    """``; the folder's other checkpoints: ...`` naming the ``.ckpt`` files beside ``path``, "" where there are none."""
     others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
-    hint = f"; the folder's other checkpoints: {', '.join(others)} (pass one's path instead)" if others else ""
-    return ValueError(f"{path}: Lightning could not restore this checkpoint ({type(err).__name__}: {reason}){hint}")
+    return f"; the folder's other checkpoints: {', '.join(others)} (pass one's path instead)" if others else ""
 
 
 def check_checkpoint_readable(path: Path | str) -> None:
@@ -324,9 +328,8 @@ def check_checkpoint_readable(path: Path | str) -> None:
         with zipfile.ZipFile(path) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError) as error:
-        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
-        hint = f"; the folder's other checkpoints: {', '.join(others)} (pass one's path instead)" if others else ""
-        raise ValueError(f"{path}: not a readable checkpoint ({error}: cut short or overwritten?){hint}") from None
+        raise ValueError(f"{path}: not a readable checkpoint ({error}: cut short or overwritten?)"
+                         f"{_other_checkpoints_hint(path)}") from None
 
 
 def finished_at(ckpt_path: str, callbacks: list[Any], trainer_kwargs: dict[str, Any]) -> tuple[Path, dict[str, str], int] | None:

@@ -311,8 +311,9 @@ class StepTimer:
 
     With ``spec["profile"]`` (a file path) the timed steps (those after ``spec["warmup_steps"]``)
     also run under `torch.profiler`; at the end the file gets the ops ranked by device time and by host time,
-    then by input shape (with ``strategy.cuda_graphs=false``: a graph's replay hides its ops), and `summary` gets the device-busy time and kernel launches per step (device busy far below
-    the step time means the step waits on the host: Python, launches or syncs).
+    then by input shape (with ``strategy.cuda_graphs=false``: a graph's replay hides its ops), and `summary`
+    gets the device-busy time and kernel launches per step (device busy far below the step time means the
+    step waits on the host: Python, launches or syncs).
     """
 
     def __init__(self, spec: dict[str, Any]) -> None:

@@ -154,7 +154,7 @@ def _reached_max_steps(trainer: L.Trainer) -> bool:
 def training_ends_after_this_batch(trainer: L.Trainer) -> bool:
     """Whether the training batch that just ran is the run's last: ``trainer.max_steps`` reached, or the last batch of
     the last epoch (``trainer.max_epochs``). Read after the batch (``on_train_batch_end``, or a validation after it)."""
-    if 0 < trainer.max_steps <= trainer.global_step:
+    if _reached_max_steps(trainer):
         return True
     last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
     return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
