@@ -53,7 +53,7 @@ class StrategyConfig:
     cuda_graphs: Any = "auto"  # true | false | auto: replay each checkpointed decoder layer from CUDA graphs in training (CUDA, model.gradient_checkpointing, attention auto|cudnn|varlen|sdpa, no dropout, packed rows; skipped under fsdp2); auto: where the run allows them, else eager (one line says why)
     keep_attention: bool = True  # with cuda_graphs: keep attention's output and softmax statistics for the backward (skips its recompute; per layer, while it fits)
     keep_projections: bool = True  # with cuda_graphs: keep the projections' outputs (LoRA q/k/v/o..., MoE experts' gate/up) for the backward (skips those GEMMs' recompute; per layer, while it fits)
-    keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (attention and projections together, GiB, in layer order); null: the memory plan's, else while 90% of the GPU's memory holds
+    keep_max_gib: Optional[float] = None  # with cuda_graphs: cap the kept outputs (all kinds together, GiB, in layer order); null: the memory plan's, else while 90% of the GPU's memory holds
     activation_offload: bool = False  # with cuda_graphs: each layer's checkpointed input waits in pinned host memory for the backward (copies overlapped with compute)
     memory_budget_gib: Any = "auto"  # GPU memory a step may use (GiB) for the memory plan of what is kept, offloaded or recomputed; auto: free memory less a margin; null: no plan (off CUDA: never a plan)
     host_budget_gib: Any = "auto"  # pinned host memory the memory plan may offload to (GiB); auto: the host's available memory less 25%, shared by the node's processes; null: no limit

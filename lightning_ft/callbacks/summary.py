@@ -21,6 +21,7 @@ from lightning_ft.callbacks.throughput import TokenThroughput
 from lightning_ft.errors import TrainingStopped
 from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
 from lightning_ft.strategies.fsdp2 import gather_state_dict
+from lightning_ft.strategies.kept import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -424,11 +425,10 @@ class RunSummary(L.Callback):
         if graphs and (calls := graphs["replayed_layer_calls"] + graphs["eager_layer_calls"]):
             log.info(
                 "cuda graphs: %.0f%% of %d layer calls replayed from graphs (%d input signatures recorded; "
-                "rows of new shapes run eagerly); %d layer recordings keep attention's outputs (%.2f GiB), %d the "
-                "projection outputs (%.2f GiB)",
+                "rows of new shapes run eagerly); %d layer recordings keep attention's outputs (%.2f GiB), %d "
+                "attention's projection outputs (%.2f GiB), %d the MLP's (%.2f GiB)",
                 100 * graphs["replayed_layer_calls"] / calls, calls, graphs["signatures"],
-                graphs["kept_attention_recordings"], graphs["kept_attention_bytes"] / 2**30,
-                graphs["kept_projections_recordings"], graphs["kept_projections_bytes"] / 2**30,
+                *(graphs[f"kept_{kind}_{what}"] / (2**30 if what == "bytes" else 1) for kind in KINDS for what in ("recordings", "bytes")),
             )
         if self.summary["offload_copies"] is not None:
             log.info("%s", offload_line(graphs, self.summary["offload_copies"]))

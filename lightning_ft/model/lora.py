@@ -355,7 +355,7 @@ def _fused_lora_forward(self: torch.nn.Module, x: torch.Tensor, *args, **kwargs)
             return type(self).forward(self, x, *args, **kwargs)
         # fp8 compute where strategy.fp8 left the weight's e4m3 scales (`lightning_ft.strategies.fp8.convert_4bit_to_fp8`)
         return qlora_linear(x, weight, base.bias, lora_A.weight, self.lora_B[name].weight, scaling, fp8_scale_4bit(base))
-    keep = kept.active("projections") if self._lightning_ft_keep else None
+    keep = kept.active(self._lightning_ft_keep) if self._lightning_ft_keep else None
     if keep is not None and not _output_keepable(self):
         keep = None
     weight_scale = getattr(base, "weight_scale", None)  # an fp8 base (`lightning_ft.strategies.fp8.Fp8Linear`)

@@ -31,7 +31,7 @@ that is its decoder layer's ``mlp`` (the table's ``decoder_layer``) only feeds t
 reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
 needs neither). A block used anywhere else always computes its output.
 
-Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.strategies.kept`): in a recorded
+Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.strategies.kept`, kind ``mlp``): in a recorded
 layer's forward the block keeps the experts' gate/up output (split LoRA added) and its thin LoRA
 product, and the recompute reuses them, skipping the gate/up GEMM (at 8K tokens on Qwen3-30B-A3B,
 65 536 routed rows × 2048 × 1536: 0.4 TFLOP per layer-step) and the gather of the tokens into
@@ -297,7 +297,7 @@ def _sparse_moe_block_forward(
         backend=getattr(self, _BACKEND_ATTR),
         # the decoder layer returns residual + mlp(...): in the graphs' recompute nothing reads it
         output_needed=not (getattr(self, _FEEDS_RESIDUAL_ATTR) and recomputing_for_backward()),
-        keep=kept.active("projections"),
+        keep=kept.active("mlp"),
     )
     out = out_TD.view_as(hidden_states)
     shared_experts = getattr(self, "shared_experts", None)  # DeepSeek-V3 / GLM-4.5: a dense MLP on every token

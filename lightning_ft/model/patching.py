@@ -28,7 +28,8 @@ What gets patched, per kernel switch:
               call passes nothing but the input; PEFT's own forward otherwise, call by call
               (`lightning_ft.model.lora`). Those
               the table's ``kept_linears`` names may keep their output for the CUDA graphs'
-              recompute (`lightning_ft.strategies.kept`, kind ``projections``).
+              recompute (`lightning_ft.strategies.kept`: kind ``mlp`` for the MLPs' linear layers,
+              `MLP_LINEARS`, ``projections`` for attention's).
 
     fp8       (no switch: with fp8 base weights, `lightning_ft.strategies.fp8`) the patched norms and
               SwiGLU MLPs whose output an fp8 GEMM reads also write that output's fp8 rows in the same
@@ -112,6 +113,9 @@ class PatchTable:
 
 
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+#: the linear layers of the MLPs (dense, shared experts; Phi-3's fused gate_up_proj) by attribute name: their kept
+#: outputs are the ``mlp`` kind (`lightning_ft.strategies.kept`), the other kept linear layers' ``projections``
+MLP_LINEARS = (*_MLP_LINEARS, "gate_up_proj")
 _MLA_ROPE = ("rope", "MLA rotates a slice of q and k (interleaved with rope_interleave), which our in-place RoPE does not take")
 PATCH_TABLES: dict[str, PatchTable] = {
     "llama": PatchTable(
@@ -298,7 +302,8 @@ def _patch_lora(model: torch.nn.Module, undo: list[Callable[[], None]], kept_lin
     for path, module in model.named_modules():
         if type(module) in classes and (adapters := lora_linear_adapters(module)):
             module._lightning_ft_lora = {name: module.lora_A[name] for name in adapters}  # a plain dict: not submodules
-            module._lightning_ft_keep = path.rsplit(".", 1)[-1] in kept_linears  # its output may be kept
+            name = path.rsplit(".", 1)[-1]  # its output may be kept, as this kind (None: never)
+            module._lightning_ft_keep = ("mlp" if name in MLP_LINEARS else "projections") if name in kept_linears else None
             undo.append(functools.partial(delattr, module, "_lightning_ft_lora"))
             undo.append(functools.partial(delattr, module, "_lightning_ft_keep"))
             _patch_forward(module, _fused_lora_forward, undo)

@@ -33,6 +33,8 @@ keeps results that are expensive to recompute, and the backward graph's recomput
   e.g. q/k/v/o; [T, N] plus the thin [T, R] x·Aᵀ) and each MoE layer's expert gate/up output with its
   split LoRA added ([T·top_k, 2·I] plus [T·top_k, R]; ``grouped_mm`` backend); the recompute skips
   those GEMMs and their LoRA products. At 8K tokens on Qwen3-30B-A3B that is 306 MiB per layer.
+  Two kinds: attention's projections (``projections``) and the MLP's (``mlp``: a dense MLP's linear
+  layers, the experts' gate/up), which a memory plan treats apart.
 
 Layers keep while everything kept fits in 90% of the GPU's memory (`_ModelGraphs.allow_keep`,
 asked per call in a layer's first forward, until it refuses; the calls refused recompute). The
@@ -48,8 +50,8 @@ Activation offloading (``activation_offload``, off by default): each layer's inp
 tensor checkpointing keeps, waits in pinned host memory from the layer's forward to its backward
 (`lightning_ft.strategies.offload`), for replayed and eager calls alike (but eager calls with
 positional arguments or keyword tensors that require grad: those are checkpointed on the device).
-A memory plan (`apply_memory_plan`) may offload the kept kinds too: the layers that offload any
-(the last one excepted) take turns, in layer order, between two staging sets of kept buffers per kind
+A memory plan (`apply_memory_plan`) may offload the kept kinds too: per kind, the layers that offload it
+(the last one excepted) take turns, in layer order, between two staging sets of that kind's kept buffers
 (``KeptActivations.shared`` keyed by the set, not the layer). A layer's forward graph writes its set
 (after the compute stream has waited for the copies still reading or writing it), then the set is
 copied to the layer call's own pinned host tensors on the copy stream; before the backward graph
@@ -289,7 +291,8 @@ class _ModelGraphs:
     ):
         self.max_signatures = max_signatures
         self.attention = attention  # the attention backend: how packed batches are keyed (`_packed_layout`)
-        self.keep = {"attention": keep_attention, "projections": keep_projections}  # the kinds layers may keep
+        # the kinds layers may keep: keep_projections covers attention's and the MLP's
+        self.keep = {"attention": keep_attention, "projections": keep_projections, "mlp": keep_projections}
         self.keep_max_bytes = keep_max_bytes  # a cap on all that is kept (None: the memory budget alone)
         self.plan: Plan | None = None  # a memory plan: per layer, which kinds keep (`apply_memory_plan`)
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)
@@ -299,7 +302,7 @@ class _ModelGraphs:
         self.graphs: dict[tuple[int, tuple], _LayerGraphs] = {}  # (id(layer), signature) -> graphs
         # (id(layer), kind) -> buffers its recordings share; (("offload", s), kind) -> staging set s of an offloaded kind
         self.kept_shared: dict[tuple[Any, str], dict] = {}
-        self.staging: dict[int, int] = {}  # layer index -> its staging set (0 or 1) where the plan offloads kinds
+        self.staging: dict[tuple[int, str], int] = {}  # (layer index, kind) -> its staging set (0 or 1) where the plan offloads it
         self.kept_writers: dict[int, int] = {}  # id(buffer set) -> the `_GraphedLayer` call whose forward wrote it last
         self.seen: dict[tuple[int, tuple], int] = {}
         self.pool = None
@@ -422,12 +425,12 @@ class _ModelGraphs:
         input_grad = hidden.requires_grad
 
         index = getattr(layer, _INDEX_ATTR, None)
-        offloaded = {kind for kind in KINDS if index in self.staging and self.plan.action(index, kind) == "offload"}
+        offloaded = {kind for kind in KINDS if (index, kind) in self.staging}
         kept = {  # what they keep enters their layer's shared store, or their staging set's (and kept_bytes), as it is kept
             kind: KeptActivations(
                 kind,
                 functools.partial(self.allow_keep, device=hidden.device, kind=kind, layer=index),
-                shared=self.kept_shared.setdefault((("offload", self.staging[index]) if kind in offloaded else id(layer), kind), {}),
+                shared=self.kept_shared.setdefault((("offload", self.staging[index, kind]) if kind in offloaded else id(layer), kind), {}),
             )
             for kind in KINDS
         }
@@ -661,7 +664,7 @@ def apply_cuda_graphs(
             layers (those the architecture's patch table lists) and of the MoE experts' gate/up
             GEMM (``grouped_mm`` backend), with their thin LoRA products, for its backward graph,
             whose recompute then skips those GEMMs, within the same budget.
-        keep_max_gib: at most this many GiB kept, both kinds together, in layer order (the layers
+        keep_max_gib: at most this many GiB kept, all kinds together, in layer order (the layers
             after the cap recompute, as past the memory budget); None: the memory budget alone.
             For a peak below what the budget allows (a shared GPU, a memory target).
 
@@ -712,10 +715,10 @@ def graphed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
     """Let ``plan`` (`lightning_ft.strategies.planner.plan`) decide, per decoder layer of a model patched by
-    `apply_cuda_graphs`, what its recordings do with each kind (``attention``, ``projections``: ``keep``,
+    `apply_cuda_graphs`, what its recordings do with each kind (`lightning_ft.strategies.kept.KINDS`: ``keep``,
     ``offload`` or ``recompute``) and whether its input is offloaded (``input``: ``offload``).
 
-    The layers that offload kinds, in order, take turns between two staging sets per kind (the k-th
+    Per kind, the layers that offload it, in order, take turns between two staging sets of it (the k-th
     uses set k mod 2): their forward graphs write the set, whose tensors then go to pinned host memory
     and come back before the layer's backward, one layer ahead (`ActivationOffload`). The last layer
     offloads nothing: what the plan offloads there is kept (as its input is). The graphs recorded so far
@@ -732,8 +735,11 @@ def apply_memory_plan(model: torch.nn.Module, plan: Plan) -> None:
         raise ValueError(f"memory plan for {len(plan.actions)} decoder layers, the model has {len(layers)}")
     state: _ModelGraphs = getattr(layers[0], _STATE_ATTR)
     state.plan = plan
-    staging = [i for i in range(len(layers) - 1) if any(plan.action(i, kind) == "offload" for kind in KINDS)]
-    state.staging = {layer: rank % 2 for rank, layer in enumerate(staging)}
+    state.staging = {}
+    for kind in KINDS:
+        offloading = [i for i in range(len(layers) - 1) if plan.action(i, kind) == "offload"]
+        state.staging.update({(layer, kind): rank % 2 for rank, layer in enumerate(offloading)})
+    staging = {layer for layer, _ in state.staging}
     offloaded = plan.layers_where("input", "offload")
     state.offload = ActivationOffload(len(layers), layers=offloaded) if offloaded or staging else None
     state.graphs.clear()
@@ -746,7 +752,7 @@ def cuda_graph_stats(model: torch.nn.Module) -> dict[str, Any] | None:
 
     Returns:
         ``replayed_layer_calls`` and ``eager_layer_calls`` (over all layers), ``signatures`` with
-        graphs, ``recordings`` (layer × signature), and per kept kind (``attention``, ``projections``)
+        graphs, ``recordings`` (layer × signature), and per kept kind (`lightning_ft.strategies.kept.KINDS`)
         the recordings alive now that keep it (``kept_<kind>_recordings``) and the bytes of the
         buffers they keep (``kept_<kind>_bytes``; a layer's recordings share theirs, offloading layers
         their staging sets'); where anything is offloaded (``activation_offload``, a memory plan),

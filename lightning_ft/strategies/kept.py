@@ -13,9 +13,16 @@ al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), unde
 Kinds and the calls that keep:
 
     attention     `lightning_ft.model.attention`: the attention output and log-sum-exp
-    projections   `lightning_ft.kernels.lora` (through `lightning_ft.model.patching`): a LoRA linear
-                  layer's output and its thin x·Aᵀ; `lightning_ft.model.moe`: the experts' gate/up
-                  output (split LoRA added) and its thin s·x·Aᵀ (scaled by the LoRA scaling)
+    projections   `lightning_ft.kernels.lora` (through `lightning_ft.model.patching`): the output and thin
+                  x·Aᵀ of a LoRA linear layer of attention (q/k/v/o, as the patch table lists them)
+    mlp           the same of a LoRA linear layer of a dense MLP (gate/up/down, shared experts);
+                  `lightning_ft.model.moe`: the experts' gate/up output (split LoRA added) and its thin
+                  s·x·Aᵀ (scaled by the LoRA scaling)
+
+Each kind is one class of the memory plan (`lightning_ft.strategies.planner`): attention's projections
+and the MLP's differ in bytes and recompute time per layer (on gpt-oss-20b at 32K tokens, v/o are
+~0.2 GiB a layer, the experts' gate/up ~1.4 GiB), so the plan can keep, offload or recompute each on
+its own.
 
 Budget: the layer's first forward asks ``allow`` with each call's bytes, until it refuses once; the
 calls from there on keep nothing (the layer keeps a prefix of its calls, but for calls that reuse
@@ -45,7 +52,7 @@ import torch
 
 __all__ = ["KINDS", "KeptActivations", "active", "keeping", "stored_nbytes"]
 
-KINDS = ("attention", "projections")
+KINDS = ("attention", "projections", "mlp")
 
 
 @dataclass
@@ -53,7 +60,7 @@ class KeptActivations:
     """One decoder layer's kept results of one kind (`KINDS`), one entry per call in call order.
 
     Attributes:
-        kind: what is kept (``attention`` or ``projections``), for the active lookup and messages.
+        kind: what is kept (one of `KINDS`), for the active lookup and messages.
         allow: asked with a call's bytes in the layer's first forward (a memory budget), until it
             says no; the calls refused keep nothing and are recomputed as before.
         nbytes: the bytes kept (tensors only).

@@ -1,7 +1,7 @@
 """The memory plan: for each decoder layer and each class of saved tensor, keep it, offload it or recompute it.
 
 A checkpointed decoder layer's backward needs tensors its forward made. Each class of them (the
-layer input, attention's output and softmax statistics, the projections' outputs: the classes
+layer input, attention's output and softmax statistics, attention's and the MLP's projection outputs: the classes
 `lightning_ft.strategies.kept` and `lightning_ft.strategies.offload` handle) can be
 
     keep        on the GPU from the forward to the backward: costs its bytes for the whole step;
@@ -85,7 +85,8 @@ class SavedClass:
     """One class of tensors a decoder layer's forward saves for its backward.
 
     Attributes:
-        name: ``input`` (the checkpointed layer input), ``attention``, ``projections``, ...
+        name: ``input`` (the checkpointed layer input), or a kept kind (``attention``, ``projections``, ``mlp``:
+            `lightning_ft.strategies.kept.KINDS`).
         nbytes: its bytes in one layer.
         recompute_s: seconds to recompute it in the backward (ignored where ``recompute`` is not allowed).
         actions: what may happen to it (a non-empty subset of `ACTIONS`; a class that may only be offloaded is

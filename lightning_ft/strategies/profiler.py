@@ -9,7 +9,7 @@ layer's own forward is called, not the patched one):
     backward     the recompute with gradients and ``autograd.grad`` into the input and the trainable
                  weights (``.grad`` is not touched), with every saved class kept (taken back from
                  `lightning_ft.strategies.kept`'s stores instead of recomputed)
-    recompute    per saved class (``attention``, ``projections``): the same backward with that class
+    recompute    per saved class (``attention``, ``projections``, ``mlp``): the same backward with that class
                  recomputed, less the one above
     bytes        per saved class, what its store kept (`KeptActivations.nbytes`); the input's bytes
 

@@ -44,7 +44,8 @@ class Execution:
             True, False or ``auto`` (where the run allows them; `lightning_ft.model.build.ModelBuilder` resolves it to a
             bool before the model loads, and the strategy holds the resolved options from then on).
         keep_attention: with CUDA graphs, keep attention's output and log-sum-exp for the backward (`lightning_ft.strategies.kept`).
-        keep_projections: with CUDA graphs, keep the projections' outputs for the backward.
+        keep_projections: with CUDA graphs, keep the projections' outputs for the backward (attention's and the
+            MLP's: two kinds of `lightning_ft.strategies.kept`).
         keep_max_gib: with CUDA graphs, at most this many GiB kept (None: while the memory budget holds).
         activation_offload: with CUDA graphs, each layer's checkpointed input waits in pinned host memory
             (`lightning_ft.strategies.offload`).
@@ -208,7 +209,7 @@ class ExecutionMixin:
         `memory_budget` and `host_budget` (`lightning_ft.strategies.planner.plan`) and `apply_memory_plan` it.
 
         The options constrain the plan: ``strategy.keep_attention=false`` (``keep_projections``) leaves that class
-        out (recomputed), ``strategy.activation_offload=true`` offloads every layer input (but the last layer's).
+        (those two: ``projections`` and ``mlp``) out (recomputed), ``strategy.activation_offload=true`` offloads every layer input (but the last layer's).
         No plan (None) where there is no budget (off CUDA, ``strategy.memory_budget_gib=null``) or the layers are
         not graphed (``strategy.cuda_graphs=false``, FSDP2; logged). The fallbacks of the host budget are logged
         once each, and a plan that does not fit the budget is a warning (the leanest plan is used).
@@ -225,7 +226,8 @@ class ExecutionMixin:
         if not layers:
             rank_zero_info("memory plan: none (it drives the CUDA-graphed layers: strategy.cuda_graphs=true, not under fsdp2)")
             return None
-        options = {"attention": self.execution.keep_attention, "projections": self.execution.keep_projections}
+        options = {"attention": self.execution.keep_attention, "projections": self.execution.keep_projections,
+                   "mlp": self.execution.keep_projections}
         kinds = tuple(kind for kind in KINDS if options[kind])
         context = getattr(getattr(self, "precision_plugin", None), "train_step_context", None)
         measured = self.profiler.measure(module, batch, layers, kinds, context)

@@ -381,7 +381,7 @@ def test_lora_slots_hold_each_backward_s_own_factors(device):
     ("fp8", torch.bfloat16), ("nf4", torch.float32), ("nf4", torch.bfloat16),
 ])  # fmt: skip
 def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(weights, dtype, device, monkeypatch):
-    """What the CUDA graphs do with kept ``projections``: a forward (no grad) keeps the gate/up output
+    """What the CUDA graphs do with kept ``mlp`` projections: a forward (no grad) keeps the gate/up output
     and its thin LoRA product (the first forward's become the buffers, a later one computes into
     them); the recompute takes them, runs no gate/up GEMM and no gather of the tokens, and gives the
     plain block's output, input gradient and every LoRA gradient (the same kernels on the same inputs),
@@ -404,7 +404,7 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(weights, dtype, dev
     grad = torch.randn(3, 10, 40, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     want_out, want_dx, want_grads = _block_step(block, x, grad)
 
-    keep = kept.KeptActivations("projections", allow=lambda nbytes: nbytes > 0)
+    keep = kept.KeptActivations("mlp", allow=lambda nbytes: nbytes > 0)
     with torch.no_grad(), kept.keeping(keep, recompute=False):
         block(x * 0.5)  # the first forward: its results become the buffers
     assert keep.enabled and len(keep.kept) == 1
@@ -440,14 +440,14 @@ def test_kept_experts_skip_the_gate_up_gemm_in_the_recompute(weights, dtype, dev
         close = summation_order if device == "cuda" and gate_up_a else exact
         torch.testing.assert_close(g, want_grads[name], **close, msg=lambda m: f"{name}: {m}")
 
-    refused = kept.KeptActivations("projections", allow=lambda nbytes: False)  # over budget: computed both times
+    refused = kept.KeptActivations("mlp", allow=lambda nbytes: False)  # over budget: computed both times
     with torch.no_grad(), kept.keeping(refused, recompute=False):
         block(x)
     assert refused.enabled is False and refused.kept == [None] and refused.nbytes == 0
     with kept.keeping(refused, recompute=True):
         torch.testing.assert_close(_block_step(block, x, grad)[0], want_out, **exact)
-    with pytest.raises(RuntimeError, match="kept projections: the recompute made more projections calls"):
-        with kept.keeping(kept.KeptActivations("projections", allow=bool), recompute=True):
+    with pytest.raises(RuntimeError, match="kept mlp: the recompute made more mlp calls"):
+        with kept.keeping(kept.KeptActivations("mlp", allow=bool), recompute=True):
             block(x)
     revert_moe(block)
 

@@ -27,6 +27,7 @@ from lightning_ft.strategies.cuda_graphs import (
     revert_cuda_graphs,
 )
 from lightning_ft.model.build import ModelBuilder, _use_cuda_graphs
+from lightning_ft.strategies.kept import KINDS
 from lightning_ft.strategies.planner import Plan
 from lightning_ft.strategies.strategy import Execution
 from lightning_ft.module import FinetuneModule
@@ -94,21 +95,23 @@ def _batch(name: str, device: str, seed: int = 0):
     return collate_packed(docs).to(device, non_blocking=True)
 
 
-def _kept_projection_bytes(module: FinetuneModule, kind: str, linears: bool, experts: bool, itemsize: int) -> int:
-    """What one layer keeps of its projections over a 64-token row: each listed LoRA linear's [T, N]
-    output and [T, R] x·Aᵀ (Qwen3-MoE: q/k/v/o; Llama: v/o, gate/up/down, not q/k) if ``linears``;
-    the experts' gate/up [S, 2I] and [S, R] (S = T·top_k, R PEFT's gate_up rank as the grouped_mm
-    backend pads it: `padded_rank`, 8 for rank 4 in bf16) if ``experts``."""
+def _kept_projection_bytes(module: FinetuneModule, kind: str, linears: bool, experts: bool, itemsize: int) -> dict[str, int]:
+    """What one layer keeps of its projections over a 64-token row, per kind: each listed LoRA linear's [T, N]
+    output and [T, R] x·Aᵀ if ``linears`` (``projections``, attention's: Qwen3-MoE's q/k/v/o, Llama's v/o, not
+    q/k; ``mlp``: Llama's gate/up/down); the experts' gate/up [S, 2I] and [S, R] (``mlp``; S = T·top_k, R PEFT's
+    gate_up rank as the grouped_mm backend pads it: `padded_rank`, 8 for rank 4 in bf16) if ``experts``."""
     config, tokens = TINY[kind], 64
     q, kv, hidden = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"], config["hidden_size"]
-    widths = [q, kv, kv, hidden] if kind == "qwen3_moe" else [kv, hidden, config["intermediate_size"], config["intermediate_size"], hidden]
-    total = sum(tokens * (n + LORA["rank"]) for n in widths) if linears else 0
+    attention = [q, kv, kv, hidden] if kind == "qwen3_moe" else [kv, hidden]
+    mlp = [] if kind == "qwen3_moe" else [config["intermediate_size"], config["intermediate_size"], hidden]
+    sizes = {name: sum(tokens * (n + LORA["rank"]) for n in widths) if linears else 0
+             for name, widths in (("projections", attention), ("mlp", mlp))}
     if experts:
         gate_up = module.model.get_base_model().model.layers[0].mlp.experts.base_layer  # PEFT's gate_up_proj wrapper
         dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
         rank = padded_rank(gate_up.lora_A["default"].weight.shape[0] // config["num_experts"], dtype)
-        total += tokens * config["num_experts_per_tok"] * (2 * config["moe_intermediate_size"] + rank)
-    return total * itemsize
+        sizes["mlp"] += tokens * config["num_experts_per_tok"] * (2 * config["moe_intermediate_size"] + rank)
+    return {name: n * itemsize for name, n in sizes.items()}
 
 
 def _loss_and_grads(module: FinetuneModule, batch, train: bool):
@@ -189,11 +192,12 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
     # ... and the projections: the fused LoRA linear layers (on CUDA: the lora kernel is on there) and
     # the experts' gate/up output (grouped_mm; the other backends recompute it)
     per_layer = _kept_projection_bytes(module, kind, linears=cuda, experts=moe_backend == "grouped_mm", itemsize=2 if cuda else 4)
-    kept_projections = [graphs.kept["projections"].enabled for graphs in state.graphs.values()]
-    assert all(kept_projections) if per_layer else not any(kept_projections)
-    # one set of buffers per layer: its recordings for the layouts (all 64 tokens) share them
+    for name, nbytes in per_layer.items():
+        kept_projections = [graphs.kept[name].enabled for graphs in state.graphs.values()]
+        assert all(kept_projections) if nbytes else not any(kept_projections), name
+        # one set of buffers per layer: its recordings for the layouts (all 64 tokens) share them
+        assert cuda_graph_stats(module.model)[f"kept_{name}_bytes"] == nbytes * layers
     assert len(state.graphs) > layers
-    assert cuda_graph_stats(module.model)["kept_projections_bytes"] == per_layer * layers
     if offload:  # every training step: all inputs but the last layer's, each reload started one layer ahead
         offloaded = (layers - 1) * len(sequence)
         stats = cuda_graph_stats(module.model)
@@ -276,8 +280,9 @@ def test_kept_projections_give_the_eager_gradients(kind, keep_projections):
     per_layer = _kept_projection_bytes(module, kind, linears=True, experts=kind == "qwen3_moe", itemsize=4)
     stats = cuda_graph_stats(module.model)
     layers = TINY[kind]["num_hidden_layers"]  # one set of buffers per layer, shared by its two recordings
-    assert stats["kept_projections_bytes"] == (per_layer * layers if keep_projections else 0)
-    assert stats["kept_projections_recordings"] == (len(state.graphs) if keep_projections else 0)
+    for name, nbytes in per_layer.items():  # attention's projections and the MLP's (Llama's MLP, the experts)
+        assert nbytes > 0 and stats[f"kept_{name}_bytes"] == (nbytes * layers if keep_projections else 0)
+        assert stats[f"kept_{name}_recordings"] == (len(state.graphs) if keep_projections else 0)
 
 
 def test_a_trainable_base_weight_or_an_output_hook_keeps_that_projection_out():
@@ -300,7 +305,8 @@ def test_a_trainable_base_weight_or_an_output_hook_keeps_that_projection_out():
     assert any(n.endswith("layers.0.self_attn.v_proj.base_layer.weight") for n in got)
     state = getattr(layers[0], _STATE_ATTR)
     kept_calls = [sum(entry is not None for entry in graphs.kept["projections"].kept) for graphs in state.graphs.values()]
-    assert sorted(kept_calls) == [3, 5]  # layer 0: q, k, the experts; layer 1: q, k, v, o, the experts
+    assert sorted(kept_calls) == [2, 4]  # layer 0: q, k; layer 1: q, k, v, o
+    assert [sum(entry is not None for entry in graphs.kept["mlp"].kept) for graphs in state.graphs.values()] == [1, 1]  # the experts
 
 
 @pytest.mark.parametrize(
@@ -416,23 +422,23 @@ def test_kept_activations_fit_in_90_percent_of_the_gpu_with_room_for_the_optimiz
     cuda = torch.device("cuda")
     state = _ModelGraphs(max_signatures=8, attention="varlen")
     assert state.allow_keep(10 * gib, cuda) and not state.allow_keep(10 * gib + 1, cuda)
-    for kind, size in (("attention", 5 * gib), ("projections", 3 * gib)):  # a layer recorded so far (no memory: meta)
+    for kind, size in (("attention", 5 * gib), ("projections", 1 * gib), ("mlp", 2 * gib)):  # a layer recorded so far (meta)
         state.kept_shared[(0, kind)] = {(0, ()): (torch.empty(size, dtype=torch.uint8, device="meta"),)}
-    for kind in ("attention", "projections"):
+    for kind in KINDS:
         assert state.allow_keep(2 * gib, cuda, kind) and not state.allow_keep(2 * gib + 1, cuda, kind)
     before_a_step = _ModelGraphs(max_signatures=8, attention="varlen", optimizer_bytes=6 * gib)
     assert before_a_step.allow_keep(4 * gib, cuda) and not before_a_step.allow_keep(4 * gib + 1, cuda)
     no_attention = _ModelGraphs(max_signatures=8, attention="varlen", keep_attention=False)
     assert not no_attention.allow_keep(1, cuda, "attention") and no_attention.allow_keep(1, cuda, "projections")
-    no_experts = _ModelGraphs(max_signatures=8, attention="varlen", keep_projections=False)
-    assert no_experts.allow_keep(1, cuda, "attention") and not no_experts.allow_keep(1, cuda, "projections")
+    no_experts = _ModelGraphs(max_signatures=8, attention="varlen", keep_projections=False)  # neither kind of projection
+    assert no_experts.allow_keep(1, cuda, "attention") and not any(no_experts.allow_keep(1, cuda, k) for k in ("projections", "mlp"))
     assert _ModelGraphs(max_signatures=8, attention="varlen").allow_keep(10**15, torch.device("cpu"))  # tests: no budget
-    # strategy.keep_max_gib: a cap on both kinds together, on every device, under the budget too
+    # strategy.keep_max_gib: a cap on all kinds together, on every device, under the budget too
     capped = _ModelGraphs(max_signatures=8, attention="varlen", keep_max_bytes=keep_max_bytes(9))
     capped.kept_shared[(0, "attention")] = {(0, ()): (torch.empty(5 * gib, dtype=torch.uint8, device="meta"),)}
-    capped.kept_shared[(0, "projections")] = {(0, ()): (torch.empty(3 * gib, dtype=torch.uint8, device="meta"),)}
+    capped.kept_shared[(0, "mlp")] = {(0, ()): (torch.empty(3 * gib, dtype=torch.uint8, device="meta"),)}
     for device in (cuda, torch.device("cpu")):
-        for kind in ("attention", "projections"):
+        for kind in KINDS:
             assert capped.allow_keep(gib, device, kind) and not capped.allow_keep(gib + 1, device, kind)
     assert not _ModelGraphs(max_signatures=8, attention="varlen", keep_max_bytes=0).allow_keep(1, torch.device("cpu"))
     assert keep_max_bytes(None) is None and keep_max_bytes(0.5) == gib // 2
@@ -671,7 +677,7 @@ def test_the_stats_count_replayed_and_eager_layer_calls():
     kept = stats.pop("kept_attention_bytes")
     assert stats == {
         "replayed_layer_calls": 6, "eager_layer_calls": 6, "signatures": 1, "recordings": 3, "kept_attention_recordings": 3,
-        "kept_projections_recordings": 0, "kept_projections_bytes": 0,  # a dense model: no experts
+        "kept_projections_recordings": 0, "kept_projections_bytes": 0, "kept_mlp_recordings": 0, "kept_mlp_bytes": 0,
     }  # fmt: skip
     assert kept == 3 * (64 * 4 * 16 * 4 + 4 * 64 * 4)  # per layer: out [1, 4, 64, 16] and lse [1, 4, 64], fp32
 
@@ -703,14 +709,17 @@ def test_offloading_leaves_calls_with_keyword_tensors_that_require_grad_to_check
 
 
 def _plan(actions: list[dict[str, str]]) -> Plan:
-    """A memory plan with these per-layer actions (the predictions do not matter to the layers)."""
+    """A memory plan with these per-layer actions (the predictions do not matter to the layers); ``mlp`` does what
+    ``projections`` does where a layer's actions leave it out."""
+    actions = [{"mlp": acts["projections"], **acts} if "projections" in acts else acts for acts in actions]
     n = len(actions)
     return Plan(actions=tuple(actions), layer_s=(0.0,) * n, kept_bytes=(0,) * n, offloaded_bytes=(0,) * n,
-                step_s=0.0, peak_bytes=0, budget_bytes=0, names=("input", "attention", "projections"))
+                step_s=0.0, peak_bytes=0, budget_bytes=0, names=("input", *KINDS))
 
 
 # llama has 3 decoder layers, qwen3_moe 2 (the plans that offload kinds deepen both to `DEEP`: four layers or more
 # offload, so the staging sets are shared); per plan: what each layer does with its input, attention, projections
+# (and mlp: the same, but in "offload kept, gaps")
 DEEP = 6
 PLANS = {
     "recompute everything": lambda n: [{"input": "keep", "attention": "recompute", "projections": "recompute"}] * n,
@@ -721,13 +730,14 @@ PLANS = {
     ],
     "keep everything": lambda n: [{"input": "keep", "attention": "keep", "projections": "keep"}] * n,
     "offload kept": lambda n: [{"input": "offload", "attention": "offload", "projections": "offload"}] * n,
-    # attention offloaded in layers 0, 2, 3, 5, projections in 0, 3, 4: the layers 0, 2, 3, 4 take turns on the staging
-    # sets (the last layer keeps what the plan offloads there)
+    # attention offloaded in layers 0, 2, 3, 5, projections in 0, 3, 4, mlp in 1, 3, 4: per kind, its layers take turns
+    # on its staging sets (the last layer keeps what the plan offloads there)
     "offload kept, gaps": lambda n: [
         {
             "input": ("keep", "offload")[i % 3 == 0],
             "attention": ("offload", "keep", "offload", "offload", "recompute", "offload")[i % 6],
             "projections": ("offload", "recompute", "recompute", "offload", "offload", "keep")[i % 6],
+            "mlp": ("recompute", "offload", "keep", "offload", "offload", "recompute")[i % 6],
         }
         for i in range(n)
     ],
@@ -741,9 +751,9 @@ def _deepen(monkeypatch, name: str) -> None:
             monkeypatch.setitem(config, "num_hidden_layers", DEEP)
 
 
-def _staging(plan: Plan, layers: int) -> list[int]:
-    """The layers that offload kinds (all but the last), in order: they take turns on two staging sets."""
-    return [i for i in range(layers - 1) if any(plan.action(i, k) == "offload" for k in ("attention", "projections"))]
+def _staging(plan: Plan, layers: int, kinds: tuple[str, ...] = KINDS) -> list[int]:
+    """The layers that offload some of ``kinds`` (all but the last), in order."""
+    return [i for i in range(layers - 1) if any(plan.action(i, k) == "offload" for k in kinds)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -768,7 +778,9 @@ def test_every_memory_plan_gives_the_gradients_of_plain_checkpointing(kind, name
     apply_cuda_graphs(module.model)
     apply_memory_plan(module.model, plan)
     state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
-    bitwise = not cuda and not (plan.layers_where("projections", "keep") | plan.layers_where("projections", "offload"))
+    # the kinds the layers keep calls of: the experts keep only on grouped_mm (the GPU); tiny Qwen3-MoE has no dense MLP
+    kinds = KINDS if kind == "llama" or cuda else ("attention", "projections")
+    bitwise = not cuda and not any(plan.layers_where(k, a) for k in kinds if k != "attention" for a in ("keep", "offload"))
     for step, row in enumerate(["a", "b", "a", "b"]):
         batch = _batch(row, device, seed=step)
         want_loss, want = _loss_and_grads(reference, batch, train=True)
@@ -789,14 +801,15 @@ def test_every_memory_plan_gives_the_gradients_of_plain_checkpointing(kind, name
                     q.copy_(p)
     for (layer_id, _), graphs in state.graphs.items():
         index = next(i for i, m in enumerate(module.model.get_base_model().model.layers) if id(m) == layer_id)
-        for kind_ in ("attention", "projections"):
-            assert bool(graphs.kept[kind_].enabled) == (plan.action(index, kind_) in ("keep", "offload")), (index, kind_)
-        assert bool(graphs.staged) == (index in _staging(plan, layers))
+        for kind_ in KINDS:
+            keeps = kind_ in kinds and plan.action(index, kind_) in ("keep", "offload")
+            assert bool(graphs.kept[kind_].enabled) == keeps, (index, kind_)
+        assert bool(graphs.staged) == (index in _staging(plan, layers, kinds))
     offloaded = plan.layers_where("input", "offload") - {layers - 1}
     stats = cuda_graph_stats(module.model)
     assert stats["replayed_layer_calls"] > 0
     assert stats.get("offloaded_inputs", 0) == 4 * len(offloaded)  # every step's forward, eager or replayed
-    staging = _staging(plan, layers)
+    staging = _staging(plan, layers, kinds)
     assert stats.get("offloaded_kept", 0) == stats["replayed_layer_calls"] // layers * len(staging)  # every replayed call
     if len(staging) > 2:  # a staging set shared by two layers: the first one's kept activations came back from the host
         assert stats["reloaded_kept"] > 0
@@ -842,8 +855,8 @@ def test_offloaded_kinds_give_the_gradients_of_keeping_them(kind, name, monkeypa
                     q.copy_(p)
     stats, reference = cuda_graph_stats(offloading.model), cuda_graph_stats(keeping.model)
     assert stats["offloaded_kept"] > 0 and stats["reloaded_kept"] > 0
-    staged = sum(stats[f"kept_{k}_bytes"] for k in ("attention", "projections"))
-    assert staged < sum(reference[f"kept_{k}_bytes"] for k in ("attention", "projections"))
+    staged = sum(stats[f"kept_{k}_bytes"] for k in KINDS)
+    assert staged < sum(reference[f"kept_{k}_bytes"] for k in KINDS)
 
 
 @pytest.mark.gpu
@@ -871,7 +884,7 @@ def test_offloaded_kinds_on_the_gpu_give_the_kept_gradients_with_a_lower_peak(mo
             _, grads = _loss_and_grads(module, _batch("long", "cuda", seed=step), train=True)
         torch.cuda.synchronize()
         stats = cuda_graph_stats(module.model)
-        kept = stats["kept_attention_bytes"] + stats["kept_projections_bytes"]
+        kept = sum(stats[f"kept_{k}_bytes"] for k in KINDS)
         results[action] = (grads, torch.cuda.max_memory_allocated() - base, kept, stats)
         revert_cuda_graphs(module.model)
         del module
@@ -899,7 +912,12 @@ def test_a_memory_plan_replaces_the_recordings_and_refuses_what_it_cannot_do():
         apply_memory_plan(module.model, _plan(PLANS["mixed"](2)))
     offload_attention = [{"input": "keep", "attention": "offload", "projections": "keep"}] * 3
     apply_memory_plan(module.model, _plan(offload_attention))  # layers 0 and 1 take turns on the staging sets, not 2
-    assert state.staging == {0: 0, 1: 1} and state.offload is not None and state.offload.layers == set()
+    assert state.staging == {(0, "attention"): 0, (1, "attention"): 1} and state.offload is not None and state.offload.layers == set()
+    # per kind: layer 1 offloads mlp alone, 0 and 2 attention; each kind's layers take turns on its own two sets
+    apart = [{"input": "keep", "attention": ("offload", "keep")[i % 2], "projections": "keep", "mlp": ("keep", "offload")[i % 2]}
+             for i in range(3)]
+    apply_memory_plan(module.model, _plan(apart))
+    assert state.staging == {(0, "attention"): 0, (1, "mlp"): 0}
 
 
 def test_the_strategy_logs_the_plan_and_the_summary_reports_its_peak(caplog):

@@ -29,13 +29,14 @@ from test_cuda_graphs import test_every_memory_plan_gives_the_gradients_of_plain
 from test_cuda_graphs import test_offloaded_kinds_give_the_gradients_of_keeping_them as _offloaded_kinds_give_kept_gradients
 
 from lightning_ft.strategies.cuda_graphs import apply_cuda_graphs, graphed_layers
+from lightning_ft.strategies.kept import KINDS
 from lightning_ft.strategies.offload import ActivationOffload
 from lightning_ft.strategies.planner import GIB, MIB, Bandwidth
 from lightning_ft.strategies.profiler import StepProfiler, layer_kind
 from lightning_ft.strategies.strategy import Execution, SingleDeviceStrategy
 
 #: seconds each measurement takes, by what it measures (`StepProfiler.timed`'s ``what``)
-TIMES = {"forward": 2e-3, "backward": 4e-3, "recompute:attention": 5e-3, "recompute:projections": 7e-3}
+TIMES = {"forward": 2e-3, "backward": 4e-3, "recompute:attention": 5e-3, "recompute:projections": 4.5e-3, "recompute:mlp": 6.5e-3}
 #: seconds between two marks (`StepProfiler.mark`, `between`): the forward before the first layer and after the last
 BETWEEN = {("pass", "layers"): 0.01, ("head", "end"): 0.03}
 
@@ -105,17 +106,18 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
     batch = _batch("a", "cpu")
     layers = LAYERS
     profiler = FakeProfiler()
-    measured = profiler.measure(module, batch, graphed_layers(module.model), ("attention", "projections"))
+    measured = profiler.measure(module, batch, graphed_layers(module.model), KINDS)
     assert len(measured.layers) == layers
     tokens, hidden = batch.num_tokens, TINY["llama"]["hidden_size"]
     for profile in measured.layers:
         assert (profile.forward_s, profile.backward_s) == (TIMES["forward"], TIMES["backward"])
         saved = {c.name: c for c in profile.saved}
         assert saved["input"].nbytes == tokens * hidden * 4 and saved["input"].actions == ("keep", "offload")
-        # attention: the output [T, Hq·D] and the log-sum-exp; projections: q/k/v/o and the MLP's, with x·Aᵀ
-        assert saved["attention"].nbytes >= tokens * hidden * 4 and saved["projections"].nbytes > saved["attention"].nbytes
-        assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(3e-3)
-        assert saved["attention"].actions == saved["projections"].actions == ("keep", "offload", "recompute")
+        # attention: the output [T, Hq·D] and the log-sum-exp; projections: Llama's v/o, mlp: its gate/up/down, with x·Aᵀ
+        assert saved["attention"].nbytes >= tokens * hidden * 4 and saved["mlp"].nbytes > saved["projections"].nbytes > 0
+        assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(0.5e-3)
+        assert saved["mlp"].recompute_s == pytest.approx(2.5e-3)
+        assert saved["attention"].actions == saved["projections"].actions == saved["mlp"].actions == ("keep", "offload", "recompute")
     # the forward outside the layers, timed in a pass after the measuring one (before the first layer, after the
     # last), ×3 for its backward
     marks = [i for i, (layer, _) in enumerate(profiler.calls) if layer == "mark"]
@@ -137,10 +139,10 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
     with caplog.at_level(logging.INFO):
         made = strategy.plan_memory(module, batch)
     assert strategy.memory_plan is made and made.fits and "memory plan" in caplog.text and "predicted step" in caplog.text
-    assert all(made.action(i, kind) == "keep" for i in range(layers) for kind in ("input", "attention", "projections"))
+    assert all(made.action(i, kind) == "keep" for i in range(layers) for kind in ("input", *KINDS))
     lean = _strategy(FakeProfiler(**scaled), memory_budget_gib=64 / 1024).plan_memory(module, batch)
     assert lean.fits and len(lean.layers_where("input", "offload")) >= 4 and lean.peak_bytes <= 64 * MIB
-    assert lean.layers_where("projections", "recompute") == set(range(layers)) and lean.host_bytes > 0
+    assert lean.layers_where("mlp", "recompute") == set(range(layers)) and lean.host_bytes > 0
     caplog.clear()
     with caplog.at_level(logging.INFO), pytest.warns(Warning, match="memory plan: even keeping nothing .* the leanest plan"):
         hostless = _strategy(FakeProfiler(**scaled), memory_budget_gib=64 / 1024, host_budget_gib=0).plan_memory(module, batch)
@@ -317,7 +319,7 @@ def test_under_ddp_every_rank_applies_rank_zeros_plan_from_one_broadcast(tmp_pat
         torch.set_num_threads(threads)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     alone = [_strategy(FakeProfiler(scale=2**10, gbps=g), **budget).plan_memory(module, batches[r]) for r, g in enumerate(gbps)]
-    assert alone[0].layers_where("attention", "offload") and alone[1].layers_where("attention", "recompute") == set(range(LAYERS - 1))
+    assert alone[0].layers_where("attention", "offload") and len(alone[1].layers_where("attention", "recompute")) == LAYERS - 1
     assert alone[1].actions != alone[0].actions and not alone[1].layers_where("input", "offload")
     for rank in ranks:
         assert rank["plan"] == rank["applied"] == alone[0] and rank["offload"] == sorted(alone[0].layers_where("input", "offload"))

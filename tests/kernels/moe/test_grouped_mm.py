@@ -40,7 +40,7 @@ def test_kept_gate_up_recompute_gives_the_plain_gradients_bit_for_bit(case_name,
     topk_idx, tensors = _make(case, "cpu")
     grad_out = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(1))
     want_out, want = _run("grouped_mm", case, topk_idx, tensors, dtype, grad_out)
-    keep = kept.KeptActivations("projections", allow=lambda nbytes: True)
+    keep = kept.KeptActivations("mlp", allow=lambda nbytes: True)
     for scale in (0.5, 1.0):  # the first forward's results become the buffers, the later one's land in them
         _run("grouped_mm", case, topk_idx, tensors | {"x": tensors["x"] * scale}, dtype, None, keep=keep)
     assert keep.enabled and len(keep.kept) == 1
