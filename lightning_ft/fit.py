@@ -392,8 +392,11 @@ def _train(
         shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named) or "the trainer.* settings"
         raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
     # after the Trainer is built (a resume it refuses leaves logs/ as it was), before the CSVLogger starts its file
-    if ckpt_path and (earlier := keep_previous_metrics(run_dir)) is not None:
+    earlier = keep_previous_metrics(run_dir, resuming=bool(ckpt_path))
+    if ckpt_path and earlier is not None:
         trainer.callbacks.append(ResumedMetrics(earlier))
+    elif earlier is not None:
+        log.info("%s: moved to %s (an earlier run's metrics; this run writes its own)", earlier.with_name("metrics.csv"), earlier.name)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success

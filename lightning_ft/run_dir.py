@@ -225,16 +225,22 @@ def resume_command(run_dir: Path) -> str:
     return shlex.join(["python", "-m", "lightning_ft", "fit", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
 
 
-def keep_previous_metrics(run_dir: Path) -> Path | None:
-    """Before a resume, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
-    deletes it when the resumed run's logger starts (before the checkpoint is restored: a resume that
-    fails there has it moved already) and would drop the interrupted run's rows.
+def keep_previous_metrics(run_dir: Path, resuming: bool = True) -> Path | None:
+    """Before a run's logger starts, move ``logs/metrics.csv`` aside (``metrics.<n>.csv``): Lightning's CSVLogger
+    deletes it when the logger starts (on a resume before the checkpoint is restored: a resume that
+    fails there has it moved already) and would drop the interrupted run's rows, or an earlier run's in a
+    folder a new run reuses (one that stopped before its first step, or a folder of other files).
     Only the job's first process does it (the other ranks, on any node, never write logs).
 
+    Args:
+        run_dir: the run folder.
+        resuming: a resume (the earlier rows go back into the new file); False: a new run (they stay aside).
+
     Returns:
-        The file holding the earlier rows for `lightning_ft.callbacks.resumed_metrics.ResumedMetrics` to
+        Resuming: the file holding the earlier rows for `lightning_ft.callbacks.resumed_metrics.ResumedMetrics` to
         put back into the new ``metrics.csv``: the one moved now, or (no ``metrics.csv`` here: a resume
-        stopped before its logger wrote) the newest ``metrics.<n>.csv`` left by that attempt; None elsewhere.
+        stopped before its logger wrote) the newest ``metrics.<n>.csv`` left by that attempt. A new run: the file
+        moved now. None elsewhere.
     """
     metrics = run_dir / "logs" / "metrics.csv"
     if not first_process():
@@ -243,7 +249,7 @@ def keep_previous_metrics(run_dir: Path) -> Path | None:
     while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():
         n += 1
     if not metrics.exists():
-        return metrics.with_name(f"metrics.{n - 1}.csv") if n > 1 else None
+        return metrics.with_name(f"metrics.{n - 1}.csv") if n > 1 and resuming else None
     metrics.rename(kept)
     return kept
 

@@ -107,14 +107,40 @@ class ExpertBiases(NamedTuple):
         return ExpertBiases(*(None if b is None else b.to(dtype) for b in self))
 
 
-def _routed_bias(bias_ED: torch.Tensor, weight_S: torch.Tensor, routing: ExpertRouting, expert_S: torch.Tensor) -> torch.Tensor:
-    """[T, D]: each token's sum over its experts of routing weight × the expert's down-projection bias (gpt-oss's
-    ``down_proj_bias``), the term the bias adds to the token's output. One [T, E] × [E, D] GEMM over the routing
-    weights scattered into a dense [T, E] matrix (``expert_S`` [S]: each sorted row's expert), instead of an
-    [S, D] tensor of gathered biases scaled and summed; differentiable w.r.t. ``bias_ED`` and ``weight_S``."""
+def _add_routed_bias(
+    out_TD: torch.Tensor, bias_ED: torch.Tensor, weight_S: torch.Tensor, routing: ExpertRouting, expert_S: torch.Tensor,
+    output_needed: bool = True,
+) -> torch.Tensor:
+    """out_TD [T, D] plus each token's sum over its experts of routing weight × the expert's down-projection bias
+    (gpt-oss's ``down_proj_bias``). One [T, E] × [E, D] GEMM over the routing weights scattered into a dense
+    [T, E] matrix (``expert_S`` [S]: each sorted row's expert), accumulating into out_TD (``addmm``: no separate
+    [T, D] add), instead of an [S, D] tensor of gathered biases scaled and summed; differentiable w.r.t. all three.
+    With ``output_needed=False`` (out_TD is an unread output, `routing.unread_output`) nothing is computed: the
+    result is unread too, and the backward gives the same gradients (the routing weights' reaches the router)."""
     num_tokens, num_experts = routing.num_tokens, bias_ED.shape[0]
     dense = weight_S.new_zeros(num_tokens * num_experts).index_copy(0, routing.token_idx_S * num_experts + expert_S, weight_S)
-    return dense.view(num_tokens, num_experts).to(bias_ED.dtype) @ bias_ED
+    dense_TE = dense.view(num_tokens, num_experts).to(bias_ED.dtype)
+    if not output_needed:
+        return _UnreadAddmm.apply(out_TD, dense_TE, bias_ED)
+    if out_TD.dtype != bias_ED.dtype:
+        return out_TD + dense_TE @ bias_ED
+    return torch.addmm(out_TD, dense_TE, bias_ED)
+
+
+class _UnreadAddmm(torch.autograd.Function):
+    """``c + a @ b`` whose value nobody reads (c unread, `routing.unread_output`): an unread result, addmm's gradients."""
+
+    @staticmethod
+    def forward(ctx, c, a, b):
+        ctx.save_for_backward(a, b)
+        return c.new_zeros(()).expand(c.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = grad @ b.t() if ctx.needs_input_grad[1] else None
+        grad_b = a.t() @ grad if ctx.needs_input_grad[2] else None
+        return grad, grad_a, grad_b
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,10 @@ from lightning_ft.kernels.fp8 import Fp8ExpertWeight
 from lightning_ft.kernels.moe._common import (
     _INTERPRET,
     ExpertBiases,
+    _add_routed_bias,
     _LoRAFactors,
     _lora_args,
     _refuse_host_sync_in_capture,
-    _routed_bias,
     _swiglu,
 )
 from lightning_ft.kernels.moe.grouped_gemm import (
@@ -624,7 +624,7 @@ def _experts_grouped_mm(
     Where Triton runs, the two gathers of [S, D] rows feed the thin LoRA product that reads them
     in the same pass: x's with gate/up's x A^T (`_PermuteThin`), the output gradient's with down's
     dy B (`_UnpermuteThin`). ``biases`` (gpt-oss): the gate/up bias is added inside the fused activation
-    (`_swiglu`), the down bias times the routing weight to the tokens' summed outputs (`_routed_bias`; the
+    (`_swiglu`), the down bias times the routing weight to the tokens' summed outputs (`_add_routed_bias`; the
     down input already holds the weight), so a kept h (the GEMM's output) serves the recompute as it is."""
     offsets_E = routing.offsets_E
     fuse_thin = triton_can_run(x_TD) and x_TD.dtype != torch.float64  # our kernels add in fp32
@@ -671,7 +671,7 @@ def _experts_grouped_mm(
             down_pad, handoff,
         )  # fmt: skip
     if biases.down_ED is not None:  # a_SI holds the routing weight; the bias term is added per token
-        out_TD = out_TD + _routed_bias(biases.down_ED, weight_S, routing, expert_S)
+        out_TD = _add_routed_bias(out_TD, biases.down_ED, weight_S, routing, expert_S, output_needed)
     return out_TD
 
 

@@ -63,11 +63,14 @@ def test_only_what_requires_grad_gets_the_reference_gradient(backend, trainable,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_unneeded_output_is_zeros_with_the_same_gradients(backend, device):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_an_unneeded_output_is_zeros_with_the_same_gradients(backend, device, gpt_oss):
     """``output_needed=False`` (a recompute that only differentiates): grouped_mm and triton skip the
-    down projection and return zeros, native_torch computes it; every gradient is unchanged."""
+    down projection (and gpt-oss's routed down bias) and return zeros, native_torch computes it; every
+    gradient (the biases' and the routing weights' included) is unchanged."""
     _skip_unless_runnable(backend, device)
     case = CASES["odd_sizes"] if backend != "grouped_mm" else CASES["base"]  # grouped_mm: aligned sizes
+    case = CASES["gpt_oss"] if gpt_oss else case
     topk_idx, tensors = _make(case, device)
     grad_out = torch.randn(case.tokens, case.hidden).to(device)
     out, grads = _run(backend, case, topk_idx, tensors, torch.float32, grad_out)
