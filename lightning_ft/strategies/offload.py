@@ -12,6 +12,10 @@ input is copied to the host in forward and back in backward, overlapped with com
   memory returns to the compute stream's pool at once, ordered after the copy. (``record_stream``
   would instead keep the block from being reused until the allocator sees the copy finish, which
   with the host running ahead of the GPU means new segments: more reserved memory, not less.)
+  The inputs go out on a copy stream of their own: on the stream of the kept activations' copies
+  (below) an input's copy would queue behind the previous layer's, and the next layer would wait for
+  all of them (measured on the H100, gpt-oss-20b at 32K: 2 GiB of a full-attention layer's projections
+  ahead of the next layer's input, 179 ms of waits a step); side by side they share the bandwidth.
 - backward (`ActivationOffload.load`): layers run in reverse. Loading layer i's input also starts
   the copy of layer i-1's (prefetch, one layer ahead), so it overlaps layer i's backward; the
   compute stream waits only on the event of the copy it needs. Two reloaded inputs are alive at a
@@ -197,7 +201,8 @@ class CopyMeter:
         """The entries completed so far read (`resolve`), then:
 
         ``copy_d2h_gbps``, ``copy_h2d_gbps``: the achieved bandwidth of the copies to the host and back, GB/s
-        (1e9 bytes per second: the timed copies' bytes over their summed times), None where none was timed (off
+        (1e9 bytes per second: the timed copies' bytes over their summed times; an input's copy that ran beside a
+        kept activation's shared the bandwidth, so this is below the link's rate then), None where none was timed (off
         CUDA, or none has completed yet); ``compute_waits``: the compute stream's waits on copies (none off
         CUDA); ``compute_wait_ms``: the timed waits' summed stall, ms, and ``compute_wait_ms_per_forward`` (over
         the forwards, layer 0's saves), None where nothing was timed (off CUDA). The run's first steps (recording,
@@ -230,7 +235,7 @@ class ActivationOffload:
     def __init__(self, num_layers: int, layers: set[int] | None = None):
         self.num_layers = num_layers
         self.layers = layers
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # (device, lane): the copy streams
         self.last: weakref.ref[OffloadedTensor] | None = None  # the input saved last (not kept alive)
         self.holding: OffloadedTensor | None = None  # the one input whose device memory is still held
         self.inflight: list[OffloadedTensor] = []  # reloads started whose event the compute stream has not waited on
@@ -244,10 +249,10 @@ class ActivationOffload:
         self.staged_saves = 0
         self.staged_loads = 0
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device)
-        return self.streams[device]
+    def _stream(self, device: torch.device, lane: str) -> torch.cuda.Stream:
+        if (device, lane) not in self.streams:
+            self.streams[device, lane] = torch.cuda.Stream(device)
+        return self.streams[device, lane]
 
     def _let_go(self) -> None:
         """Order the held input's reuse after its copy (compute stream waits on it), then drop it.
@@ -297,7 +302,7 @@ class ActivationOffload:
             saved = OffloadedTensor(x, None, layer_index, previous)
         elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            copied = self._copy([(host, x)], x.device, "d2h")
+            copied = self._copy([(host, x)], x.device, "d2h", lane="inputs")
             saved = self.holding = OffloadedTensor(x, host, layer_index, previous)
             saved.copied = copied
         else:
@@ -324,17 +329,19 @@ class ActivationOffload:
             self.busy[id(entry)] = copied
         self.staged_saves += 1
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, direction: str) -> torch.cuda.Event | None:
-        """Copy each (destination, source) on the copy stream after the compute stream's work queued so far,
-        ``direction`` ``d2h`` or ``h2d`` (for the `CopyMeter`, with the events around them); the event after
-        them (None off CUDA, where the copies are done on return)."""
+    def _copy(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, direction: str, lane: str = "copies",
+    ) -> torch.cuda.Event | None:
+        """Copy each (destination, source) on the copy stream ``lane`` (the forward's inputs: ``inputs``) after the
+        compute stream's work queued so far, ``direction`` ``d2h`` or ``h2d`` (for the `CopyMeter`, with the events
+        around them); the event after them (None off CUDA, where the copies are done on return)."""
         nbytes = sum(destination.nbytes for destination, _ in pairs)
         if device.type != "cuda":
             for destination, source in pairs:
                 destination.copy_(source)
             self.meter.copied(direction, nbytes)
             return None
-        stream = self._stream(device)
+        stream = self._stream(device, lane)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             start = stream.record_event(torch.cuda.Event(enable_timing=True))
@@ -372,8 +379,9 @@ class ActivationOffload:
     def wait_copies(self, device: torch.device) -> None:
         """The compute stream waits for every copy queued so far (before buffers are written outside `save`'s
         order, e.g. while a layer is recorded)."""
-        if device in self.streams:
-            self._wait(device, self.streams[device].record_event())
+        for (on, _), stream in self.streams.items():
+            if on == device:
+                self._wait(device, stream.record_event())
 
     def _start_load(self, saved: OffloadedTensor) -> None:
         if saved.device.type != "cuda":
