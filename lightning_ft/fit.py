@@ -392,11 +392,13 @@ def _train(
         shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named) or "the trainer.* settings"
         raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
     # after the Trainer is built (a resume it refuses leaves logs/ as it was), before the CSVLogger starts its file
-    earlier = keep_previous_metrics(run_dir, resuming=bool(ckpt_path))
-    if ckpt_path and earlier is not None:
+    own_resume = bool(ckpt_path) and Path(ckpt_path).resolve().is_relative_to(run_dir.resolve())  # not another run's
+    earlier = keep_previous_metrics(run_dir, resuming=own_resume)
+    if own_resume and earlier is not None:
         trainer.callbacks.append(ResumedMetrics(earlier))
     elif earlier is not None:
         log.info("%s: moved to %s (an earlier run's metrics; this run writes its own)", earlier.with_name("metrics.csv"), earlier.name)
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")  # nothing is deleted
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success

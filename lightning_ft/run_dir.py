@@ -234,7 +234,9 @@ def keep_previous_metrics(run_dir: Path, resuming: bool = True) -> Path | None:
 
     Args:
         run_dir: the run folder.
-        resuming: a resume (the earlier rows go back into the new file); False: a new run (they stay aside).
+        resuming: a resume of this folder's run (the earlier rows go back into the new file); False: a new run
+            here, or one resumed from another run's checkpoint (the file is moved to ``metrics.earlier.<n>.csv``
+            and stays there: never taken for an interrupted attempt's rows).
 
     Returns:
         Resuming: the file holding the earlier rows for `lightning_ft.callbacks.resumed_metrics.ResumedMetrics` to
@@ -245,11 +247,12 @@ def keep_previous_metrics(run_dir: Path, resuming: bool = True) -> Path | None:
     metrics = run_dir / "logs" / "metrics.csv"
     if not first_process():
         return None
+    stem = "metrics" if resuming else "metrics.earlier"
     n = 1
-    while (kept := metrics.with_name(f"metrics.{n}.csv")).exists():
+    while (kept := metrics.with_name(f"{stem}.{n}.csv")).exists():
         n += 1
     if not metrics.exists():
-        return metrics.with_name(f"metrics.{n - 1}.csv") if n > 1 and resuming else None
+        return metrics.with_name(f"{stem}.{n - 1}.csv") if n > 1 and resuming else None
     metrics.rename(kept)
     return kept
 

@@ -240,8 +240,8 @@ def lightning_ft_steps(spec: dict[str, Any], input_ids: torch.Tensor, num_steps:
     """Run ``num_steps`` steps of `FinetuneModule` under a Lightning `Trainer`; returns (seconds per step, last loss, summary).
 
     The summary has `StepTimer`'s entries, with a memory plan its predicted peak (``predicted_peak_gib``) and,
-    with CUDA graphs, `cuda_graph_stats` prefixed ``cuda_graphs_`` (layer calls replayed, bytes of attention and
-    projection outputs kept; with activation offloading the copies' achieved GB/s and the compute stream's wait on
+    with CUDA graphs, `cuda_graph_stats` prefixed ``cuda_graphs_`` (layer calls replayed, bytes of attention outputs
+    and of attention's and the MLP's projection outputs kept; with activation offloading the copies' achieved GB/s and the compute stream's wait on
     them per forward, warm-up steps included: `lightning_ft.strategies.offload.CopyMeter.stats`).
     """
     import lightning as L

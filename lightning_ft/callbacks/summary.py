@@ -243,7 +243,7 @@ class RunSummary(L.Callback):
       statistics (``data``: examples, truncated, dropped, ``packing_efficiency``: the packed
       documents' tokens over the rows' capacity, ``data.max_tokens`` each, ...), ``cuda_graphs``
       (with the layers graphed, ``strategy.cuda_graphs`` true or ``auto`` resolved on: layer calls replayed from graphs and run eagerly, signatures
-      recorded, attention and projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
+      recorded, attention outputs and attention's and the MLP's projection outputs kept; `lightning_ft.strategies.cuda_graphs.cuda_graph_stats`),
       ``offload_copies`` (with activation offloading: the copies' achieved bandwidth against the memory plan's
       measured one and the compute stream's wait on them per step; `offload_copies`; else null),
       ``world_size`` (``tokens_per_s`` counts every rank's tokens; the peaks are rank 0's), ``device``,

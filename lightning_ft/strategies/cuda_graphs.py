@@ -52,10 +52,10 @@ tensor checkpointing keeps, waits in pinned host memory from the layer's forward
 positional arguments or keyword tensors that require grad: those are checkpointed on the device).
 A memory plan (`apply_memory_plan`) may offload the kept kinds too: per kind, the layers that offload it
 (the last one excepted) take turns, in layer order, between two staging sets of that kind's kept buffers
-(``KeptActivations.shared`` keyed by the set, not the layer). A layer's forward graph writes its set
-(after the compute stream has waited for the copies still reading or writing it), then the set is
+(``KeptActivations.shared`` keyed by the set, not the layer). A layer's forward graph writes its sets, one per
+kind it offloads (after the compute stream has waited for the copies still reading or writing them), then the sets are
 copied to the layer call's own pinned host tensors on the copy stream; before the backward graph
-reads it, it is copied back unless it still holds that call's values, one layer ahead, like the
+reads them, they are copied back unless they still hold that call's values, one layer ahead, like the
 inputs (`ActivationOffload.save`, `save_staged`, `load`). Those entries are restored from the host,
 never by replaying the forward. Replayed calls only: eager calls keep nothing.
 

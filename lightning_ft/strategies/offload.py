@@ -12,10 +12,6 @@ input is copied to the host in forward and back in backward, overlapped with com
   memory returns to the compute stream's pool at once, ordered after the copy. (``record_stream``
   would instead keep the block from being reused until the allocator sees the copy finish, which
   with the host running ahead of the GPU means new segments: more reserved memory, not less.)
-  The inputs go out on a copy stream of their own: on the stream of the kept activations' copies
-  (below) an input's copy would queue behind the previous layer's, and the next layer would wait for
-  all of them (measured on the H100, gpt-oss-20b at 32K: 2 GiB of a full-attention layer's projections
-  ahead of the next layer's input, 179 ms of waits a step); side by side they share the bandwidth.
 - backward (`ActivationOffload.load`): layers run in reverse. Loading layer i's input also starts
   the copy of layer i-1's (prefetch, one layer ahead), so it overlaps layer i's backward; the
   compute stream waits only on the event of the copy it needs. Two reloaded inputs are alive at a
@@ -35,15 +31,18 @@ before one backward are safe.
 Off CUDA (tests) a saved input is a copy on its own device and the prefetch bookkeeping is the same.
 
 Kept activations (`lightning_ft.strategies.kept`) that a memory plan offloads ride along with the
-input of the same layer call (`OffloadedTensor.staged`): the graphed layers that offload them take
-turns between two staging buffer sets (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`), static
+input of the same layer call (`OffloadedTensor.staged`): per kind, the graphed layers that offload it take
+turns between two staging buffer sets of it (`lightning_ft.strategies.cuda_graphs.apply_memory_plan`), static
 device buffers the forward graph writes and the backward graph reads. `ActivationOffload.save` makes
-the compute stream wait for the copies that still read or write the layer's set (the copy out of the
-layer that used it two layers before; a reload into it); `save_staged`, after the forward is queued,
-copies the set to the call's own host tensors on the copy stream. `load` copies them back unless the
-set still holds them (its forward was the set's last writer), starts the previous layer's (prefetch,
-into the other set, whose last reader, the backward of the layer after, is already queued) and makes
-the compute stream wait for the copies on this layer's set. Every buffer set records whose values it
+the compute stream wait for the copies that still read or write the layer's sets (the copy out of the
+layer that used a set before it; a reload into it); `save_staged`, after the forward is queued,
+copies the sets to the call's own host tensors on the copy stream. `load` copies them back unless the
+sets still hold them (its forward was their last writer), starts the previous layer's (prefetch,
+into its own sets: for each kind the other set of that kind when the previous layer offloads it too, whose
+last reader, the backward of a layer after, is already queued) and makes the compute stream wait for the
+copies on this layer's sets. The inputs share the copy stream with them: measured on the H100 (gpt-oss-20b
+at 32K tokens), a second stream for the inputs made the step 5% slower (two copies to the host at once) and
+the memory of the inputs it let go came back to the pool later. Every buffer set records whose values it
 holds and the event of its last copy, so any order of forwards and backwards (two forwards before one
 backward) reads its own values, with less overlap when the order is not the reverse of the forward's.
 Off CUDA the copies are done when they are queued.
@@ -201,8 +200,7 @@ class CopyMeter:
         """The entries completed so far read (`resolve`), then:
 
         ``copy_d2h_gbps``, ``copy_h2d_gbps``: the achieved bandwidth of the copies to the host and back, GB/s
-        (1e9 bytes per second: the timed copies' bytes over their summed times; an input's copy that ran beside a
-        kept activation's shared the bandwidth, so this is below the link's rate then), None where none was timed (off
+        (1e9 bytes per second: the timed copies' bytes over their summed times), None where none was timed (off
         CUDA, or none has completed yet); ``compute_waits``: the compute stream's waits on copies (none off
         CUDA); ``compute_wait_ms``: the timed waits' summed stall, ms, and ``compute_wait_ms_per_forward`` (over
         the forwards, layer 0's saves), None where nothing was timed (off CUDA). The run's first steps (recording,
@@ -235,7 +233,7 @@ class ActivationOffload:
     def __init__(self, num_layers: int, layers: set[int] | None = None):
         self.num_layers = num_layers
         self.layers = layers
-        self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # (device, lane): the copy streams
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.last: weakref.ref[OffloadedTensor] | None = None  # the input saved last (not kept alive)
         self.holding: OffloadedTensor | None = None  # the one input whose device memory is still held
         self.inflight: list[OffloadedTensor] = []  # reloads started whose event the compute stream has not waited on
@@ -249,10 +247,10 @@ class ActivationOffload:
         self.staged_saves = 0
         self.staged_loads = 0
 
-    def _stream(self, device: torch.device, lane: str) -> torch.cuda.Stream:
-        if (device, lane) not in self.streams:
-            self.streams[device, lane] = torch.cuda.Stream(device)
-        return self.streams[device, lane]
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
 
     def _let_go(self) -> None:
         """Order the held input's reuse after its copy (compute stream waits on it), then drop it.
@@ -302,7 +300,7 @@ class ActivationOffload:
             saved = OffloadedTensor(x, None, layer_index, previous)
         elif x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            copied = self._copy([(host, x)], x.device, "d2h", lane="inputs")
+            copied = self._copy([(host, x)], x.device, "d2h")
             saved = self.holding = OffloadedTensor(x, host, layer_index, previous)
             saved.copied = copied
         else:
@@ -329,19 +327,17 @@ class ActivationOffload:
             self.busy[id(entry)] = copied
         self.staged_saves += 1
 
-    def _copy(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, direction: str, lane: str = "copies",
-    ) -> torch.cuda.Event | None:
-        """Copy each (destination, source) on the copy stream ``lane`` (the forward's inputs: ``inputs``) after the
-        compute stream's work queued so far, ``direction`` ``d2h`` or ``h2d`` (for the `CopyMeter`, with the events
-        around them); the event after them (None off CUDA, where the copies are done on return)."""
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, direction: str) -> torch.cuda.Event | None:
+        """Copy each (destination, source) on the copy stream after the compute stream's work queued so far,
+        ``direction`` ``d2h`` or ``h2d`` (for the `CopyMeter`, with the events around them); the event after
+        them (None off CUDA, where the copies are done on return)."""
         nbytes = sum(destination.nbytes for destination, _ in pairs)
         if device.type != "cuda":
             for destination, source in pairs:
                 destination.copy_(source)
             self.meter.copied(direction, nbytes)
             return None
-        stream = self._stream(device, lane)
+        stream = self._stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             start = stream.record_event(torch.cuda.Event(enable_timing=True))
@@ -379,9 +375,8 @@ class ActivationOffload:
     def wait_copies(self, device: torch.device) -> None:
         """The compute stream waits for every copy queued so far (before buffers are written outside `save`'s
         order, e.g. while a layer is recorded)."""
-        for (on, _), stream in self.streams.items():
-            if on == device:
-                self._wait(device, stream.record_event())
+        if device in self.streams:
+            self._wait(device, self.streams[device].record_event())
 
     def _start_load(self, saved: OffloadedTensor) -> None:
         if saved.device.type != "cuda":

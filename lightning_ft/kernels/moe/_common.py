@@ -133,14 +133,15 @@ class _UnreadAddmm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, c, a, b):
         ctx.save_for_backward(a, b)
-        return c.new_zeros(()).expand(c.shape)
+        ctx.c_dtype = c.dtype
+        return c.new_zeros((), dtype=torch.promote_types(c.dtype, b.dtype)).expand(c.shape)  # ``c + a @ b``'s dtype
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        grad_a = grad @ b.t() if ctx.needs_input_grad[1] else None
-        grad_b = a.t() @ grad if ctx.needs_input_grad[2] else None
-        return grad, grad_a, grad_b
+        grad_a = grad.to(b.dtype) @ b.t() if ctx.needs_input_grad[1] else None
+        grad_b = a.t() @ grad.to(a.dtype) if ctx.needs_input_grad[2] else None
+        return grad.to(ctx.c_dtype), grad_a, grad_b
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,10 @@ def test_an_unneeded_output_is_zeros_with_the_same_gradients(backend, device, gp
         torch.testing.assert_close(skipped, out, rtol=0, atol=0)
     else:
         assert skipped.shape == out.shape and not skipped.any()
+    # the gate/up bias's gradient sums its rows with index_add_, whose atomics on CUDA add in a varying order
+    order = dict(rtol=1e-5, atol=1e-6) if gpt_oss and device == "cuda" else dict(rtol=0, atol=0)
     for name, grad in grads.items():
-        torch.testing.assert_close(skipped_grads[name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(skipped_grads[name], grad, **order, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
