@@ -140,13 +140,17 @@ def test_patched_model_matches_stock_fp32(backend, case, device):
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    for name, grad in grads.items():  # every expert's slice of every expert LoRA tensor learns
-        if "experts" in name:  # lora_A rows e*R + j, lora_B columns j*E + e (PEFT's layout)
-            if "lora_A" in name:
-                per_expert = grad.view(num_experts, -1).abs().sum(dim=1)
-            else:
-                per_expert = grad.view(grad.shape[0], -1, num_experts).abs().sum(dim=(0, 1))
-            assert torch.all(per_expert > 0), f"{backend}: an expert of {name} got no gradient"
+    def learning(grad):  # which experts' slices of an expert LoRA tensor got gradient
+        if "lora_A" in name:  # lora_A rows e*R + j, lora_B columns j*E + e (PEFT's layout)
+            return grad.view(num_experts, -1).abs().sum(dim=1) > 0
+        return grad.view(grad.shape[0], -1, num_experts).abs().sum(dim=(0, 1)) > 0
+
+    # every expert the stock model routes tokens to learns, and only those (the random routing of 32 tokens may
+    # leave an expert of a layer without any: with peft 0.22's initialisation, expert 0 of Qwen3-MoE's layer 1)
+    for name, grad in grads.items():
+        if ".mlp.experts." in name:  # the experts' split LoRA (not the shared experts' dense LoRA layers)
+            assert torch.equal(learning(grad), learning(ref_grads[name])), f"{backend}: {name}'s experts that learn"
+            assert learning(grad).float().mean() >= 0.5, f"{backend}: most experts of {name} got no gradient"
 
 
 @pytest.mark.parametrize("device", DEVICES)
