@@ -107,7 +107,7 @@ from lightning_ft.data.packing import PackedBatch
 from lightning_ft.model.attention import ATTENTION_NAMES, VARLEN_FAMILY
 from lightning_ft.model.attention_plan import NEVER, VARLEN_ONLY, device_cu_seqlens, min_crossover
 from lightning_ft.model.patching import restore_instance_attr
-from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, stored_nbytes
+from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, kinds_allowed, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 from lightning_ft.strategies.planner import Plan
 
@@ -291,8 +291,7 @@ class _ModelGraphs:
     ):
         self.max_signatures = max_signatures
         self.attention = attention  # the attention backend: how packed batches are keyed (`_packed_layout`)
-        # the kinds layers may keep: keep_projections covers attention's and the MLP's
-        self.keep = {"attention": keep_attention, "projections": keep_projections, "mlp": keep_projections}
+        self.keep = kinds_allowed(keep_attention, keep_projections)  # the kinds layers may keep
         self.keep_max_bytes = keep_max_bytes  # a cap on all that is kept (None: the memory budget alone)
         self.plan: Plan | None = None  # a memory plan: per layer, which kinds keep (`apply_memory_plan`)
         self.offload = offload  # where the layers' inputs wait for the backward (None: on the device)

@@ -50,9 +50,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["KINDS", "KeptActivations", "active", "keeping", "stored_nbytes"]
+__all__ = ["KINDS", "KeptActivations", "active", "keeping", "kinds_allowed", "stored_nbytes"]
 
 KINDS = ("attention", "projections", "mlp")
+
+
+def kinds_allowed(keep_attention: bool, keep_projections: bool) -> dict[str, bool]:
+    """Per kind (`KINDS`), whether it may be kept under the options ``strategy.keep_attention`` and
+    ``strategy.keep_projections`` (which covers attention's projections and the MLP's)."""
+    return {"attention": keep_attention, "projections": keep_projections, "mlp": keep_projections}
 
 
 @dataclass

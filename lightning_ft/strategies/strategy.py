@@ -217,7 +217,7 @@ class ExecutionMixin:
         from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
         from lightning_ft.strategies.cuda_graphs import graphed_layers
-        from lightning_ft.strategies.kept import KINDS
+        from lightning_ft.strategies.kept import KINDS, kinds_allowed
 
         budget = self.memory_budget(batch.input_ids.device)
         if budget is None:
@@ -226,8 +226,7 @@ class ExecutionMixin:
         if not layers:
             rank_zero_info("memory plan: none (it drives the CUDA-graphed layers: strategy.cuda_graphs=true, not under fsdp2)")
             return None
-        options = {"attention": self.execution.keep_attention, "projections": self.execution.keep_projections,
-                   "mlp": self.execution.keep_projections}
+        options = kinds_allowed(self.execution.keep_attention, self.execution.keep_projections)
         kinds = tuple(kind for kind in KINDS if options[kind])
         context = getattr(getattr(self, "precision_plugin", None), "train_step_context", None)
         measured = self.profiler.measure(module, batch, layers, kinds, context)
