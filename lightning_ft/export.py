@@ -118,11 +118,14 @@ def main(argv: list[str]) -> int:
 
 
 EXPORT_FOLDERS = ("adapter", "base", "merged")  # what an export folder holds
+#: files a file browser leaves in any folder it shows (macOS Finder, Windows Explorer): replaced with an export
+OS_METADATA = (".DS_Store", "Thumbs.db", "desktop.ini")
 
 
 def _check_output(output: Path, run_dir: Path, force: bool) -> None:
     """Refuse an ``output`` whose replacement would delete anything but an earlier export: the run folder or a
-    folder holding it, a file, or (even with ``force``) a folder with entries other than `EXPORT_FOLDERS`."""
+    folder holding it, a file, or (even with ``force``) a folder with entries other than `EXPORT_FOLDERS` (and
+    `OS_METADATA`)."""
     if output == run_dir or run_dir.is_relative_to(output):
         raise ExportError(f"--output {output} holds the run folder {run_dir}: replacing it would delete the run; "
                           "choose a folder of its own (the default is RUN_DIR/export)")
@@ -132,7 +135,7 @@ def _check_output(output: Path, run_dir: Path, force: bool) -> None:
         raise ExportError(f"--output {output} is a file: choose a folder")
     if not force:
         raise ExportError(f"{output} exists: pass --force to replace it, or --output another folder")
-    if others := sorted(p.name for p in output.iterdir() if p.name not in EXPORT_FOLDERS):
+    if others := sorted(p.name for p in output.iterdir() if p.name not in EXPORT_FOLDERS + OS_METADATA):
         raise ExportError(f"--output {output} is not an earlier export (it holds {', '.join(others[:5])}"
                           f"{', ...' if len(others) > 5 else ''}): --force replaces only a folder of "
                           f"{', '.join(f'{name}/' for name in EXPORT_FOLDERS)}; choose another --output")
