@@ -18,6 +18,11 @@ its first step); a run shorter than the window is not checked. Non-finite gradie
 default and names the tensors. A gradient that is zero only up to rounding passes: a trained router
 under top-1 routing with normalised weights gets ~1e-10 from the LM loss, which the model builder
 explains in a warning at the start instead (`lightning_ft.model.router.router_gradient_note`).
+
+A learning rate far too high gives the same symptom by another road: the first update throws the weights
+that did get a gradient to magnitudes like the learning rate's, softmaxes saturate to one-hot and their
+gradients are then exactly zero. Where a trainable tensor that got a gradient holds a value above
+`DIVERGED_WEIGHT` at the end of the window, the error says so and names ``optimizer.lr``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from lightning_ft.strategies.fsdp2 import local_tensor
 # PEFT names: <module>.lora_A.<adapter>.weight, <module>.lora_embedding_B.<adapter>
 _LORA_NAME = re.compile(r"^(?P<module>.+)\.lora_(?:embedding_)?(?P<half>[AB])\.[^.]+(?:\.weight)?$")
 _PEFT_PREFIX = "base_model.model."
+#: a weight magnitude no fine-tuned tensor reaches unless the updates diverged (LoRA factors start at ~1/sqrt(in))
+DIVERGED_WEIGHT = 1e4
 
 
 class GradientCheck(L.Callback):
@@ -77,12 +84,16 @@ class GradientCheck(L.Callback):
             # a NaN norm counts as "got a gradient": non-finite steps are train.on_nonfinite's business
             self._seen.update(n for (n, _), norm in zip(with_grad, norms) if norm != 0)
         if self._counted == self.steps:
-            self._raise_if_untouched([n for n, _ in named], pl_module, trainer.global_step + 1)
+            self._raise_if_untouched(named, pl_module, trainer.global_step + 1, optimizer)
 
-    def _raise_if_untouched(self, names: list[str], pl_module: L.LightningModule, step: int) -> None:
-        missing = [n for n in names if n not in self._seen]
+    def _raise_if_untouched(
+        self, named: list[tuple[str, torch.Tensor]], pl_module: L.LightningModule, step: int, optimizer: torch.optim.Optimizer,
+    ) -> None:
+        missing = [n for n, _ in named if n not in self._seen]
         if not missing:
             return
+        trained = [local_tensor(p.detach()) for n, p in named if n in self._seen]
+        largest = max((t.abs().max().item() for t in trained if t.numel()), default=0.0)
         lora_modules: dict[str, set[str]] = {}
         others = []
         for n in missing:
@@ -93,6 +104,15 @@ class GradientCheck(L.Callback):
                 others.append(_strip(n))
         lines = [f"  {module} ({', '.join(sorted(halves))})" for module, halves in sorted(lora_modules.items())]
         lines += [f"  {n} (no gradient, or zero)" for n in others]
+        if largest > DIVERGED_WEIGHT:
+            rates = sorted({group["lr"] for group in optimizer.param_groups})
+            raise TrainingStopped(
+                f"after {step} optimizer steps ({self.steps} with a non-zero learning rate) these trainable tensors never "
+                "received a non-zero gradient:\n" + "\n".join(lines) + "\n"
+                f"and the ones that did already hold values up to {largest:.3g}: the updates diverged (learning rate "
+                f"{', '.join(f'{r:g}' for r in rates)}), saturating the softmaxes whose gradients are then exactly zero. "
+                "Lower optimizer.lr (LoRA fine-tuning uses ~1e-5 to 1e-3)"
+            )
         raise TrainingStopped(
             f"after {step} optimizer steps ({self.steps} with a non-zero learning rate) these trainable tensors never "
             "received a non-zero gradient, so they "

@@ -60,3 +60,9 @@ def test_a_trainable_module_with_a_zero_gradient_is_named():
     head.register_forward_hook(lambda m, args, out: out * 0)  # the loss no longer depends on its weight
     with pytest.raises(TrainingStopped, match=r"lm_head.modules_to_save.default.weight \(no gradient, or zero\)"):
         _train(module, GradientCheck(steps=2), lrs=[1e-3, 1e-3])
+
+
+def test_a_diverged_update_is_named_instead_of_the_forward():
+    """A learning rate far too high zeroes gradients through saturated softmaxes: the error names the learning rate."""
+    with pytest.raises(TrainingStopped, match=r"the updates diverged \(learning rate 1e\+12\).*Lower optimizer.lr"):
+        _train(_module(), GradientCheck(steps=2), lrs=[1e12, 1e12])
