@@ -118,8 +118,13 @@ def main(argv: list[str]) -> int:
 
 
 EXPORT_FOLDERS = ("adapter", "base", "merged")  # what an export folder holds
-#: files a file browser leaves in any folder it shows (macOS Finder, Windows Explorer): replaced with an export
+#: files a file browser leaves in any folder it shows (macOS Finder, Windows Explorer), and macOS's ``._*`` (AppleDouble)
+#: companions on network and USB volumes: replaced with an export
 OS_METADATA = (".DS_Store", "Thumbs.db", "desktop.ini")
+
+
+def _os_metadata(name: str) -> bool:
+    return name in OS_METADATA or name.startswith("._")
 
 
 def _check_output(output: Path, run_dir: Path, force: bool) -> None:
@@ -135,7 +140,7 @@ def _check_output(output: Path, run_dir: Path, force: bool) -> None:
         raise ExportError(f"--output {output} is a file: choose a folder")
     if not force:
         raise ExportError(f"{output} exists: pass --force to replace it, or --output another folder")
-    if others := sorted(p.name for p in output.iterdir() if p.name not in EXPORT_FOLDERS + OS_METADATA):
+    if others := sorted(p.name for p in output.iterdir() if p.name not in EXPORT_FOLDERS and not _os_metadata(p.name)):
         raise ExportError(f"--output {output} is not an earlier export (it holds {', '.join(others[:5])}"
                           f"{', ...' if len(others) > 5 else ''}): --force replaces only a folder of "
                           f"{', '.join(f'{name}/' for name in EXPORT_FOLDERS)}; choose another --output")
@@ -151,7 +156,7 @@ def export(
         merge: also write ``merged/``.
         output: the export folder (default ``run_dir/export``).
         checkpoint: ``last``, ``best``, ``adapter`` or a path (None: ``last``, else the run's ``adapter/``).
-        force: replace an existing ``output`` that holds an earlier export (`EXPORT_FOLDERS` only).
+        force: replace an existing ``output`` that holds an earlier export (`EXPORT_FOLDERS` and `OS_METADATA` only).
 
     Returns:
         ``{"adapter" | "base" | "merged": folder}`` of what was written (final paths).

@@ -392,13 +392,14 @@ def _train(
         shown = ", ".join(f"trainer.{k}={settings[k]}" for k in named) or "the trainer.* settings"
         raise ValueError(f"{shown}: Lightning refused it: {err}{hint}") from err
     # after the Trainer is built (a resume it refuses leaves logs/ as it was), before the CSVLogger starts its file
-    own_resume = bool(ckpt_path) and Path(ckpt_path).resolve().is_relative_to(run_dir.resolve())  # not another run's
+    # not another run's: ``last`` is this folder's last.ckpt (Lightning finds it), a path is resolved from the working directory
+    own_resume = bool(ckpt_path) and (ckpt_path == "last" or Path(ckpt_path).resolve().is_relative_to(run_dir.resolve()))
     earlier = keep_previous_metrics(run_dir, resuming=own_resume)
     if own_resume and earlier is not None:
         trainer.callbacks.append(ResumedMetrics(earlier))
     elif earlier is not None:
         log.info("%s: moved to %s (an earlier run's metrics; this run writes its own)", earlier.with_name("metrics.csv"), earlier.name)
-        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")  # nothing is deleted
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")  # the metrics were moved aside; Lightning rewrites only hparams.yaml
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success

@@ -29,15 +29,17 @@ FAST = ("callbacks.progress_bar=null", "data.num_examples=60", "data.max_tokens=
         "trainer.max_epochs=-1")
 
 
-def run_cli(run_dir: Path, *overrides: str, ok: bool = True, timeout: int = 300, preexec_fn=None) -> subprocess.CompletedProcess:
-    """``python -m lightning_ft fit hydra.run.dir=<run_dir> <overrides>``; asserts its exit status (0 when ``ok``).
-    ``preexec_fn`` runs in the child before the command (e.g. a `resource.setrlimit`)."""
+def run_cli(
+    run_dir: Path, *overrides: str, ok: bool = True, timeout: int = 300, preexec_fn=None, cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m lightning_ft fit hydra.run.dir=<run_dir> <overrides>`` in ``cwd`` (default: ``run_dir``); asserts its
+    exit status (0 when ``ok``). ``preexec_fn`` runs in the child before the command (e.g. a `resource.setrlimit`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # Hydra's flags (-m) go before the overrides
     cmd = [sys.executable, "-m", "lightning_ft", "fit", *flags, f"hydra.run.dir={run_dir}", *(o for o in overrides if o not in flags)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+    proc = subprocess.run(cmd, cwd=cwd or run_dir, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
     # every process's exception line (a second rank's traceback may be far from the end), then the tails
     errors = "\n".join(line for line in proc.stderr.splitlines() if _EXCEPTION_LINE.match(line))
     output = f"exceptions raised:\n{errors}\n---\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"

@@ -130,7 +130,8 @@ def test_force_replaces_an_earlier_export_and_nothing_else(run, tmp_path, capsys
     assert (tmp_path / "work" / "notes.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
     assert export_main([str(copy)]) == 0 and export_main([str(copy)]) == 1  # RUN_DIR/export, then it exists
     assert "exists: pass --force to replace it" in capsys.readouterr().err
-    (copy / "export" / ".DS_Store").write_bytes(b"\0")  # a file browser's: still an earlier export
+    for name in (".DS_Store", "._adapter"):  # a file browser's: still an earlier export
+        (copy / "export" / name).write_bytes(b"\0")
     assert export_main([str(copy), "--force"]) == 0  # an earlier export: replaced
     assert sorted(p.name for p in (copy / "export").iterdir()) == ["adapter", "base"]
 

@@ -338,8 +338,8 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     last.write_bytes(good)
     (tmp_path / "logs" / "metrics.1.csv").rename(tmp_path / "logs" / "metrics.csv")  # as it was before that attempt
     # a longer run of the same config is fine (its learning-rate schedule stretches: warned), and so is a
-    # switch that does not change the math
-    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "strategy.keep_attention=false")
+    # switch that does not change the math; from another working directory, ``last`` is still this folder's
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last", "strategy.keep_attention=false", cwd=tmp_path.parent)
     assert "resume with trainer.max_steps: 3 → 5: the learning-rate schedule is rebuilt" in proc.stdout + proc.stderr
     assert summary(tmp_path)["steps"] == 5
     # a resume that trains records its own overrides in .hydra/, as Hydra did when it wrote them

@@ -84,16 +84,16 @@ class GradientCheck(L.Callback):
             # a NaN norm counts as "got a gradient": non-finite steps are train.on_nonfinite's business
             self._seen.update(n for (n, _), norm in zip(with_grad, norms) if norm != 0)
         if self._counted == self.steps:
-            self._raise_if_untouched(named, pl_module, trainer.global_step + 1, optimizer)
+            self._raise_if_untouched(named, pl_module, trainer, optimizer)
 
     def _raise_if_untouched(
-        self, named: list[tuple[str, torch.Tensor]], pl_module: L.LightningModule, step: int, optimizer: torch.optim.Optimizer,
+        self, named: list[tuple[str, torch.Tensor]], pl_module: L.LightningModule, trainer: L.Trainer, optimizer: torch.optim.Optimizer,
     ) -> None:
-        missing = [n for n, _ in named if n not in self._seen]
+        missing = [n for n, _ in named if n not in self._seen]  # the same on every process (the norms were reduced)
         if not missing:
             return
-        trained = [local_tensor(p.detach()) for n, p in named if n in self._seen]
-        largest = max((t.abs().max().item() for t in trained if t.numel()), default=0.0)
+        step = trainer.global_step + 1
+        largest = self._largest_trained(named, trainer)
         lora_modules: dict[str, set[str]] = {}
         others = []
         for n in missing:
@@ -122,6 +122,19 @@ class GradientCheck(L.Callback):
             "model does not use, or a path whose gradient is zero by construction. "
             "Fix that, or remove the check with callbacks.gradient_check=null"
         )
+
+
+    def _largest_trained(self, named: list[tuple[str, torch.Tensor]], trainer: L.Trainer) -> float:
+        """The largest |value| of the trainable tensors that got a gradient (inf if one holds a NaN), over every
+        process's shards (FSDP2); one host sync."""
+        trained = [local_tensor(p.detach()) for n, p in named if n in self._seen]
+        device = named[0][1].device
+        amax = [t.abs().amax().float().to(device) for t in trained if t.numel()]
+        largest = torch.stack(amax).max() if amax else torch.zeros((), device=device)
+        largest = torch.nan_to_num(largest, nan=float("inf"))
+        if any(isinstance(p, DTensor) for _, p in named):  # each process holds its shards
+            largest = trainer.strategy.reduce(largest, reduce_op="max")
+        return largest.item()
 
 
 def _strip(name: str) -> str:

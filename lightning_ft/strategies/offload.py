@@ -416,7 +416,7 @@ class ActivationOffload:
         if previous is not None and previous.loaded is None and not previous.consumed:
             self._start_load(previous)  # overlaps this layer's backward
         if previous is not None and not previous.consumed:
-            self._load_staged(previous)  # into the other staging set, last read by the backward queued before
+            self._load_staged(previous)  # into its own sets, whose last readers' backwards are queued already
         loaded, saved.loaded, saved.host = saved.loaded, None, None
         if saved.ready is not None:
             self._wait(saved.device, saved.ready)

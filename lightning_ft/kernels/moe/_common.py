@@ -115,8 +115,9 @@ def _add_routed_bias(
     (gpt-oss's ``down_proj_bias``). One [T, E] × [E, D] GEMM over the routing weights scattered into a dense
     [T, E] matrix (``expert_S`` [S]: each sorted row's expert), accumulating into out_TD (``addmm``: no separate
     [T, D] add), instead of an [S, D] tensor of gathered biases scaled and summed; differentiable w.r.t. all three.
-    With ``output_needed=False`` (out_TD is an unread output, `routing.unread_output`) nothing is computed: the
-    result is unread too, and the backward gives the same gradients (the routing weights' reaches the router)."""
+    With ``output_needed=False`` (out_TD is an unread output, `routing.unread_output`) the GEMM is skipped (the
+    scatter into [T, E] still runs, for the backward): the result is unread too, and the backward gives the same
+    gradients (the routing weights' reaches the router)."""
     num_tokens, num_experts = routing.num_tokens, bias_ED.shape[0]
     dense = weight_S.new_zeros(num_tokens * num_experts).index_copy(0, routing.token_idx_S * num_experts + expert_S, weight_S)
     dense_TE = dense.view(num_tokens, num_experts).to(bias_ED.dtype)

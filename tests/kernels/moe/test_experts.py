@@ -190,3 +190,21 @@ def test_4bit_experts_equal_their_dequantised_twin(fmt, dtype, device, monkeypat
             _assert_close(value, twin.double(), dtype, name)
     with pytest.raises(ValueError, match="moe.backend=triton"):
         _run("native_torch", case, topk_idx, tensors, dtype, grad_out)
+
+
+@pytest.mark.parametrize("c_dtype", [torch.float32, torch.bfloat16])
+def test_an_unread_addmm_has_addmms_dtype_and_gradients(c_dtype):
+    """`_UnreadAddmm`: ``c + a @ b``'s dtype (promoted, fp32 c with bf16 factors too) and its gradients, bit for bit."""
+    from lightning_ft.kernels.moe._common import _UnreadAddmm
+
+    torch.manual_seed(0)
+    c = torch.randn(5, 3, dtype=c_dtype, requires_grad=True)
+    a = torch.randn(5, 7, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(7, 3, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(5, 3, dtype=torch.promote_types(c_dtype, torch.bfloat16))
+    expected = c + a @ b
+    expected_grads = torch.autograd.grad(expected, (c, a, b), grad)
+    unread = _UnreadAddmm.apply(c, a, b)
+    assert unread.dtype == expected.dtype and unread.shape == expected.shape
+    for got, want in zip(torch.autograd.grad(unread, (c, a, b), grad), expected_grads):
+        assert got.dtype == want.dtype and torch.equal(got, want)
