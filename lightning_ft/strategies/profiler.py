@@ -1,9 +1,12 @@
 """What the memory planner needs, measured at the start of training (`lightning_ft.strategies.planner`).
 
 `StepProfiler.measure` runs the first training batch's forward once more, without gradients, and at
-each decoder layer (a forward pre-hook, so one layer input is alive at a time) times that layer
-eagerly on its real input and keyword arguments (CUDA events; the graphs record nothing: the
-layer's own forward is called, not the patched one):
+the first decoder layer of each kind (`layer_kind`: its modules and attention type, with its input shapes; a
+forward pre-hook, so one layer input is alive at a time) times that layer eagerly on its real input and keyword
+arguments (CUDA events; the graphs record nothing: the layer's own forward is called, not the patched one); the
+other layers of that kind get its measurement (the same kernels on the same shapes: measured on the H100,
+gpt-oss-20b's layers of one kind at 32K tokens were within ±4% of each other, the experts' routing apart; at
+256K tokens measuring each of its 24 layers would take minutes):
 
     forward      the layer under no_grad (checkpointing's first forward)
     backward     the recompute with gradients and ``autograd.grad`` into the input and the trainable
@@ -13,7 +16,11 @@ layer's own forward is called, not the patched one):
                  recomputed, less the one above
     bytes        per saved class, what its store kept (`KeptActivations.nbytes`); the input's bytes
 
-and from the pass as a whole, the memory base: what is allocated now, the trainable weights'
+Where keeping every kind at once runs out of GPU memory (long rows), each kind is measured kept on its own
+(`StepProfiler._layer_kinds_apart`: additive savings), and a kind that does not fit even alone is recomputed in every
+layer; `Measurement.fallbacks` says so for the log.
+
+And from the pass as a whole, the memory base: what is allocated now, the trainable weights'
 gradients, the optimizer's two moments per trainable weight if it has no state yet, the CUDA graphs'
 static buffers (a layer's input, output, output gradient and input gradient, [T, hidden] each, shared
 by the layers: measured on the H100 at 64K tokens, leaving them out under-predicted the recording
@@ -67,12 +74,14 @@ class Measurement:
         bandwidth: device ↔ pinned host copy bandwidth (bytes per second).
         base_bytes: the step's memory without any saved class (see the module docstring).
         other_s: the step's time outside the decoder layers (seconds).
+        fallbacks: how the measuring had to keep less than every kind at once (out of GPU memory), for the log.
     """
 
     layers: tuple[LayerProfile, ...]
     bandwidth: Bandwidth
     base_bytes: int
     other_s: float
+    fallbacks: tuple[str, ...] = ()
 
 
 def available_host_bytes() -> int:
@@ -136,6 +145,11 @@ class StepProfiler:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def empty_cache(self, device: torch.device) -> None:
+        """Give the allocator's cached blocks back (after an out-of-memory error, before measuring leaner)."""
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def memory_allocated(self, device: torch.device) -> int:
         return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
@@ -185,17 +199,34 @@ class StepProfiler:
         self.peak_allocated(device, reset=True)
         results: dict[int, dict[str, Any]] = {}
         forward_peak = [0]
-        warmed: set[tuple] = set()
+        by_kind: dict[tuple, dict[str, Any]] = {}  # (layer kind, input shapes) -> its measurement
+        apart: list[str] = []  # the kept kinds are measured one at a time (keeping them all at once ran out of memory)
+        fallbacks: list[str] = []
+
+        def measured(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, index: int) -> dict[str, Any]:
+            if not apart:
+                try:
+                    return self._layer(layer, hidden, kwargs, kinds, device, index)
+                except torch.OutOfMemoryError:
+                    pass  # out of the except block: the exception's frames (and their tensors) are gone
+                apart.append("yes")
+                self.empty_cache(device)
+                fallbacks.append(
+                    f"keeping every kind ({', '.join(kinds)}) of a layer at once ran out of GPU memory in the measuring "
+                    f"(decoder layer {index}, {hidden.shape[-2]} tokens): each kind was measured kept on its own"
+                )
+            return self._layer_kinds_apart(layer, hidden, kwargs, kinds, device, index, fallbacks)
 
         def hook(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             index = layers.index(layer)
             forward_peak[0] = max(forward_peak[0], self.peak_allocated(device))
             kwargs = dict(kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states")
-            if (kind := layer_kind(layer)) not in warmed:  # its kernels' first calls (compiling, autotuning,
-                warmed.add(kind)  # cuDNN's plans, workspaces) are not the layers' times
-                self._layer(layer, hidden, kwargs, kinds, device, index)
-            results[index] = self._layer(layer, hidden, kwargs, kinds, device, index)
+            kind = (layer_kind(layer), _shapes(hidden, kwargs))
+            if kind not in by_kind:  # measured once per kind, after a warm-up: its kernels' first calls (compiling,
+                measured(layer, hidden, kwargs, index)  # autotuning, cuDNN's plans, workspaces) are not its time
+                by_kind[kind] = measured(layer, hidden, kwargs, index)
+            results[index] = by_kind[kind]
             self.peak_allocated(device, reset=True)
 
         self._forward(module, batch, context, [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers])
@@ -215,6 +246,8 @@ class StepProfiler:
                 if r["bytes"].get(kind):  # a kind this layer has no kept call for is left out
                     recompute = max(0.0, r["recompute"][kind]() - backward)
                     saved.append(SavedClass(kind, r["bytes"][kind], recompute_s=recompute))  # keep, offload or recompute
+                elif kind in r.get("unmeasured", ()):  # too large to keep even on its own: recomputed (in the backward's time)
+                    saved.append(SavedClass(kind, 0, actions=("recompute",)))
             profiles.append(LayerProfile(forward, backward, tuple(saved)))
             working = max(working, r["working_bytes"])
         rest_s = 3 * rest()  # ×3 for its backward
@@ -224,7 +257,7 @@ class StepProfiler:
         statics = 4 * max(r["input_bytes"] for r in results.values())  # `cuda_graphs._StaticInputs`: x, out, dout, dx
         loss_gradient = module.loss_gradient_bytes(module.pad_for_graphs(batch))  # the measuring pass has no gradients
         base = allocated + trainable + moments + statics + max(working, forward_peak[0] - allocated + loss_gradient)
-        return Measurement(tuple(profiles), bandwidth, base, rest_s)
+        return Measurement(tuple(profiles), bandwidth, base, rest_s, tuple(dict.fromkeys(fallbacks)))
 
     def _rest(self, module: Any, batch: Any, layers: list[torch.nn.Module], context: Any, device: torch.device) -> Callable[[], float]:
         """The forward outside the decoder layers (embedding, LM head, loss), seconds once synchronised: one more
@@ -260,14 +293,10 @@ class StepProfiler:
     ) -> dict[str, Any]:
         """One decoder layer's times (functions, read after `synchronize`), bytes and backward working set."""
         forward = functools.partial(type(layer).forward, layer)  # the layer's own: the graphs' patched one would count a call
-        params = [p for p in layer.parameters() if p.requires_grad]
         x = hidden.detach()
 
-        def backward(keeps: list[KeptActivations]) -> None:
-            with torch.enable_grad(), keeping(*keeps, recompute=True):
-                inputs = x.detach().requires_grad_()  # as in training past the first layer: the input's gradient too
-                out = forward(inputs, **kwargs)
-            torch.autograd.grad(out, [inputs, *params], x, allow_unused=True)  # the input as the output's gradient: no RNG drawn
+        def backward(keeps: list[KeptActivations]) -> None:  # the input as the output's gradient: no RNG drawn
+            self._backward(layer, x, kwargs, keeps)
 
         result: dict[str, Any] = {"input_bytes": x.numel() * x.element_size()}
         with torch.no_grad():
@@ -286,6 +315,58 @@ class StepProfiler:
             for kind in kinds if result["bytes"][kind]
         }
         return result
+
+    def _layer_kinds_apart(
+        self, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], kinds: tuple[str, ...], device: torch.device,
+        index: int, fallbacks: list[str],
+    ) -> dict[str, Any]:
+        """`_layer`'s result with each kind kept on its own (less memory than all at once): a kind's recompute time
+        is the backward with nothing kept less the backward keeping that kind alone, and the backward with everything
+        kept is the one with nothing kept less all those savings (additive; exact where the kinds' recomputes do not
+        overlap). A kind that does not fit even on its own is left out (recomputed), said in ``fallbacks``."""
+        result = self._layer(layer, hidden, kwargs, (), device, index)  # the forward, the backward with nothing kept
+        nothing_kept = result["backward"]
+        forward = functools.partial(type(layer).forward, layer)
+        alone: dict[str, Callable[[], float]] = {}
+        for kind in kinds:
+            try:
+                keep = KeptActivations(kind, allow=lambda nbytes: True)
+                with torch.no_grad(), keeping(keep, recompute=False):
+                    forward(hidden.detach(), **kwargs)
+                if keep.nbytes:
+                    alone[kind] = self.timed(lambda: self._backward(layer, hidden, kwargs, [keep]), device, index, f"keep:{kind}")
+                    result["bytes"][kind] = keep.nbytes
+                continue
+            except torch.OutOfMemoryError:
+                pass  # the exception's frames are gone here
+            keep = None
+            self.empty_cache(device)
+            result.setdefault("unmeasured", []).append(kind)
+            fallbacks.append(f"keeping {kind} of a layer ran out of GPU memory in the measuring ({hidden.shape[-2]} tokens) "
+                             f"even on its own: recomputed in every layer")
+        saving = {kind: (lambda t=t: max(0.0, nothing_kept() - t())) for kind, t in alone.items()}
+        result["backward"] = lambda: nothing_kept() - sum(s() for s in saving.values())
+        result["recompute"] = {kind: (lambda s=s: result["backward"]() + s()) for kind, s in saving.items()}
+        return result
+
+    @staticmethod
+    def _backward(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], keeps: list[KeptActivations]) -> None:
+        """The layer's recompute with gradients (reusing what ``keeps`` kept) and ``autograd.grad`` into its input and
+        trainable weights (``.grad`` is not touched)."""
+        forward = functools.partial(type(layer).forward, layer)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        with torch.enable_grad(), keeping(*keeps, recompute=True):
+            inputs = hidden.detach().requires_grad_()  # as in training past the first layer: the input's gradient too
+            out = forward(inputs, **kwargs)
+        torch.autograd.grad(out, [inputs, *params], hidden.detach(), allow_unused=True)  # the input as the output's gradient
+
+
+def _shapes(hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple:
+    """A layer call's input shapes and non-tensor keywords: with `layer_kind`, what makes two layers' measurements the same."""
+    return tuple(hidden.shape), tuple(
+        (name, tuple(v.shape) if isinstance(v, torch.Tensor) else v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__)
+        for name, v in sorted(kwargs.items())
+    )
 
 
 def layer_kind(layer: torch.nn.Module) -> tuple:

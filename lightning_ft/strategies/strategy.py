@@ -230,6 +230,8 @@ class ExecutionMixin:
         kinds = tuple(kind for kind in KINDS if options[kind])
         context = getattr(getattr(self, "precision_plugin", None), "train_step_context", None)
         measured = self.profiler.measure(module, batch, layers, kinds, context)
+        for reason in measured.fallbacks:
+            rank_zero_info(f"memory plan: {reason}")
         if self.execution.activation_offload:  # asked for: every layer input offloaded (the last one's stays)
             offload = lambda c: replace(c, actions=("offload",)) if c.name == "input" else c  # noqa: E731
             measured = replace(measured, layers=tuple(replace(p, saved=tuple(map(offload, p.saved))) for p in measured.layers))

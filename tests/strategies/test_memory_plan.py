@@ -122,13 +122,14 @@ def test_the_profile_has_each_layers_bytes_and_times_and_the_plan_follows_the_bu
     # last), ×3 for its backward
     marks = [i for i, (layer, _) in enumerate(profiler.calls) if layer == "mark"]
     assert [profiler.calls[i][1] for i in marks] == ["pass", "layers", "head", "end"]
-    assert marks[0] > max(i for i, (layer, _) in enumerate(profiler.calls) if layer == layers - 1)
+    assert marks[0] > max(i for i, (layer, _) in enumerate(profiler.calls) if layer != "mark")
     assert measured.other_s == pytest.approx(3 * sum(BETWEEN.values()))
     trainable = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.requires_grad)
     # the CPU's memory figures are 0: gradients and AdamW's two moments, the graphs' four static [T, hidden] buffers
     assert measured.base_bytes == 3 * trainable + 4 * tokens * hidden * 4
-    # each layer measured once (the first twice: a warm-up), none recorded into graphs, the model's kwargs untouched
-    assert sum(what == "forward" for _, what in profiler.calls) == layers + 1
+    # the layers are alike (one kind): the first measured after a warm-up, the others given its measurement; none
+    # recorded into graphs, the model's kwargs untouched
+    assert sum(what == "forward" for _, what in profiler.calls) == 2
     state_graphs = getattr(graphed_layers(module.model)[0], "_lightning_ft_cuda_graphs").graphs
     assert not state_graphs
 
@@ -495,3 +496,51 @@ def test_the_first_layer_of_each_kind_is_warmed_up_before_it_is_timed():
     )
     glm = AutoModelForCausalLM.from_config(config).model.layers
     assert layer_kind(glm[0]) != layer_kind(glm[1]) == layer_kind(glm[2])
+    # measured once per kind (after its warm-up): the others of a kind get its measurement
+    profiler = FakeProfiler()
+    module = _module("gpt_oss", "cpu")
+    apply_cuda_graphs(module.model)
+    measured = profiler.measure(module, _batch("a", "cpu"), graphed_layers(module.model), KINDS)
+    timed = [layer for layer, what in profiler.calls if what == "forward"]
+    assert timed == [0, 0, 1, 1] and types[0] != types[1] and len(measured.layers) == len(layers)
+
+
+class OutOfMemoryProfiler(FakeProfiler):
+    """Runs out of memory keeping every kind of a layer at once (at attention's recompute), and keeping mlp alone."""
+
+    def timed(self, fn, device, layer, what):
+        if what in ("recompute:attention", "keep:mlp"):
+            raise torch.OutOfMemoryError(f"CUDA out of memory (fake, at {what})")
+        return super().timed(fn, device, layer, what)
+
+
+def test_a_measuring_out_of_memory_keeps_the_kinds_apart_and_leaves_out_a_kind_too_large_alone(caplog, deep):
+    """Keeping every kind at once does not fit: each kind is measured kept on its own (its recompute time: the backward
+    with nothing kept less the backward keeping it), and one that does not fit even alone is recomputed in every layer."""
+    module = _module("llama", "cpu", lora_kernel=True)
+    apply_cuda_graphs(module.model)
+    batch = _batch("a", "cpu")
+    times = {"keep:attention": TIMES["backward"] - 1e-3, "keep:projections": TIMES["backward"] - 0.5e-3}
+    profiler = OutOfMemoryProfiler()
+    with pytest.MonkeyPatch.context() as patch:
+        for what, seconds in times.items():
+            patch.setitem(TIMES, what, seconds)
+        measured = profiler.measure(module, batch, graphed_layers(module.model), KINDS)
+        assert len(measured.layers) == LAYERS
+        for profile in measured.layers:
+            saved = {c.name: c for c in profile.saved}
+            assert saved["attention"].recompute_s == pytest.approx(1e-3) and saved["projections"].recompute_s == pytest.approx(0.5e-3)
+            assert saved["attention"].nbytes > 0 and saved["attention"].actions == ("keep", "offload", "recompute")
+            assert saved["mlp"].nbytes == 0 and saved["mlp"].actions == ("recompute",)
+            assert profile.backward_s == pytest.approx(TIMES["backward"] - 1.5e-3)
+        assert measured.fallbacks == (
+            "keeping every kind (attention, projections, mlp) of a layer at once ran out of GPU memory in the measuring "
+            f"(decoder layer 0, {batch.num_tokens} tokens): each kind was measured kept on its own",
+            f"keeping mlp of a layer ran out of GPU memory in the measuring ({batch.num_tokens} tokens) even on its own: "
+            "recomputed in every layer",
+        )
+        strategy = _strategy(OutOfMemoryProfiler(scale=2**10), memory_budget_gib=8.0)
+        with caplog.at_level(logging.INFO):
+            made = strategy.plan_memory(module, batch)
+    assert made.layers_where("mlp", "recompute") == set(range(LAYERS)) and made.layers_where("attention", "keep") == set(range(LAYERS))
+    assert "memory plan: keeping mlp of a layer ran out of GPU memory" in caplog.text
