@@ -5,7 +5,7 @@ sequence of ``seq_len`` seeded random tokens, and prints one line ``BENCH_ROW {j
 median step time, tokens/s, MFU, peak device memory (also per phase, see `StepTimer`) and the last loss (with ``spec["profile"]``,
 also the device-busy time and kernel launches per step; see `StepTimer`), and the first step's time
 (compilation, which the median leaves out). An out-of-memory error is a row with ``status: OOM``,
-not a crash; any other error, a peer that fails to import included, is a row with the message.
+not a crash (its message and innermost frames go to the worker's log); any other error, a peer that fails to import included, is a row with the message.
 For the ``unsloth`` system Unsloth is imported before anything else (see `import_unsloth`).
 """
 
@@ -37,7 +37,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(0)
         input_ids = torch.randint(0, spec["model_config"]["vocab_size"], (1, spec["seq_len"]), device=spec["device"])
         times, loss, profile = STEP_FUNCTIONS[spec["system"]](spec, input_ids, spec["warmup_steps"] + spec["timed_steps"])
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as err:  # where it ran out, for the worker's log (the row says OOM)
+        print(f"out of memory: {err}", file=sys.stderr)
+        traceback.print_exc(limit=-12)
         return {**row, "status": "OOM"}
     except Exception as err:  # a peer that fails to import or run is a row that says why (on one line, for the table)
         traceback.print_exc()
