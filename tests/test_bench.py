@@ -372,6 +372,7 @@ def test_bench_report_regenerates_results_md_deterministically(tmp_path):
         _table_row(),  # the latest lightning_ft row at 8K, with hf_peft in its run
         _table_row(system="hf_peft", seq_len=65536, status="OOM", ms_per_step=None, tokens_per_s=None, peak_mem_gib=None),
         _table_row(table="", seq_len=8192, ms_per_step=1.0, run="2026-12-05T00:00:00Z", date="2026-12-05 00:00"),  # history
+        _table_row(table="qwen3_moe_long", seq_len=262144, status="OOM", ms_per_step=None, tokens_per_s=None, peak_mem_gib=None),
     ])
     out = tmp_path / "docs" / "RESULTS.md"
     assert main(["--table", str(table), "--out", str(out)]) == 0
@@ -383,6 +384,9 @@ def test_bench_report_regenerates_results_md_deterministically(tmp_path):
     assert "| 65536 | 48 | `hf_peft` | OOM |" in text and "| 1.0 " not in text and "2026-12-01" not in text
     assert "![qwen3_moe](plots/qwen3_moe.png)" in text and png.stat().st_size > 0
     assert "Session" not in text and "session" not in text
+    # a table whose rows all ran out of memory: its rows, no empty plot
+    assert "| 262144 | 48 | `lightning_ft` | OOM |" in text and "qwen3_moe_long.png" not in text
+    assert not (png.parent / "qwen3_moe_long.png").exists()
     first = (text, png.read_bytes())
     main(["--table", str(table), "--out", str(out)])
     assert (out.read_text(), png.read_bytes()) == first  # same table, same files

@@ -377,9 +377,12 @@ def render(rows: list[dict[str, Any]], plots_dir: Path, out: Path, micro: list[d
         if commands:
             parts += ["Measured with:", ""] + [f"- `{c}` ({d}, {commit})" for c, d, commit in commands] + [""]
         png = plots_dir / f"{table}.png"
-        plot(table_rows, png, f"{table}: {models}")
-        rel = Path(_relpath(png, out.parent))
-        parts += [f"![{table}]({rel.as_posix()})", ""]
+        if any(r["status"] == "ok" for r in table_rows):  # nothing to draw where no row ran (OOM, errors)
+            plot(table_rows, png, f"{table}: {models}")
+            rel = Path(_relpath(png, out.parent))
+            parts += [f"![{table}]({rel.as_posix()})", ""]
+        else:
+            png.unlink(missing_ok=True)
     if micro:
         parts += ["# Micro-benchmarks", "", "Single ops and blocks, timed alone on the GPU, from [micro.csv](micro.csv).", ""]
         parts += micro_sections(micro)
@@ -452,5 +455,5 @@ def main(argv: list[str]) -> int:
     text = render(rows, plots, out, micro, drills, fidelity)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"wrote {out} and {len({r['table'] for r in rows if r['table']})} plots in {plots}")
+    print(f"wrote {out} and {len({r['table'] for r in rows if r['table'] and r['status'] == 'ok'})} plots in {plots}")
     return 0
