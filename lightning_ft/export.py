@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* deprecated", category=FutureWarning)
     try:
         written = export(args.run_dir, merge=args.merge, output=args.output, checkpoint=args.checkpoint, force=args.force)
-    except (ExportError, FileNotFoundError) as err:
+    except (ExportError, OSError) as err:  # OSError: a write the checks could not foresee (a full disk, a read-only mount)
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # one line, as fit prints; exit status 128 + SIGINT, as a shell gives
@@ -130,17 +131,22 @@ def _os_metadata(name: str) -> bool:
 def _check_output(output: Path, run_dir: Path, force: bool) -> None:
     """Refuse an ``output`` whose replacement would delete anything but an earlier export: the run folder or a
     folder holding it, a file, or (even with ``force``) a folder with entries other than `EXPORT_FOLDERS` (and
-    `OS_METADATA`)."""
+    `OS_METADATA`); and one that cannot be written (its parent is no folder, or not writable), before anything loads."""
     if output == run_dir or run_dir.is_relative_to(output):
         raise ExportError(f"--output {output} holds the run folder {run_dir}: replacing it would delete the run; "
                           "choose a folder of its own (the default is RUN_DIR/export)")
+    parent = next((p for p in output.parents if p.exists()), None)  # the folder that holds what will be made
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is a file" if parent is not None and not parent.is_dir() else "is not writable"
+        raise ExportError(f"--output {output}: {parent} {why}; choose a folder that can be written")
     if not output.exists():
         return
     if not output.is_dir():
         raise ExportError(f"--output {output} is a file: choose a folder")
     if not force:
         raise ExportError(f"{output} exists: pass --force to replace it, or --output another folder")
-    if others := sorted(p.name for p in output.iterdir() if p.name not in EXPORT_FOLDERS and not _os_metadata(p.name)):
+    export = lambda p: p.name in EXPORT_FOLDERS and p.is_dir() and not p.is_symlink()  # noqa: E731
+    if others := sorted(p.name for p in output.iterdir() if not export(p) and not _os_metadata(p.name)):
         raise ExportError(f"--output {output} is not an earlier export (it holds {', '.join(others[:5])}"
                           f"{', ...' if len(others) > 5 else ''}): --force replaces only a folder of "
                           f"{', '.join(f'{name}/' for name in EXPORT_FOLDERS)}; choose another --output")

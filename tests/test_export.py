@@ -118,11 +118,15 @@ def test_force_replaces_an_earlier_export_and_nothing_else(run, tmp_path, capsys
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))  # the default export of an earlier test
     (tmp_path / "work" / "notes.txt").write_text("mine")
     (tmp_path / "file").write_text("mine")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "adapter").write_text("mine")  # a file named as an export's folder
     for output, expected in (
         (copy, f"--output {copy} holds the run folder {copy}: replacing it would delete the run"),
         (tmp_path / "work", f"--output {tmp_path / 'work'} holds the run folder {copy}"),
         (copy / "adapter", f"--output {copy / 'adapter'} is not an earlier export (it holds README.md, adapter_config.json"),
         (tmp_path / "file", f"--output {tmp_path / 'file'} is a file"),
+        (tmp_path / "file" / "sub", f"--output {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} is a file"),
+        (tmp_path / "plain", f"--output {tmp_path / 'plain'} is not an earlier export (it holds adapter)"),
     ):
         assert export_main([str(copy), "--output", str(output), "--force"]) == 1
         assert expected in capsys.readouterr().err
