@@ -333,9 +333,12 @@ def _main(argv: list[str] | None) -> None:
             real_stderr.write(_composition_error(report, bool(hints[:-1])))
             real_stderr.write("".join(f"hint: {line}\n" for line in hints))
         raise
-    except KeyboardInterrupt:  # Ctrl-C before training started (Lightning handles it during training)
-        real_stderr.write(_held.take() + "interrupted: stopped by Ctrl-C (SIGINT) before training started\n")
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as err:  # Ctrl-C (or SIGTERM) before the Trainer ran (Lightning handles them in it)
+        from lightning_ft.errors import SigtermBeforeTraining
+
+        name, status = ("SIGTERM", 143) if isinstance(err, SigtermBeforeTraining) else ("Ctrl-C (SIGINT)", 130)
+        real_stderr.write(_held.take() + f"interrupted: stopped by {name} before training started\n")
+        raise SystemExit(status) from None
     finally:
         real_stderr.write(_held.take())
         sys.stderr = real_stderr

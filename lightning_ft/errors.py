@@ -14,6 +14,13 @@ class TrainingStopped(RuntimeError):
     """
 
 
+class SigtermBeforeTraining(KeyboardInterrupt):
+    """SIGTERM while a run sets up (tokenizer, data, model), before its training loop: raised by the handler
+    `lightning_ft.callbacks.sigterm.SigtermAtStepEnd.raise_until_training` installs. A KeyboardInterrupt, so that a
+    library's ``except Exception`` does not swallow it and Lightning tears the run down as for Ctrl-C; the command
+    line reports it as SIGTERM (exit status 143)."""
+
+
 class Interrupted(TrainingStopped):
     """A signal stopped training: Ctrl-C (SIGINT) or a scheduler's SIGTERM (preemption, a time limit); the message
     says where and, where a checkpoint exists, how to resume.

@@ -34,6 +34,7 @@ from lightning_ft.device import model_type_of
 from lightning_ft.errors import (
     MEMORY_HINT,
     Interrupted,
+    SigtermBeforeTraining,
     TrainingStopped,
     check_choice,
     check_local_path,
@@ -167,7 +168,12 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             check_new_run_dir(run_dir)
         elif cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).resolve().is_relative_to(run_dir.resolve()):
             check_new_run_dir(run_dir, resumed_from=cfg.ckpt_path)  # another run's checkpoint: a new folder
-        return _train(cfg, run_dir, trainer_kwargs, written, hydra_record)
+        sigterm = SigtermAtStepEnd()
+        sigterm.raise_until_training()  # a SIGTERM while loading is reported, not a silent end
+        try:
+            return _train(cfg, run_dir, trainer_kwargs, written, hydra_record, sigterm)
+        finally:
+            sigterm.restore()
 
 
 def _quiet_library_notices(resuming: bool) -> None:
@@ -284,8 +290,10 @@ def _check_factory_keys(group: str, node: DictConfig | None) -> None:
 
 def _train(
     cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], written: dict[str, Any], hydra_record: HydraRecord | None,
+    sigterm: SigtermAtStepEnd,
 ) -> dict[str, Any]:
-    """Everything after the checks of `fit`: data, model, callbacks, Trainer, fit.
+    """Everything after the checks of `fit`: data, model, callbacks, Trainer, fit; ``sigterm`` takes SIGTERM over
+    (it raises until training starts: `SigtermAtStepEnd.raise_until_training`).
 
     ``written`` goes to ``config.json`` and ``hydra_record`` (None: written already, or not ours to
     write) to ``.hydra/`` when training starts (`RunSummary`, `HydraRecord`): a run refused or failed
@@ -330,7 +338,7 @@ def _train(
         callbacks.append(GenerationEval(cfg.eval.num_examples, cfg.eval.max_new_tokens))
     summary = RunSummary(run_dir, resolved, resuming=bool(cfg.ckpt_path), run_config=written)
     callbacks.append(summary)
-    callbacks.append(SigtermAtStepEnd())
+    callbacks.append(sigterm)
     if hydra_record is not None:
         callbacks.append(hydra_record)
     # callbacks.progress_bar=null means no progress bar at all (not Lightning's default one)
@@ -419,7 +427,9 @@ def _train(
     except SystemExit as err:
         if not trainer.interrupted:
             raise
-        # Ctrl-C: Lightning tore the run down and exits with status 1 after its one-line notice
+        # Ctrl-C (or SIGTERM while setting up): Lightning tore the run down and exits with status 1 after its notice
+        if isinstance(err.__context__, SigtermBeforeTraining):
+            raise Interrupted("interrupted: " + stopped_message(trainer, summary, run_dir, "SIGTERM"), signal.SIGTERM) from err
         raise Interrupted("interrupted: " + stopped_message(trainer, summary, run_dir, "Ctrl-C (SIGINT)"), signal.SIGINT) from err
     return summary.summary
 

@@ -490,6 +490,16 @@ def test_sigterm_stops_with_exit_status_143_and_a_checkpoint_of_the_step_reached
         assert [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")] == list(range(5))
 
 
+def test_sigterm_while_the_run_loads_says_so_and_leaves_a_summary(tmp_path):
+    """Before the training loop (loading the data and the model) SIGTERM's default action ended the process with no
+    message and no summary.json; it is reported as SIGTERM, exit status 143, and the summary says where it stopped."""
+    proc = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "+callbacks.term._target_=cli_helpers.SignalInSetup", ok=False)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1].startswith("interrupted: ") and "SIGTERM" in proc.stderr.splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert summary(tmp_path)["status"] == "stopped" and summary(tmp_path)["error"] == "SIGTERM: stopped before training started"
+
+
 @pytest.mark.slow
 def test_sigterm_mid_accumulation_stops_at_the_end_of_that_step_and_saves_it(tmp_path):
     # the signal comes as the first of step 3's two micro-batches starts: the second one runs too, and the

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_ft.callbacks.checkpoint import training_ends_after_this_batch
+from lightning_ft.errors import SigtermBeforeTraining
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,30 @@ class SigtermAtStepEnd(Callback):
         self._step_at_batch_start = 0
         self._stepped = False  # the current training batch finished an optimizer step
         self._others: list[Callable[..., Any]] = []
+        self._before_training: Any = None  # the handler `raise_until_training` replaced, while its own is in place
+
+    def raise_until_training(self) -> None:
+        """From now until training starts (Lightning's ``on_fit_start``; or `restore`), SIGTERM raises
+        `lightning_ft.errors.SigtermBeforeTraining`: loading the tokenizer, the data and the model can take minutes,
+        and the default action ended the process there with no message and no summary.json. (Lightning's own
+        handler comes later, after ``on_fit_start``, and takes over what was there before this one.)"""
+        if threading.current_thread() is threading.main_thread() and self._before_training is None:
+            self._before_training = signal.signal(signal.SIGTERM, self._raise)
+
+    def restore(self) -> None:
+        """Put back the SIGTERM handler `raise_until_training` replaced (where it is still in place)."""
+        if self._before_training is not None:
+            if signal.getsignal(signal.SIGTERM) == self._raise:
+                signal.signal(signal.SIGTERM, self._before_training)
+            self._before_training = None
+
+    @staticmethod
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        raise SigtermBeforeTraining("stopped by SIGTERM before training started")
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.restore()
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_ft.atomic import atomic_file, atomic_folder, out_of_space, recover_folder, write_json_atomic
 from lightning_ft.callbacks.throughput import TokenThroughput
-from lightning_ft.errors import TrainingStopped
+from lightning_ft.errors import SigtermBeforeTraining, TrainingStopped
 from lightning_ft.strategies.cuda_graphs import cuda_graph_stats
 from lightning_ft.strategies.fsdp2 import gather_state_dict
 from lightning_ft.strategies.kept import KINDS
@@ -459,6 +459,8 @@ def _status(error: BaseException | None) -> str:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, SigtermBeforeTraining):
+        return "SIGTERM: stopped before training started"
     if isinstance(error, KeyboardInterrupt):
         return "KeyboardInterrupt: stopped by Ctrl-C (SIGINT)"
     return f"{type(error).__name__}: {error}"
