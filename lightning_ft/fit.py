@@ -49,6 +49,7 @@ from lightning_ft.model.mxfp4 import no_mxfp4_experts
 from lightning_ft.model.quantization import QUANTIZATIONS, check_quantized_training
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
 from lightning_ft.run_dir import (
+    absolute_local_paths,
     check_checkpoint_readable,
     check_new_run_dir,
     check_resume_dir,
@@ -133,6 +134,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             "key goes (trainer., callbacks., model.config., optimizer.); `python -m lightning_ft fit --cfg job` shows the keys"
         )
     run_dir = Path(cfg.run_dir)
+    absolute_local_paths(cfg)  # config.json and the resume command name the same files from any folder
     if cfg.model.init == "pretrained" and not cfg.model.name_or_path:
         raise ValueError("model.name_or_path is required with model.init=pretrained: a local checkpoint folder or a hub name")
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)

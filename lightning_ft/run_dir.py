@@ -214,14 +214,42 @@ def checkpoint_step(path: str | Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
+#: config keys that may name a local file or folder: a relative one is made absolute (`absolute_local_path`)
+LOCAL_PATH_KEYS = ("data.path", "data.val_path", "model.name_or_path", "model.tokenizer")
+
+
+def absolute_local_path(value: Any) -> Any:
+    """``value`` made absolute where it is a relative path to an existing file or folder (anything else as it is: a
+    hub or `datasets` name, ``builtin`` and ``builtin:...``), so that a run's config.json and its resume command mean
+    the same files from any working directory."""
+    if not isinstance(value, str) or not value or value == "builtin" or value.startswith("builtin:"):
+        return value
+    path = Path(value).expanduser()
+    return str(path.resolve()) if not path.is_absolute() and path.exists() else value
+
+
+def absolute_local_paths(cfg: DictConfig) -> None:
+    """Make ``cfg``'s `LOCAL_PATH_KEYS` absolute in place (`absolute_local_path`)."""
+    for key in LOCAL_PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if (absolute := absolute_local_path(value)) != value:
+            OmegaConf.update(cfg, key, absolute)
+
+
 def resume_command(run_dir: Path) -> str:
     """The command line that resumes the run in ``run_dir``: this run's own overrides as typed (Hydra's task
-    overrides; an earlier ``ckpt_path`` left out), then ``ckpt_path=last`` and the run folder."""
+    overrides; an earlier ``ckpt_path`` left out; a relative local path of `LOCAL_PATH_KEYS` made absolute, so the
+    command runs from any folder), then ``ckpt_path=last`` and the run folder."""
     try:
         typed = list(HydraConfig.get().overrides.task)
     except ValueError:  # fit() called outside a Hydra app: no overrides to repeat
         typed = []
-    kept = [o for o in typed if not o.lstrip("+~").startswith("ckpt_path=")]
+    kept = []
+    for override in typed:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") == "ckpt_path":
+            continue
+        kept.append(f"{key}={absolute_local_path(value)}" if key.lstrip("+~") in LOCAL_PATH_KEYS else override)
     return shlex.join(["python", "-m", "lightning_ft", "fit", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
 
 
@@ -267,6 +295,10 @@ def check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) 
     if not saved_file.exists():
         return
     saved = json.loads(saved_file.read_text())
+    for key in LOCAL_PATH_KEYS:  # a config.json written before its paths were made absolute, resumed from the same folder
+        section, name = key.split(".")
+        if isinstance(saved.get(section), dict) and name in saved[section]:
+            saved[section][name] = absolute_local_path(saved[section][name])
     changes = _diff(saved, json.loads(json.dumps(config, default=str)))
     differences = [
         f"{key}: {old!r} in the interrupted run, {new!r} now" for key, old, new in changes if not key.startswith(_RESUMABLE_CHANGES)

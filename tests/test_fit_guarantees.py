@@ -490,6 +490,23 @@ def test_sigterm_stops_with_exit_status_143_and_a_checkpoint_of_the_step_reached
         assert [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")] == list(range(5))
 
 
+def test_the_printed_resume_command_works_from_another_folder_with_a_relative_data_path(tmp_path):
+    """A relative data.path starts from the working directory; config.json and the printed resume
+    command hold it absolute, so the command resumes from any folder."""
+    work = tmp_path / "work"
+    work.mkdir()
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}"} for i in range(60)]
+    (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    proc = run_cli(run, *FAST, "data.path=train.jsonl", "trainer.max_steps=50", "+callbacks.term._target_=cli_helpers.SignalAtStep",
+                   "+callbacks.term.step=2", ok=False, cwd=work)
+    assert proc.returncode == 143 and f"data.path={work / 'train.jsonl'}" in proc.stderr
+    assert summary(run)["config"]["data"]["path"] == str(work / "train.jsonl")
+    run_cli(run, *FAST, f"data.path={work / 'train.jsonl'}", "trainer.max_steps=4", "+callbacks.term._target_=cli_helpers.SignalAtStep",
+            "+callbacks.term.step=50", "ckpt_path=last", cwd=tmp_path)
+    assert summary(run)["status"] == "completed" and summary(run)["steps"] == 4
+
+
 def test_sigterm_while_the_run_loads_says_so_and_leaves_a_summary(tmp_path):
     """Before the training loop (loading the data and the model) SIGTERM's default action ended the process with no
     message and no summary.json; it is reported as SIGTERM, exit status 143, and the summary says where it stopped."""
