@@ -409,7 +409,8 @@ def _train(
         trainer.callbacks.append(ResumedMetrics(earlier))
     elif earlier is not None:
         log.info("%s: moved to %s (an earlier run's metrics; this run writes its own)", earlier.with_name("metrics.csv"), earlier.name)
-        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")  # the metrics were moved aside; Lightning rewrites only hparams.yaml
+        # the metrics were moved aside; Lightning rewrites only hparams.yaml
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as err:  # a SystemExit with status 0: a scheduler would take it for success

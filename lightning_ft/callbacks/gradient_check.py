@@ -122,7 +122,6 @@ class GradientCheck(L.Callback):
             "Fix that, or remove the check with callbacks.gradient_check=null"
         )
 
-
     def _largest_trained(self, named: list[tuple[str, torch.Tensor]], trainer: L.Trainer) -> float:
         """The largest |value| of the trainable tensors that got a gradient (inf if one holds a NaN), over every
         process's shards (FSDP2); one host sync."""

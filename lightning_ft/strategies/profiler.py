@@ -200,16 +200,14 @@ class StepProfiler:
         results: dict[int, dict[str, Any]] = {}
         forward_peak = [0]
         by_kind: dict[tuple, dict[str, Any]] = {}  # (layer kind, input shapes) -> its measurement
-        apart: list[str] = []  # the kept kinds are measured one at a time (keeping them all at once ran out of memory)
-        fallbacks: list[str] = []
+        fallbacks: list[str] = []  # non-empty: the kept kinds are measured one at a time (all at once ran out of memory)
 
         def measured(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, index: int) -> dict[str, Any]:
-            if not apart:
+            if not fallbacks:
                 try:
                     return self._layer(layer, hidden, kwargs, kinds, device, index)
                 except torch.OutOfMemoryError:
                     pass  # out of the except block: the exception's frames (and their tensors) are gone
-                apart.append("yes")
                 self.empty_cache(device)
                 fallbacks.append(
                     f"keeping every kind ({', '.join(kinds)}) of a layer at once ran out of GPU memory in the measuring "
@@ -303,8 +301,11 @@ class StepProfiler:
             result["forward"] = self.timed(lambda: forward(x, **kwargs), device, index, "forward")
         before = self.memory_allocated(device)
         self.peak_allocated(device, reset=True)
-        self.timed(lambda: backward([]), device, index, "recompute:all")
+        # nothing kept: with no kinds to keep, that is the backward itself
+        nothing_kept = self.timed(lambda: backward([]), device, index, "recompute:all" if kinds else "backward")
         result["working_bytes"] = max(0, self.peak_allocated(device) - before)
+        if not kinds:
+            return {**result, "bytes": {}, "backward": nothing_kept, "recompute": {}}
         keeps = {kind: KeptActivations(kind, allow=lambda nbytes: True) for kind in kinds}
         with torch.no_grad(), keeping(*keeps.values(), recompute=False):
             forward(x, **kwargs)
