@@ -329,7 +329,7 @@ def _main(argv: list[str] | None) -> None:
             from lightning_ft.config import override_hints, report_key_hints
 
             report, hints = _held.take(), override_hints(overrides, command)
-            hints = [h for h in report_key_hints(report, command) if h not in hints] + hints  # keys in a YAML file
+            hints = [h for h in report_key_hints(report, command, overrides) if h not in hints] + hints  # keys in a YAML file
             real_stderr.write(_composition_error(report, bool(hints[:-1])))
             real_stderr.write("".join(f"hint: {line}\n" for line in hints))
         raise

@@ -113,6 +113,9 @@ class MoeConfig:
     # grouped_mm: frozen expert weights hold their LoRA factors in spare rows and columns, so LoRA
     # joins the expert GEMMs (faster steps for R*(N+C) more elements per expert)
     lora_slots: bool = True
+    # the experts of longer rows run over the tokens in chunks of this many (one chunk's working set at a time):
+    # auto (chunks of at most 2 GiB of gate/up output, where that costs no extra compute) | a token count | null: never
+    chunk_tokens: Any = "auto"
 
 
 @dataclass
@@ -437,15 +440,18 @@ def moved_key_hint(key: str) -> str | None:
     return None
 
 
-def report_key_hints(report: str, command: str = "fit") -> list[str]:
+def report_key_hints(report: str, command: str = "fit", overrides: list[str] = ()) -> list[str]:
     """`key_hint` lines for the keys missing from ``command``'s schema that Hydra's report of a config that does
-    not compose names (``full_key: model.cuda_graphs``: a YAML file of the user's that sets one)."""
+    not compose names (``full_key: model.cuda_graphs``: a YAML file of the user's that sets one), but for a key that
+    a command-line override sets or leads to (``foo`` of ``foo.bar=1``: `override_hints` names that one)."""
     import re
 
     from omegaconf import OmegaConf
 
     schema = OmegaConf.structured(command_schema(command))
-    return [hint for key in dict.fromkeys(re.findall(r"full_key: (\S+)", report)) if (hint := key_hint(key, schema))]
+    typed = [item.split("=", 1)[0].lstrip("+~") for item in overrides if "=" in item]
+    keys = [k for k in dict.fromkeys(re.findall(r"full_key: (\S+)", report)) if not any(t == k or t.startswith(f"{k}.") for t in typed)]
+    return [hint for key in keys if (hint := key_hint(key, schema))]
 
 
 def unknown_schema_keys(cfg: Any, prefix: str = "", root: Any = None) -> list[str]:

@@ -45,6 +45,7 @@ from lightning_ft.kernels.moe.experts import BACKENDS as EXPERT_BACKENDS, QUANTI
 from lightning_ft.model.attention import BACKENDS as ATTENTION_BACKENDS
 from lightning_ft.model.build import DTYPES, INITS, ModelBuilder, check_model_folder
 from lightning_ft.model.lora import adapter_folder
+from lightning_ft.model.moe import check_chunk_tokens
 from lightning_ft.model.mxfp4 import no_mxfp4_experts
 from lightning_ft.model.quantization import QUANTIZATIONS, check_quantized_training
 from lightning_ft.module import ON_NONFINITE, FinetuneModule
@@ -206,7 +207,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
     Raises:
         ValueError: a value of a `CHOICES` key that is not one of its values (naming them and the closest),
             ``lora.rank`` < 1, ``lora.alpha`` ≤ 0, ``lora.dropout`` outside [0, 1), ``eval.every_n_steps`` or
-            ``eval.limit_batches`` < 1, an
+            ``eval.limit_batches`` < 1, a ``moe.chunk_tokens`` other than auto, null or a positive int, an
             ``optimizer.lr`` that is negative or not a number, or
             ``moe.backend=triton`` or ``model.quantization=mxfp4`` (whose experts only ``triton`` reads) where no CUDA
             device will run Triton (without ``TRITON_INTERPRET=1``), or ``lora.init_from`` with LoRA off.
@@ -216,6 +217,7 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
 
     for key, choices in CHOICES.items():
         check_choice(key, OmegaConf.select(cfg, key), choices)
+    check_chunk_tokens(OmegaConf.select(cfg, "moe.chunk_tokens", default="auto"))
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ValueError(f"lora.rank={cfg.lora.rank}: must be at least 1 (lora=none for full fine-tuning)")
     if cfg.lora.enabled and not cfg.lora.init_from and cfg.lora.alpha <= 0:
@@ -235,6 +237,8 @@ def _check_option_values(cfg: DictConfig, no_cuda: str | None) -> None:
         raise ValueError(f"optimizer.lr={lr!r}: expected a number, such as 2e-4")
     if lr is not None and lr < 0:
         raise ValueError(f"optimizer.lr={lr}: must be at least 0")
+    if lr == 0:
+        rank_zero_warn("optimizer.lr=0: the weights will not change (the run measures the loss only); set e.g. optimizer.lr=2e-4 to train")
     for key in ("eval.every_n_steps", "eval.limit_batches"):
         if (value := OmegaConf.select(cfg, key)) is not None and value < 1:
             raise ValueError(f"{key}={value}: must be at least 1 (null: {'every epoch end' if 'every' in key else 'all rows'})")

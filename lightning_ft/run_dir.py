@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 #: else must match the interrupted run's config
 _RESUMABLE_CHANGES = (
     "ckpt_path", "run_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.devices", "trainer.strategy",
-    "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "callbacks", "logger", "eval",
-    "strategy", "moe.lora_slots", *MOVED_KEYS,  # MOVED_KEYS: where a config written before the move has them
+    "trainer.accelerator", "trainer.num_nodes", "trainer.enable_progress_bar", "trainer.log_every_n_steps", "callbacks",
+    "logger", "eval", "strategy", "moe.lora_slots", "moe.chunk_tokens", *MOVED_KEYS,  # MOVED_KEYS: where a config written before the move has them
 )
 
 
@@ -307,8 +307,8 @@ def check_resumed_config(config: dict[str, Any], ckpt_path: str, run_dir: Path) 
         raise ValueError(
             f"ckpt_path={ckpt_path}: this config differs from the interrupted run's ({saved_file}): "
             + "; ".join(differences[:8]) + (f" and {len(differences) - 8} more" if len(differences) > 8 else "")
-            + ". Repeat the run's own overrides (trainer.max_steps, the devices, callbacks, logger, eval, "
-            "strategy.* and moe.lora_slots may change)"
+            + ". Repeat the run's own overrides (trainer.max_steps, trainer.max_epochs, trainer.log_every_n_steps, the "
+            "devices, callbacks, logger, eval, strategy.*, moe.lora_slots and moe.chunk_tokens may change)"
         )
     stretched = [f"{key}: {old} → {new}" for key, old, new in changes if key in ("trainer.max_steps", "trainer.max_epochs")]
     if stretched and config.get("scheduler") and first_process():

@@ -208,6 +208,8 @@ def test_the_cli_grows_allocator_segments_unless_the_user_configured_the_allocat
         ("eval.every_n_steps=0", r"eval.every_n_steps=0: must be at least 1 \(null: every epoch end\)"),
         ("eval.limit_batches=-1", r"eval.limit_batches=-1: must be at least 1 \(null: all rows\)"),
         ("moe.backend=foo", "moe.backend=foo: expected one of hf, auto, native_torch, grouped_mm, triton$"),
+        ("moe.chunk_tokens=0", r"moe.chunk_tokens=0: expected auto, a positive number of tokens \(e.g. 32768\) or null"),
+        ("moe.chunk_tokens=half", r"moe.chunk_tokens='half': expected auto, a positive number of tokens"),
         ("model.attention=sdpaa", r"model.attention=sdpaa: expected one of auto, cudnn, varlen, flex, sdpa; did you mean model.attention=sdpa\?"),
         ("model.quantization=nf5", r"model.quantization=nf5: expected one of none, nf4, mxfp4; did you mean model.quantization=nf4\?"),
         ("model.dtype=bf16", r"model.dtype=bf16: expected one of float32, bfloat16, float16; did you mean model.dtype=bfloat16\?"),
@@ -233,6 +235,13 @@ def test_values_the_libraries_refuse_late_are_refused_first_by_key(override, mes
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=message):
         _check_option_values(_compose(override.split()), "trainer.accelerator=cpu")
+
+
+def test_a_learning_rate_of_zero_is_allowed_with_a_warning():
+    from lightning_ft.fit import _check_option_values
+
+    with pytest.warns(UserWarning, match=r"optimizer.lr=0: the weights will not change .* set e.g. optimizer.lr=2e-4 to train"):
+        _check_option_values(_compose(["optimizer.lr=0"]), None)
 
 
 @pytest.mark.parametrize("moe", ["auto", "triton"])
@@ -483,6 +492,10 @@ def test_a_strategy_key_under_model_is_named_with_or_without_plus_and_in_a_yaml_
     assert "model.fp8" not in MOVED_KEYS
     assert override_hints(["model.fp8=true"])[0].startswith("model.fp8: no key 'fp8' in model; did you mean strategy.fp8? keys: ")
     assert report_key_hints("full_key: model.fp8\n")[0].startswith("model.fp8: no key 'fp8' in model; did you mean strategy.fp8?")
+    # a report's key that an override sets or leads to is named once, by the override's hint
+    assert report_key_hints("full_key: foo\n", overrides=["foo.bar=1"]) == []
+    assert report_key_hints("full_key: model.fp8\n", overrides=["+model.fp8=true"]) == []
+    assert len(report_key_hints("full_key: model.fp8\n", overrides=["model.fp=1"])) == 1
 
 
 @pytest.mark.slow

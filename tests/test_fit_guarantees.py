@@ -292,6 +292,20 @@ def test_validation_file_reports_loss_perplexity_and_exact_match(tmp_path):
     assert 0.0 <= out["val_exact_match"] <= 1.0
 
 
+def test_a_resume_may_change_how_often_it_logs_and_the_expert_chunks_but_not_the_math(tmp_path):
+    from lightning_ft.run_dir import CONFIG_FILE, check_resumed_config
+
+    saved = {"trainer": {"max_steps": 3, "log_every_n_steps": 50}, "moe": {"backend": "auto", "chunk_tokens": "auto"},
+             "lora": {"rank": 16}}
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(saved))
+    changed = {"trainer": {"max_steps": 6, "log_every_n_steps": 1}, "moe": {"backend": "auto", "chunk_tokens": 4096},
+               "lora": {"rank": 16}}
+    check_resumed_config(changed, "last", tmp_path)
+    with pytest.raises(ValueError, match=r"lora.rank: 16 in the interrupted run, 4 now\. Repeat .*trainer.max_epochs, "
+                                         r"trainer.log_every_n_steps, .* moe.lora_slots and moe.chunk_tokens may change\)"):
+        check_resumed_config(changed | {"lora": {"rank": 4}}, "last", tmp_path)
+
+
 @pytest.mark.slow
 def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_path):
     run_cli(tmp_path, *FAST, "trainer.max_steps=3")

@@ -64,6 +64,7 @@ from lightning_ft.model.router import (
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
 from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_lm_head_to_fp8, convert_to_fp8
+from lightning_ft.strategies.recompute import checkpoint_contexts
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "holds_nf4_experts", "load_causal_lm", "nf4_experts_backend"]
@@ -710,7 +711,7 @@ class ModelBuilder:
             if model._supports_attention_backend:
                 model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
         if cfg.get("gradient_checkpointing"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
         train_router = bool(self.moe_cfg.get("train_router", False))
         routers = router_module_names(model) if train_router else []
         if lora_enabled:
@@ -734,7 +735,7 @@ class ModelBuilder:
         if moe_backend == "hf" and has_moe_path(model.config.model_type):
             rank_zero_info("moe: hf experts backend (transformers' own; moe=auto, grouped_mm or triton for ours)")
         if moe_backend != "hf":
-            backend = apply_moe(model, backend=moe_backend)
+            backend = apply_moe(model, backend=moe_backend, chunk_tokens=self.moe_cfg.get("chunk_tokens", "auto"))
             rank_zero_info(f"moe: {backend} experts backend")
             lora_slots = backend == "grouped_mm" and self.moe_cfg.get("lora_slots", True) and not sharded \
                 and not _fp8_experts(execution, quantization, self.lora_cfg)  # e4m3 experts have no slots

@@ -26,10 +26,18 @@ Mixtral's ``router_jitter_noise`` (training only) scales the block's input by th
 as transformers' block. The first ``first_k_dense_replace`` layers of GLM-4.5 / DeepSeek-V3 hold a
 dense MLP, not a sparse block: the ``swiglu`` kernel's, like the shared experts.
 
-In the CUDA graphs' recompute of a decoder layer (`recomputing_for_backward`) the output of a block
+In the CUDA graphs' recompute of a decoder layer (`lightning_ft.strategies.recompute.recomputing_for_backward`) the output of a block
 that is its decoder layer's ``mlp`` (the table's ``decoder_layer``) only feeds the layer's residual sum, whose value nobody
 reads: ``output_needed=False`` skips the down projection and the un-permute there (their backward
 needs neither). A block used anywhere else always computes its output.
+
+Token chunks (``moe.chunk_tokens``, `lightning_ft.kernels.moe.token_chunks`): the experts of a row longer than the
+chunk run over its tokens in chunks, each routed on its own, so one chunk's [T_chunk * K, ·] tensors are alive at a
+time instead of the whole row's (gpt-oss-20b at 256K tokens: 11.25 GiB of gate/up output per layer, ~34 GiB of
+backward working set). ``auto`` chunks only where it costs no extra compute: a forward without grad, and a checkpointed
+layer's forward and recompute (the CUDA graphs' or ``torch.utils.checkpoint``'s, `lightning_ft.strategies.recompute`),
+whose output is unread there, so the backward computes the experts chunk by chunk, once; a chunked block keeps
+nothing.
 
 Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.strategies.kept`, kind ``mlp``): in a recorded
 layer's forward the block keeps the experts' gate/up output (split LoRA added) and its thin LoRA
@@ -89,14 +97,15 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from lightning_ft.kernels.moe import ClampedSwiGLU, ExpertBiases, ExpertLoRA, moe_experts, select_backend, sort_by_expert
 from lightning_ft.kernels.moe.grouped_mm import augment_expert_weight, padded_rank
 from lightning_ft.kernels.moe.routing import topk
+from lightning_ft.kernels.moe.token_chunks import auto_chunk_tokens, moe_experts_in_chunks
 from lightning_ft.model.mxfp4 import mxfp4_weight
 from lightning_ft.model.nf4_experts import nf4_weight
 from lightning_ft.model.patching import moe_classes, moe_spec, restore_instance_attr
 from lightning_ft.strategies import kept
-from lightning_ft.strategies.cuda_graphs import recomputing_for_backward
+from lightning_ft.strategies.recompute import checkpoint_pass, recomputing_for_backward
 from lightning_ft.strategies.fp8 import convert_expert_weight, fp8_expert_weight, fp8_experts_blocker
 
-__all__ = ["apply_moe", "augment_expert_weights", "convert_experts_to_fp8", "revert_moe"]
+__all__ = ["apply_moe", "augment_expert_weights", "check_chunk_tokens", "convert_experts_to_fp8", "revert_moe"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +113,7 @@ _BACKEND_ATTR = "_lightning_ft_moe_backend"
 _PREVIOUS_FORWARD_ATTR = "_lightning_ft_moe_previous_forward"  # the block's instance `forward`, or None
 _FEEDS_RESIDUAL_ATTR = "_lightning_ft_moe_feeds_residual"  # the block is its decoder layer's mlp
 _SPEC_ATTR = "_lightning_ft_moe_spec"  # the block's `MoEClasses`
+_CHUNK_ATTR = "_lightning_ft_moe_chunk_tokens"  # ``moe.chunk_tokens``: "auto", a token count, or None
 
 _DEFAULT_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
 _GPT_OSS_LAYOUT = {"is_concatenated": False, "is_transposed": True, "has_bias": True, "has_gate": True}
@@ -149,7 +159,36 @@ def _expert_math(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, 
     return gate_up, down, experts.act_fn, ExpertBiases()
 
 
-def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
+def check_chunk_tokens(value) -> str | int | None:
+    """``moe.chunk_tokens`` as the blocks take it: ``"auto"``, a positive token count, or None (never chunked).
+
+    Raises:
+        ValueError: any other value, naming the key.
+    """
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"moe.chunk_tokens={value!r}: expected auto, a positive number of tokens (e.g. 32768) or null (never chunked)"
+    )
+
+
+def _chunk_tokens(option: str | int | None, top_k: int, w_gate_up_EFD, checkpointed: bool) -> int | None:
+    """The tokens per chunk of a block's experts under ``option`` (`check_chunk_tokens`), or None: unchunked.
+
+    ``auto`` chunks where that costs no extra compute: a forward without grad, and a ``checkpointed`` layer's forward
+    and recompute (`lightning_ft.strategies.recompute`; the recompute's output is unread, so the chunks' backward runs
+    the experts once: `lightning_ft.kernels.moe.token_chunks`); its size is `auto_chunk_tokens` of the gate/up output.
+    A number chunks every forward (outside a checkpointed layer, with grad, the backward runs the experts' forward once
+    more).
+    """
+    if option != "auto":
+        return option
+    if torch.is_grad_enabled() and not checkpointed:
+        return None
+    return auto_chunk_tokens(top_k, w_gate_up_EFD.shape[1], w_gate_up_EFD.dtype.itemsize)
+
+
+def apply_moe(model: torch.nn.Module, backend: str = "auto", chunk_tokens: str | int | None = "auto") -> str:
     """Patch every sparse MoE block a patch table names in ``model`` (plain or PEFT-wrapped) to our MoE path.
 
     Calling it again re-patches with the new settings.
@@ -158,6 +197,8 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
         model: a transformers model, a PEFT model around one, or a bare sparse block.
         backend: ``auto``, ``native_torch``, ``grouped_mm`` or ``triton`` (``moe.backend``); ``auto``
             is ``grouped_mm`` on a CUDA GPU with a native grouped kernel, else ``native_torch``.
+        chunk_tokens: ``moe.chunk_tokens`` (`check_chunk_tokens`): the experts of rows longer than this many
+            tokens run in chunks of it (`_chunk_tokens`).
 
     Returns:
         The backend in use.
@@ -168,6 +209,7 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
             gpt-oss's (`_GPT_OSS_LAYOUT`).
         RuntimeError: the backend cannot run here (see `select_backend`).
     """
+    chunk_tokens = check_chunk_tokens(chunk_tokens)
     sparse_blocks = moe_classes("sparse_block")
     blocks = [m for m in model.modules() if isinstance(m, sparse_blocks)]
     if not blocks:
@@ -184,6 +226,7 @@ def apply_moe(model: torch.nn.Module, backend: str = "auto") -> str:
             setattr(block, _PREVIOUS_FORWARD_ATTR, vars(block).get("forward"))
         setattr(block, _SPEC_ATTR, moe_spec(block))
         setattr(block, _BACKEND_ATTR, chosen)
+        setattr(block, _CHUNK_ATTR, chunk_tokens)
         setattr(block, _FEEDS_RESIDUAL_ATTR, False)
         block.forward = types.MethodType(_sparse_moe_block_forward, block)
     decoder_layers = moe_classes("decoder_layer")
@@ -204,7 +247,7 @@ def revert_moe(model: torch.nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, _BACKEND_ATTR):
             restore_instance_attr(module, "forward", getattr(module, _PREVIOUS_FORWARD_ATTR))
-            for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR, _SPEC_ATTR):
+            for name in (_BACKEND_ATTR, _PREVIOUS_FORWARD_ATTR, _FEEDS_RESIDUAL_ATTR, _SPEC_ATTR, _CHUNK_ATTR):
                 delattr(module, name)
             reverted += 1
     return reverted
@@ -282,23 +325,25 @@ def _sparse_moe_block_forward(
         # a module call: HF's router-logit hooks fire
         _, topk_weight_TK, topk_idx_TK = getattr(self, spec.router_attr)(x_TD)
     experts, loras = _experts_and_lora(self.experts)
-    routing = sort_by_expert(topk_idx_TK, experts.num_experts)
     w_gate_up_EFD, w_down_EDI, act_fn, biases = _expert_math(experts)
-    out_TD = moe_experts(
-        x_TD,
-        topk_weight_TK,
-        routing,
-        w_gate_up_EFD,
-        w_down_EDI,
-        act_fn,
-        gate_up_lora=loras.get("gate_up_proj"),
-        down_lora=loras.get("down_proj"),
-        biases=biases,
-        backend=getattr(self, _BACKEND_ATTR),
-        # the decoder layer returns residual + mlp(...): in the graphs' recompute nothing reads it
-        output_needed=not (getattr(self, _FEEDS_RESIDUAL_ATTR) and recomputing_for_backward()),
-        keep=kept.active("mlp"),
-    )
+    math = dict(gate_up_lora=loras.get("gate_up_proj"), down_lora=loras.get("down_proj"), biases=biases, backend=getattr(self, _BACKEND_ATTR))
+    # the decoder layer returns residual + mlp(...): in a recompute (the graphs' or torch.utils.checkpoint's) nothing reads it
+    feeds_residual, in_checkpoint = getattr(self, _FEEDS_RESIDUAL_ATTR), checkpoint_pass()
+    checkpointed = recomputing_for_backward() or in_checkpoint is not None
+    chunk_tokens = _chunk_tokens(getattr(self, _CHUNK_ATTR), topk_idx_TK.shape[1], w_gate_up_EFD, checkpointed)
+    if chunk_tokens is not None and x_TD.shape[0] > chunk_tokens:  # one chunk's working set at a time; nothing kept
+        # torch's recompute must save what its forward saved: the chunks save their inputs either way
+        unread = feeds_residual and (recomputing_for_backward() or in_checkpoint == "recompute")
+        out_TD = moe_experts_in_chunks(
+            x_TD, topk_weight_TK, topk_idx_TK, experts.num_experts, w_gate_up_EFD, w_down_EDI, act_fn,
+            chunk_tokens=chunk_tokens, output_needed=not unread, **math,
+        )  # fmt: skip
+    else:
+        routing = sort_by_expert(topk_idx_TK, experts.num_experts)
+        out_TD = moe_experts(
+            x_TD, topk_weight_TK, routing, w_gate_up_EFD, w_down_EDI, act_fn, keep=kept.active("mlp"),
+            output_needed=not (feeds_residual and recomputing_for_backward()), **math,
+        )  # fmt: skip
     out = out_TD.view_as(hidden_states)
     shared_experts = getattr(self, "shared_experts", None)  # DeepSeek-V3 / GLM-4.5: a dense MLP on every token
     if shared_experts is not None:

@@ -110,10 +110,11 @@ from lightning_ft.model.patching import restore_instance_attr
 from lightning_ft.strategies.kept import KINDS, KeptActivations, keeping, kinds_allowed, stored_nbytes
 from lightning_ft.strategies.offload import ActivationOffload, offloaded_checkpoint
 from lightning_ft.strategies.planner import Plan
+from lightning_ft.strategies.recompute import checkpoint_contexts, recomputing
 
 __all__ = [
     "GRAPH_TOKEN_MULTIPLE", "apply_cuda_graphs", "apply_memory_plan", "check_cuda_graphs", "cuda_graph_stats", "graphed_layers", "keep_max_bytes",
-    "recomputing_for_backward", "revert_cuda_graphs",
+    "revert_cuda_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -122,20 +123,8 @@ _STATE_ATTR = "_lightning_ft_cuda_graphs"  # on each patched layer: the model's 
 _CHECKPOINTING_ATTR = "_lightning_ft_cuda_graphs_checkpointing"  # the layer's own flag before patching
 _INDEX_ATTR = "_lightning_ft_cuda_graphs_index"  # on each patched layer: its position among the decoder layers
 _SCALARS = (type(None), bool, int, float, str)
-_RECOMPUTING = [False]  # set while a backward graph's recompute of a layer runs (see recomputing_for_backward)
 _FORWARD_IDS = itertools.count(1)
 GRAPH_TOKEN_MULTIPLE = 256  # graphed rows are padded to a multiple of this many tokens (`FinetuneModule.pad_for_graphs`)
-
-
-def recomputing_for_backward() -> bool:
-    """Whether the running decoder-layer forward is the backward graph's recompute.
-
-    There the layer's output value is never read: only its autograd graph is (the backward takes
-    ``autograd.grad(out, ..., dout)``). A module whose output feeds nothing but the layer's output
-    (the residual sum after the MLP) may then skip computing its value, as long as its backward
-    does not need it; the MoE experts skip their down projection and un-permute this way.
-    """
-    return _RECOMPUTING[0]
 
 
 class _Ungraphable(Exception):
@@ -447,13 +436,11 @@ class _ModelGraphs:
             x = static.hidden.detach().requires_grad_(input_grad)
             leaves = [p.detach().requires_grad_() for p in params]
             self.recording = True  # the call below reaches our patched forward: run the layer's own
-            _RECOMPUTING[0] = True
             try:
-                with torch.enable_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=True):
+                with torch.enable_grad(), torch.autocast(**amp), keeping(*kept.values(), recompute=True), recomputing():
                     out = torch.func.functional_call(layer, dict(zip(names, leaves)), (x,), static.kwargs, strict=False)
             finally:
                 self.recording = False
-                _RECOMPUTING[0] = False
             inputs = [x, *leaves] if input_grad else leaves
             grads = list(torch.autograd.grad(out, inputs, static.grad_out, allow_unused=True))
             if input_grad:
@@ -573,7 +560,7 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
         params = [p for p in self.parameters() if p.requires_grad]
         if hidden_states.requires_grad or params:
             return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
-    return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
+    return checkpoint(original, hidden_states, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
 
 
 def keep_max_bytes(keep_max_gib: float | None) -> int | None:

@@ -75,6 +75,8 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_ft.strategies.recompute import recomputing
+
 __all__ = ["ActivationOffload", "CopyMeter", "OffloadedTensor", "offloaded_checkpoint"]
 
 DIRECTIONS = ("d2h", "h2d")  # device to host (save), host to device (load)
@@ -462,7 +464,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x = ctx.offload.load(ctx.saved).detach().requires_grad_(ctx.needs_input_grad[3])
         params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:]) if needed]
-        with torch.enable_grad(), torch.autocast(**ctx.amp):
+        with torch.enable_grad(), torch.autocast(**ctx.amp), recomputing():
             out = ctx.run(x)
         inputs = [x, *params] if x.requires_grad else params
         grads = iter(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))

@@ -58,6 +58,7 @@ import torch
 
 from lightning_ft.strategies.kept import KeptActivations, keeping
 from lightning_ft.strategies.planner import Bandwidth, LayerProfile, SavedClass
+from lightning_ft.strategies.recompute import recomputing
 
 __all__ = ["COPY_BYTES", "Measurement", "StepProfiler", "available_host_bytes", "layer_kind"]
 
@@ -356,7 +357,7 @@ class StepProfiler:
         trainable weights (``.grad`` is not touched)."""
         forward = functools.partial(type(layer).forward, layer)
         params = [p for p in layer.parameters() if p.requires_grad]
-        with torch.enable_grad(), keeping(*keeps, recompute=True):
+        with torch.enable_grad(), keeping(*keeps, recompute=True), recomputing():  # as the backward graph's
             inputs = hidden.detach().requires_grad_()  # as in training past the first layer: the input's gradient too
             out = forward(inputs, **kwargs)
         torch.autograd.grad(out, [inputs, *params], hidden.detach(), allow_unused=True)  # the input as the output's gradient

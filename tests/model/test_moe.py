@@ -22,6 +22,7 @@ from lightning_ft.kernels.moe import BACKENDS, grouped_mm
 from lightning_ft.strategies import kept
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8, revert_moe
 from lightning_ft.model.patching import PATCH_TABLES, moe_classes
+from lightning_ft.strategies.recompute import checkpoint_contexts, checkpoint_pass
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -579,6 +580,55 @@ def test_adapter_round_trip_loads_in_stock_peft(tmp_path, device):
     with torch.no_grad():
         reloaded = fresh(input_ids=input_ids).logits
     torch.testing.assert_close(reloaded, trained, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_experts_in_token_chunks_train_as_the_whole_row(arch, monkeypatch):
+    """``chunk_tokens=5`` over rows of 2 x 16 tokens (chunks of 5, the last of 2): a training step's loss and every
+    gradient equal the unchunked block's (the LoRA gradients up to summation order). ``auto`` chunks a forward
+    without grad and a checkpointed layer's forward and recompute (``torch.utils.checkpoint`` with our
+    ``context_fn``: the recompute's output unread, its saved tensors the forward's), not a plain training forward
+    that needs its output (no extra compute)."""
+    input_ids = _input_ids("cpu")
+    model = _peft_model(arch=arch)
+    apply_moe(model, "grouped_mm", chunk_tokens=None)
+    want, want_grads = _step(model, input_ids)
+    apply_moe(model, "grouped_mm", chunk_tokens=5)
+    got, got_grads = _step(model, input_ids)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert _rel_err(got_grads[name], grad) < 1e-5, name
+
+    import lightning_ft.model.moe as moe
+
+    chunked = []
+    real = moe.moe_experts_in_chunks
+
+    def spy(*args, **kwargs):
+        chunked.append((torch.is_grad_enabled(), checkpoint_pass(), kwargs["output_needed"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "moe_experts_in_chunks", spy)
+    monkeypatch.setattr(moe, "auto_chunk_tokens", lambda *args: 5)
+    apply_moe(model, "grouped_mm", chunk_tokens="auto")
+    auto, _ = _step(model, input_ids)
+    assert chunked == [] and torch.equal(auto.loss, want.loss)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    assert chunked == [(False, None, True)] * 2 and _rel_err(logits, want.logits) < 1e-6
+    chunked.clear()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+    checkpointed, checkpointed_grads = _step(model, input_ids)
+    assert chunked == [(True, "forward", True)] * 2 + [(True, "recompute", False)] * 2, chunked
+    torch.testing.assert_close(checkpointed.loss, want.loss, rtol=1e-6, atol=0)
+    for name, grad in want_grads.items():
+        assert _rel_err(checkpointed_grads[name], grad) < 1e-5, name
+    for bad in (0, -3, "half", 2.5, True):
+        with pytest.raises(ValueError, match=r"moe.chunk_tokens=.*: expected auto, a positive number of tokens"):
+            apply_moe(model, "grouped_mm", chunk_tokens=bad)
+    revert_moe(model)
 
 
 def test_apply_moe_logs_choice_and_rejects_bad_input(caplog):

@@ -214,6 +214,41 @@ def test_graphed_layers_match_the_eager_layers_step_after_step(kind, moe_backend
         assert "offloaded_inputs" not in cuda_graph_stats(module.model)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_in_token_chunks_in_the_graphed_layers_give_the_eager_gradients(device, monkeypatch):
+    """gpt-oss with ``moe.chunk_tokens=auto`` at a chunk of 24 tokens (rows of 64: chunks of 24, 24, 16): the graphed layers'
+    forward (no grad) and recompute (output unread) run the experts chunk by chunk, the eager model (grad, output
+    needed) on the whole row; equal loss and gradients, and a chunked block keeps nothing."""
+    cuda = device == "cuda"
+    module = _module("gpt_oss", device, moe_backend="grouped_mm")
+    monkeypatch.setattr(lightning_ft.model.moe, "auto_chunk_tokens", lambda *args: 24)
+    chunked = []
+    real = lightning_ft.model.moe.moe_experts_in_chunks
+
+    def spy(x_TD, *args, **kwargs):
+        chunked.append((torch.is_grad_enabled(), kwargs["output_needed"]))
+        return real(x_TD, *args, **kwargs)
+
+    monkeypatch.setattr(lightning_ft.model.moe, "moe_experts_in_chunks", spy)
+    apply_cuda_graphs(module.model)
+    for step, name in enumerate(["a", "b", "a", "c"]):  # the CPU's graphs record from the third step
+        batch = _batch(name, device, seed=step)
+        want_loss, want = _loss_and_grads(module, batch, train=False)
+        got_loss, got = _loss_and_grads(module, batch, train=True)
+        assert math.isclose(got_loss.item(), want_loss.item(), rel_tol=1e-3 if cuda else 1e-6), f"step {step}"
+        assert got.keys() == want.keys()
+        if cuda:
+            bad = [n for n in want if not _close(got[n], want[n], cuda)]
+            assert not bad, f"step {step} ({name}): gradients differ for {bad[:4]}"
+            continue
+        for n, grad in want.items():  # the chunks' LoRA gradients are sums in another order: relative to the range
+            scale = grad.abs().max().clamp_min(1e-12)
+            torch.testing.assert_close(got[n] / scale, grad / scale, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {n}: {m}")
+    assert (False, True) in chunked and (True, False) in chunked, chunked  # the forward and the recompute
+    state = getattr(module.model.get_base_model().model.layers[0], _STATE_ATTR)
+    assert not any(graphs.kept["mlp"].enabled for graphs in state.graphs.values())
+
+
 GPU = pytest.mark.gpu
 
 
