@@ -126,16 +126,19 @@ def _fit_task(cfg) -> Any:
     """Run `lightning_ft.fit.fit` on the config with ``device`` resolved (`lightning_ft.device.resolve_device`);
     returns ``summary[cfg.optimized_metric]`` when that is set (for sweepers)."""
     _start_task()
+    from lightning_ft.callbacks.sigterm import SigtermAtStepEnd
     from lightning_ft.device import resolve_device
     from lightning_ft.errors import TrainingStopped
     from lightning_ft.fit import fit
 
     from lightning_ft.run_dir import remove_unused_run_dir
 
+    sigterm = SigtermAtStepEnd()
+    sigterm.raise_until_training()  # Hydra made the run folder: a SIGTERM from here on is reported and removes it
     _pin_sweep_dir()
     try:
         cfg = resolve_device(cfg)
-        summary = fit(cfg)
+        summary = fit(cfg, sigterm)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, TrainingStopped) as err:
         remove_unused_run_dir()
         if not _raised_by_us(err):
@@ -144,6 +147,8 @@ def _fit_task(cfg) -> Any:
     except BaseException:
         remove_unused_run_dir()
         raise
+    finally:
+        sigterm.restore()  # (fit restored it already where it ran)
     return summary.get(cfg.optimized_metric) if cfg.optimized_metric else None
 
 
@@ -328,7 +333,11 @@ def _main(argv: list[str] | None) -> None:
         if exit_.code not in (0, None) and not _task_started:
             from lightning_ft.config import override_hints, report_key_hints
 
-            report, hints = _held.take(), override_hints(overrides, command)
+            report = _held.take()
+            if unwritable := _unwritable_run_folder(report):
+                real_stderr.write(unwritable)
+                raise
+            hints = override_hints(overrides, command)
             hints = [h for h in report_key_hints(report, command, overrides) if h not in hints] + hints  # keys in a YAML file
             real_stderr.write(_composition_error(report, bool(hints[:-1])))
             real_stderr.write("".join(f"hint: {line}\n" for line in hints))
@@ -372,6 +381,17 @@ _WRONG_TYPE = (r"Value .* of type '\w+' could not be converted to (\w+)", r"Valu
 _TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "bool": "true or false", "String": "a string"}
 #: lines of Hydra's report of a config that does not compose that say nothing to a user of this command
 _HYDRA_ADVICE = ("Set the environment variable HYDRA_FULL_ERROR=1", "full_key:", "reference_type=", "object_type=")
+
+
+def _unwritable_run_folder(report: str) -> str | None:
+    """For Hydra's ``report`` of a run folder (or its log file) it could not write before the task started (a read-only
+    or full file system, no permission): one ``error:`` line naming the path, the reason and the key to change; else
+    None."""
+    found = re.search(r"^(?:OSError|PermissionError|NotADirectoryError|FileExistsError): \[Errno \d+\] (.+?): '(.+)'$", report, re.M)
+    if found is None or "hydra" not in report.lower():
+        return None
+    return (f"error: {found[2]}: {found[1]} (Hydra writes the run folder and its log there before the run starts); set "
+            "hydra.run.dir=<a folder that can be written> (or run from one)\n")
 
 
 def _composition_error(report: str, hinted: bool) -> str:

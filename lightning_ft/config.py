@@ -114,7 +114,7 @@ class MoeConfig:
     # joins the expert GEMMs (faster steps for R*(N+C) more elements per expert)
     lora_slots: bool = True
     # the experts of longer rows run over the tokens in chunks of this many (one chunk's working set at a time):
-    # auto (chunks of at most 2 GiB of gate/up output, where that costs no extra compute) | a token count | null: never
+    # auto (chunks of at most 2 GiB of gate/up output, in checkpointed layers: no extra compute) | a token count | null: never
     chunk_tokens: Any = "auto"
 
 
@@ -308,6 +308,10 @@ def override_hints(overrides: list[str], command: str = "fit") -> list[str]:
     schema = OmegaConf.structured(command_schema(command))
     hints = []
     for item in overrides:
+        if "=" not in item and not item.startswith(("-", "~")):  # the rest of a value the shell split at a space
+            hints.append(f"{item}: not a key=value override; a value with spaces goes in quotes with its key: "
+                         "'data.path=\"my data/train.jsonl\"'")
+            continue
         if item.startswith("-") or "=" not in item:
             continue
         typed, value = item.split("=", 1)
@@ -392,7 +396,8 @@ def parse_hint(item: str) -> str | None:
         OverridesParser.create().parse_overrides([item])
     except OverrideParseException as err:
         key, value = item.split("=", 1)
-        quote = f"; a value with = in it goes in quotes: '{key}=\"{value}\"'" if "=" in value else ""
+        quote = "" if value[:1] in ("'", '"', "[", "{") else f"; a value with spaces, = or characters other than letters, digits " \
+            f"and ._-/ goes in quotes: '{key}=\"{value}\"'"
         return f"{item}: Hydra cannot parse this override ({str(err).splitlines()[0]}){quote}"
     return None
 

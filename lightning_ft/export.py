@@ -179,6 +179,10 @@ def export(
     output = (Path(output).expanduser() if output is not None else run_dir / "export").resolve()
     _check_output(output, run_dir, force)
     source = weights_source(run_dir, cfg, checkpoint)
+    from lightning_ft.run_dir import run_in_progress  # (it imports Lightning: not at the module's top)
+
+    if run_in_progress(run_dir):
+        log.warning("%s: the run is still training; exporting %s, its weights so far", run_dir, source)
     lora = bool(cfg["lora"].get("enabled", True))
     if not lora and not merge:
         raise ExportError("the run trained every weight (lora=none): it has no adapter; --merge writes its model")

@@ -91,7 +91,7 @@ _INT_TRAINER_KEYS = (
 )
 
 
-def fit(cfg: DictConfig) -> dict[str, Any]:
+def fit(cfg: DictConfig, sigterm: SigtermAtStepEnd | None = None) -> dict[str, Any]:
     """Fine-tune as ``cfg`` says; returns the run summary (also written to ``run_dir/summary.json``).
 
     Validation (``data.val_fraction`` or ``data.val_path``) runs every ``eval.every_n_steps``
@@ -115,7 +115,21 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     (`HydraRecord`). A resume of a run whose checkpoint has reached ``trainer.max_steps`` or
     ``trainer.max_epochs`` (`finished_at`) trains nothing, writes nothing and returns the run's
     ``summary.json`` (logged as a warning).
+
+    From the first check until training starts a SIGTERM raises `lightning_ft.errors.SigtermBeforeTraining`
+    (``sigterm``'s handler, `SigtermAtStepEnd.raise_until_training`; the CLI installs it before it resolves the
+    device), then Lightning's handler stops the run at a step end.
     """
+    sigterm = sigterm or SigtermAtStepEnd()
+    sigterm.raise_until_training()  # a SIGTERM from here on is reported, not a silent end
+    try:
+        return _checked_fit(cfg, sigterm)
+    finally:
+        sigterm.restore()
+
+
+def _checked_fit(cfg: DictConfig, sigterm: SigtermAtStepEnd) -> dict[str, Any]:
+    """`fit` with ``sigterm`` in place: the checks, the run folder, then `_train`."""
     hydra_record = HydraRecord.of_job(cfg)  # configs/fit.yaml leaves .hydra/ to us: hydra.output_subdir=null
     if hydra_record is not None and first_process() and not hydra_record.folder.exists():
         hydra_record.write()  # a folder without a record: written at once, as Hydra does; nothing is replaced
@@ -171,12 +185,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
             check_new_run_dir(run_dir)
         elif cfg.ckpt_path != "last" and not Path(cfg.ckpt_path).resolve().is_relative_to(run_dir.resolve()):
             check_new_run_dir(run_dir, resumed_from=cfg.ckpt_path)  # another run's checkpoint: a new folder
-        sigterm = SigtermAtStepEnd()
-        sigterm.raise_until_training()  # a SIGTERM while loading is reported, not a silent end
-        try:
-            return _train(cfg, run_dir, trainer_kwargs, written, hydra_record, sigterm)
-        finally:
-            sigterm.restore()
+        return _train(cfg, run_dir, trainer_kwargs, written, hydra_record, sigterm)
 
 
 def _quiet_library_notices(resuming: bool) -> None:
@@ -424,7 +433,7 @@ def _train(
             # every write here is atomic (checkpoints, adapter, summary): what was written before is whole
             what = f"a write that found no room ({full.filename or 'a file'}: {os.strerror(full.errno)})"
             raise TrainingStopped(stopped_message(trainer, summary, run_dir, what)
-                                  + "; free disk space first (the checkpoints and the adapter written before are intact)") from err
+                                  + "; free disk space first (what was written before is intact)") from err
         if (oom := out_of_memory(err)) is not None:
             raise TrainingStopped(stopped_message(trainer, summary, run_dir, f"running out of memory ({oom})")
                                   + f"; to fit: {MEMORY_HINT}") from err

@@ -138,6 +138,18 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         yield
 
 
+def run_in_progress(run_dir: Path) -> bool:
+    """Whether a run holds ``run_dir``'s lock (`run_dir_lock`) now: it is still training (or loading)."""
+    try:
+        with open(run_dir / ".lock") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file (a run that never started here), or one that cannot be read
+        return False
+    return False
+
+
 def check_new_run_dir(run_dir: Path, resumed_from: str | None = None) -> None:
     """Refuse to start a new run where one ran already: it would replace that run's summary,
     config, adapter and metrics and mix its checkpoints with the new ones (the first process
@@ -459,8 +471,10 @@ def last_checkpoint(callbacks: list[Any]) -> str:
     steps = [(step, path) for d in dirs for path in d.glob("*.ckpt") if (step := checkpoint_step(path)) is not None]
     if not steps:
         raise ValueError(
-            f"ckpt_path=last: no last checkpoint in {', '.join(map(str, dirs)) or 'the run (no ModelCheckpoint callback)'}; "
-            "resume inside the interrupted run's folder with hydra.run.dir=<that folder>, or pass the checkpoint's path"
+            f"ckpt_path=last: no checkpoint in {', '.join(map(str, dirs)) or 'the run (no ModelCheckpoint callback)'}: "
+            "a run here wrote none before it stopped (they are written every callbacks.checkpoint.every_n_train_steps "
+            "steps and on SIGTERM), so run it again without ckpt_path; to resume another run, set hydra.run.dir=<its "
+            "folder> or pass its checkpoint's path"
         )
     step, path = max(steps)
     log.warning("ckpt_path=last: no whole last.ckpt (the run stopped while writing it); resuming from %s (step %d)", path, step)

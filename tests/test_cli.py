@@ -473,11 +473,16 @@ def test_an_override_hydra_cannot_parse_is_named_with_how_to_quote_it():
     from lightning_ft.config import override_hints
 
     assert override_hints(["data.path=a=b", "lora.rank=4"])[:-1] == [
-        "data.path=a=b: Hydra cannot parse this override (mismatched input '=' expecting <EOF>); a value with = in it "
-        "goes in quotes: 'data.path=\"a=b\"'"]
-    assert override_hints(["lora.target_modules=[q_proj"])[0].startswith(
+        "data.path=a=b: Hydra cannot parse this override (mismatched input '=' expecting <EOF>); a value with spaces, = or "
+        "characters other than letters, digits and ._-/ goes in quotes: 'data.path=\"a=b\"'"]
+    assert override_hints(["lora.target_modules=[q_proj"])[0] == (
         "lora.target_modules=[q_proj: Hydra cannot parse this override (no viable alternative at input '[q_proj')")
     assert override_hints(['data.path="a=b"'])[:-1] == []  # quoted: parses
+    # a path with a space the shell split: both halves named, how to quote
+    hints = override_hints(["data.path=/data/dätä", "dir/train.jsonl"])[:-1]
+    assert hints[0].endswith("goes in quotes: 'data.path=\"/data/dätä\"'") and hints[1] == (
+        "dir/train.jsonl: not a key=value override; a value with spaces goes in quotes with its key: "
+        "'data.path=\"my data/train.jsonl\"'")
 
 
 def test_a_strategy_key_under_model_is_named_with_or_without_plus_and_in_a_yaml_file():
@@ -580,3 +585,19 @@ def test_the_packages_warnings_print_as_one_plain_line_and_others_as_before(tmp_
     assert cli._in_package(str(link / "module.py")) and not cli._in_package(cli._PACKAGE_DIR + "_other/x.py")
     assert theirs == before("deprecated", FutureWarning, "/elsewhere/lib.py", 3, "y = 2")
 
+
+
+def test_a_run_folder_hydra_cannot_write_is_one_error_line():
+    from lightning_ft.__main__ import _unwritable_run_folder
+
+    mkdir = ("Traceback (most recent call last):\n  File \"/usr/lib/python3.11/pathlib.py\", line 1116, in mkdir\n"
+             "OSError: [Errno 30] Read-only file system: '/mnt/ro/run'\n\n"
+             "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+    assert _unwritable_run_folder(mkdir) == (
+        "error: /mnt/ro/run: Read-only file system (Hydra writes the run folder and its log there before the run starts); "
+        "set hydra.run.dir=<a folder that can be written> (or run from one)\n")
+    log_file = ("PermissionError: [Errno 13] Permission denied: '/srv/run/__main__.log'\n\nThe above exception was the "
+                "direct cause of the following exception:\n  File \"/x/hydra/core/utils.py\", line 49, in configure_log\n"
+                "ValueError: Unable to configure handler 'file'\n")
+    assert _unwritable_run_folder(log_file).startswith("error: /srv/run/__main__.log: Permission denied (Hydra writes")
+    assert _unwritable_run_folder("Error merging override lora.rank=eight\nfull_key: lora.rank\n") is None

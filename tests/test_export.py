@@ -109,6 +109,21 @@ def test_export_picks_the_checkpoint_asked_for(run, tmp_path, capsys):
     assert "the run stopped before its first checkpoint" in capsys.readouterr().err
 
 
+def test_an_export_of_a_run_still_training_says_so(run, tmp_path, caplog):
+    import fcntl
+
+    from lightning_ft.run_dir import run_in_progress
+
+    assert not run_in_progress(run) and not run_in_progress(tmp_path)  # finished; no lock file
+    with open(run / ".lock", "w") as lock:  # as fit holds it while the run loads and trains
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert run_in_progress(run)
+        with caplog.at_level("WARNING", logger="lightning_ft.export"):
+            assert export_main([str(run), "--output", str(tmp_path / "mid")]) == 0
+    assert f"{run}: the run is still training; exporting {run / 'checkpoints' / 'last.ckpt'}, its weights so far" in caplog.text
+    assert not run_in_progress(run)
+
+
 @pytest.mark.slow
 def test_force_replaces_an_earlier_export_and_nothing_else(run, tmp_path, capsys):
     """--force never deletes the run, a folder holding it, a file, or a folder that is not an export."""

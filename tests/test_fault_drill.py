@@ -48,7 +48,7 @@ def test_a_full_disk_stops_the_run_naming_the_file_and_the_last_checkpoint_and_a
     ckpt = tmp_path / "checkpoints"
     assert (f"error: training stopped at step 3 by a write that found no room ({ckpt / 'step000003.ckpt'}: File too large); "
             f"resume from {ckpt / 'last.ckpt'} (step 2: steps after it run again) with: ") in proc.stderr, proc.stderr[-3000:]
-    assert "free disk space first (the checkpoints and the adapter written before are intact)" in proc.stderr
+    assert "free disk space first (what was written before is intact)" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert {p: p.read_bytes() for p in before} == before and not list(tmp_path.rglob("*.tmp"))
     assert torch.load(ckpt / "last.ckpt", weights_only=True)["global_step"] == 2
@@ -56,3 +56,11 @@ def test_a_full_disk_stops_the_run_naming_the_file_and_the_last_checkpoint_and_a
     assert summary(tmp_path)["status"] == "stopped"
     run_cli(tmp_path, *common, "trainer.max_steps=4", "ckpt_path=last")  # room again: the printed resume works
     assert summary(tmp_path)["status"] == "completed" and summary(tmp_path)["steps"] == 4
+
+    # the first checkpoint of a run finds no room: nothing to resume, said so (no checkpoint named that is not there)
+    fresh = tmp_path / "fresh"
+    proc = run_cli(fresh, *common, "trainer.max_steps=2", ok=False, preexec_fn=_file_size_limit(300_000))
+    assert ("error: training stopped at step 1 by a write that found no room "
+            f"({fresh / 'checkpoints' / 'step000001.ckpt'}: File too large); no checkpoint was written yet") in proc.stderr
+    assert f"so there is nothing to resume: delete {fresh} and run again" in proc.stderr, proc.stderr[-3000:]
+    assert summary(fresh)["checkpoint_path"] is None and summary(fresh)["status"] == "stopped"

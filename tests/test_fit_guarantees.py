@@ -125,7 +125,7 @@ def test_killed_run_resumes_exactly_mid_epoch_and_at_an_epoch_boundary(tmp_path)
 @pytest.mark.slow
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     proc = run_cli(tmp_path, *FAST, "ckpt_path=last", ok=False)
-    assert "ckpt_path=last: no last checkpoint in" in proc.stderr and "hydra.run.dir" in proc.stderr
+    assert "ckpt_path=last: no checkpoint in" in proc.stderr and "run it again without ckpt_path" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -497,6 +497,7 @@ def test_sigterm_stops_with_exit_status_143_and_a_checkpoint_of_the_step_reached
     assert proc.returncode == 143 and proc.stderr.splitlines()[-1].startswith("interrupted: training stopped at step 3")
     assert "run again" not in proc.stderr  # the checkpoint is of the step reached
     assert summary(tmp_path)["status"] == "stopped" and summary(tmp_path)["checkpoint_path"] == str(last)
+    assert summary(tmp_path)["error"] == "SIGTERM: stopped at the end of a step"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
     resumed = run_cli(tmp_path, *FAST, "trainer.max_steps=5", "ckpt_path=last")
     assert summary(tmp_path)["status"] == "completed" and summary(tmp_path)["steps"] == 5, resumed.stderr[-2000:]
@@ -529,6 +530,16 @@ def test_sigterm_while_the_run_loads_says_so_and_leaves_a_summary(tmp_path):
     assert proc.stderr.splitlines()[-1].startswith("interrupted: ") and "SIGTERM" in proc.stderr.splitlines()[-1]
     assert "Traceback" not in proc.stderr
     assert summary(tmp_path)["status"] == "stopped" and summary(tmp_path)["error"] == "SIGTERM: stopped before training started"
+
+
+def test_sigterm_while_the_run_checks_its_config_says_so_and_writes_nothing(tmp_path):
+    """A SIGTERM before the run folder holds anything (the checks import the optimizer named) is reported too: exit
+    status 143, the interrupted line, nothing written but Hydra's record and log."""
+    proc = run_cli(tmp_path, *FAST, "optimizer._target_=sigterm_on_import.AdamW", ok=False)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == "interrupted: stopped by SIGTERM before training started"
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "__main__.log"]
 
 
 @pytest.mark.slow

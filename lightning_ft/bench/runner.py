@@ -104,7 +104,8 @@ def run_bench(cfg: DictConfig) -> list[dict[str, Any]]:
     _check_counts(cfg)
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
-            f"device={cfg.device}, but this machine has no CUDA GPU: run a CPU preset (+bench=tiny_cpu) or set device=cpu"
+            f"device={cfg.device}, but this machine has no CUDA GPU: run the CPU preset (+bench=tiny_cpu: a tiny model; "
+            "the GPU presets' real shapes do not fit a CPU run)"
         )
     from hydra.core.hydra_config import HydraConfig
 

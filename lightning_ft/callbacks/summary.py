@@ -6,12 +6,14 @@ import logging
 import math
 import os
 import resource
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -406,7 +408,7 @@ class RunSummary(L.Callback):
             "predicted_peak_memory_bytes": plan.peak_bytes if plan is not None else None,
             "memory_plan": plan.summary() if plan is not None else None,
             "adapter_dir": str(adapter_dir) if error is None else None,
-            "checkpoint_path": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt else None,
+            "checkpoint_path": _written_checkpoint(ckpt),
             "val_loss": _float(metrics.get("val/loss")),
             "val_losses": [list(v) for v in self.val_losses],
             "learning_rates": list(self.learning_rates),
@@ -447,8 +449,17 @@ class RunSummary(L.Callback):
         log.info("result: %s", result_line(self.summary))
         log.info("summary: %s", self.run_dir / "summary.json")
         if self.summary.get("status") == "completed":
-            log.info("next: python -m lightning_ft export %s [--merge] (the adapter, or a merged model that serves, in "
-                     "its export/ folder)", self.run_dir)
+            log.info("next: %s", export_hint(self.run_dir, (self.summary.get("config") or {}).get("lora", {}).get("enabled", True)))
+
+
+def export_hint(run_dir: Path, lora: bool) -> str:
+    """The export command of a finished run, its path quoted for the shell where it must be: a LoRA run's adapter (or
+    with ``--merge`` a merged model), a full fine-tuning run's model (``--merge``)."""
+    if lora:
+        return f"{shlex.join(['python', '-m', 'lightning_ft', 'export', str(run_dir)])} [--merge] (the adapter, or a merged " \
+            "model that serves, in its export/ folder)"
+    return f"{shlex.join(['python', '-m', 'lightning_ft', 'export', str(run_dir), '--merge'])} (the trained model, " \
+        "which serves, in its export/ folder)"
 
 
 def _status(error: BaseException | None) -> str:
@@ -463,8 +474,18 @@ def _describe(error: BaseException) -> str:
         return "SIGTERM: stopped before training started"
     if isinstance(error, KeyboardInterrupt):
         return "KeyboardInterrupt: stopped by Ctrl-C (SIGINT)"
+    if isinstance(error, SIGTERMException):  # Lightning's, raised with no message
+        return "SIGTERM: stopped at the end of a step"
     return f"{type(error).__name__}: {error}"
 
 
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _written_checkpoint(ckpt: Any) -> str | None:
+    """The checkpoint callback's last (else best) checkpoint that exists: a write that failed (a full disk) leaves the
+    path it was writing named in the callback, and none there; None where no checkpoint was written."""
+    if ckpt is None:
+        return None
+    return next((p for p in (ckpt.last_model_path, ckpt.best_model_path) if p and get_filesystem(p).exists(p)), None)

@@ -309,7 +309,7 @@ def to_examples(
     examples: list[Example] = []
     own = plain = 0  # examples that keep their own system message; examples of plain text (no messages)
     for i, row in enumerate(rows, start=1):
-        for example in _row_examples(row, fmt, where(i)):
+        for example in _row_examples(row, fmt, where(i), first=i == 1):
             if system_prompt and example.messages is None:
                 plain += 1
             elif system_prompt and example.messages[0]["role"] == "system":
@@ -324,17 +324,22 @@ def to_examples(
     return examples
 
 
-def _row_examples(row: dict[str, Any], fmt: str, where: str) -> Iterable[Example]:
-    """The examples of ``row`` in format ``fmt`` (one, or one per instance of an ``instruction`` row)."""
+def _row_examples(row: dict[str, Any], fmt: str, where: str, first: bool = False) -> Iterable[Example]:
+    """The examples of ``row`` in format ``fmt`` (one, or one per instance of an ``instruction`` row); the ``first``
+    row of a file, of another format than ``fmt``, is refused naming the setting that reads it."""
     missing = [f for f in _REQUIRED[fmt] if "|" not in f and row.get(f) is None]
     if fmt == "instruction" and row.get("output") is None and row.get("instances") is None:
         missing.append("output (or instances)")
     if missing:
         has = sorted(k for k, v in row.items() if v is not None)
         wanted = [name for f in _REQUIRED[fmt] for name in f.split(" | ")]
+        try:  # a file of another format: name the setting that reads it (data=arithmetic sets format qa)
+            other = f"; it looks like the {(detected := detect_format(row))!r} format: data.format={detected} (or auto)" if first else ""
+        except ValueError:
+            other = ""
         raise ValueError(
             f"{where}: the {fmt!r} format needs the fields {list(_REQUIRED[fmt])}; missing or null: {missing} "
-            f"(the row has {has}{_close_keys(has, wanted)})"
+            f"(the row has {has}{_close_keys(has, wanted)}){other}"
         )
     if row.get("tools"):
         raise ValueError(f"{where}: 'tools' (tool definitions) are not supported: tool-calling conversations are not "

@@ -64,7 +64,7 @@ from lightning_ft.model.router import (
 from lightning_ft.model.support import architecture_support, fast_path_lines
 from lightning_ft.strategies.cuda_graphs import GRAPH_TOKEN_MULTIPLE, apply_cuda_graphs, check_cuda_graphs
 from lightning_ft.strategies.fp8 import check_fp8_device, convert_4bit_to_fp8, convert_lm_head_to_fp8, convert_to_fp8
-from lightning_ft.strategies.recompute import checkpoint_contexts
+from lightning_ft.strategies.recompute import checkpoint_each_layer
 from lightning_ft.strategies.strategy import Execution
 
 __all__ = ["BuiltModel", "ModelBuilder", "holds_nf4_experts", "load_causal_lm", "nf4_experts_backend"]
@@ -711,7 +711,8 @@ class ModelBuilder:
             if model._supports_attention_backend:
                 model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
         if cfg.get("gradient_checkpointing"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_each_layer(model)  # each layer's checkpoint says which pass of it runs (lightning_ft.strategies.recompute)
         train_router = bool(self.moe_cfg.get("train_router", False))
         routers = router_module_names(model) if train_router else []
         if lora_enabled:

@@ -34,10 +34,11 @@ needs neither). A block used anywhere else always computes its output.
 Token chunks (``moe.chunk_tokens``, `lightning_ft.kernels.moe.token_chunks`): the experts of a row longer than the
 chunk run over its tokens in chunks, each routed on its own, so one chunk's [T_chunk * K, ·] tensors are alive at a
 time instead of the whole row's (gpt-oss-20b at 256K tokens: 11.25 GiB of gate/up output per layer, ~34 GiB of
-backward working set). ``auto`` chunks only where it costs no extra compute: a forward without grad, and a checkpointed
-layer's forward and recompute (the CUDA graphs' or ``torch.utils.checkpoint``'s, `lightning_ft.strategies.recompute`),
-whose output is unread there, so the backward computes the experts chunk by chunk, once; a chunked block keeps
-nothing.
+backward working set). ``auto`` chunks a forward without grad and a checkpointed layer's forward and recompute (the
+CUDA graphs' or ``torch.utils.checkpoint``'s, `lightning_ft.strategies.recompute`). For the block that is its
+checkpointed layer's ``mlp`` the recompute's output is unread, so the recompute computes nothing and the backward runs
+the experts chunk by chunk, once: no extra compute. A block elsewhere computes its output in the recompute too (one
+more forward of the experts). A chunked block keeps nothing, whatever the memory plan chose for ``mlp``.
 
 Kept projections (CUDA graphs' ``keep_projections``, `lightning_ft.strategies.kept`, kind ``mlp``): in a recorded
 layer's forward the block keeps the experts' gate/up output (split LoRA added) and its thin LoRA
@@ -102,7 +103,7 @@ from lightning_ft.model.mxfp4 import mxfp4_weight
 from lightning_ft.model.nf4_experts import nf4_weight
 from lightning_ft.model.patching import moe_classes, moe_spec, restore_instance_attr
 from lightning_ft.strategies import kept
-from lightning_ft.strategies.recompute import checkpoint_pass, recomputing_for_backward
+from lightning_ft.strategies.recompute import checkpoint_pass, checkpointed_layer, recomputing_for_backward
 from lightning_ft.strategies.fp8 import convert_expert_weight, fp8_expert_weight, fp8_experts_blocker
 
 __all__ = ["apply_moe", "augment_expert_weights", "check_chunk_tokens", "convert_experts_to_fp8", "revert_moe"]
@@ -175,11 +176,11 @@ def check_chunk_tokens(value) -> str | int | None:
 def _chunk_tokens(option: str | int | None, top_k: int, w_gate_up_EFD, checkpointed: bool) -> int | None:
     """The tokens per chunk of a block's experts under ``option`` (`check_chunk_tokens`), or None: unchunked.
 
-    ``auto`` chunks where that costs no extra compute: a forward without grad, and a ``checkpointed`` layer's forward
-    and recompute (`lightning_ft.strategies.recompute`; the recompute's output is unread, so the chunks' backward runs
-    the experts once: `lightning_ft.kernels.moe.token_chunks`); its size is `auto_chunk_tokens` of the gate/up output.
-    A number chunks every forward (outside a checkpointed layer, with grad, the backward runs the experts' forward once
-    more).
+    ``auto`` chunks a forward without grad and a ``checkpointed`` layer's forward and recompute
+    (`lightning_ft.strategies.recompute`; for the layer's own ``mlp`` block the recompute's output is unread, so the
+    chunks' backward runs the experts once: `lightning_ft.kernels.moe.token_chunks`); its size is `auto_chunk_tokens`
+    of the gate/up output. A number chunks every forward (outside a checkpointed layer, with grad, the backward runs
+    the experts' forward once more).
     """
     if option != "auto":
         return option
@@ -332,8 +333,10 @@ def _sparse_moe_block_forward(
     checkpointed = recomputing_for_backward() or in_checkpoint is not None
     chunk_tokens = _chunk_tokens(getattr(self, _CHUNK_ATTR), topk_idx_TK.shape[1], w_gate_up_EFD, checkpointed)
     if chunk_tokens is not None and x_TD.shape[0] > chunk_tokens:  # one chunk's working set at a time; nothing kept
-        # torch's recompute must save what its forward saved: the chunks save their inputs either way
-        unread = feeds_residual and (recomputing_for_backward() or in_checkpoint == "recompute")
+        # torch's recompute (of this block's own layer only: its output feeds that layer's output alone) must save what
+        # its forward saved: the chunks save their inputs either way
+        own_layer = in_checkpoint == "recompute" and getattr(checkpointed_layer(), "mlp", None) is self
+        unread = feeds_residual and (recomputing_for_backward() or own_layer)
         out_TD = moe_experts_in_chunks(
             x_TD, topk_weight_TK, topk_idx_TK, experts.num_experts, w_gate_up_EFD, w_down_EDI, act_fn,
             chunk_tokens=chunk_tokens, output_needed=not unread, **math,

@@ -31,7 +31,8 @@ keeps results that are expensive to recompute, and the backward graph's recomput
 - ``keep_projections`` (on by default): the outputs of the projections, the GEMMs of the layer:
   each fused LoRA linear layer the architecture's patch table lists (`lightning_ft.model.patching`,
   e.g. q/k/v/o; [T, N] plus the thin [T, R] x·Aᵀ) and each MoE layer's expert gate/up output with its
-  split LoRA added ([T·top_k, 2·I] plus [T·top_k, R]; ``grouped_mm`` backend); the recompute skips
+  split LoRA added ([T·top_k, 2·I] plus [T·top_k, R]; ``grouped_mm`` backend, rows not run in token chunks,
+  ``moe.chunk_tokens``); the recompute skips
   those GEMMs and their LoRA products. At 8K tokens on Qwen3-30B-A3B that is 306 MiB per layer.
   Two kinds: attention's projections (``projections``) and the MLP's (``mlp``: a dense MLP's linear
   layers, the experts' gate/up), which a memory plan treats apart.
@@ -560,7 +561,8 @@ def _graphed_layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *
         params = [p for p in self.parameters() if p.requires_grad]
         if hidden_states.requires_grad or params:
             return offloaded_checkpoint(functools.partial(original, **kwargs), state.offload, index, hidden_states, params)
-    return checkpoint(original, hidden_states, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
+    contexts = functools.partial(checkpoint_contexts, self)
+    return checkpoint(original, hidden_states, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
 def keep_max_bytes(keep_max_gib: float | None) -> int | None:

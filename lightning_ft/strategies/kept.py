@@ -17,7 +17,7 @@ Kinds and the calls that keep:
                   x·Aᵀ of a LoRA linear layer of attention (q/k/v/o, as the patch table lists them)
     mlp           the same of a LoRA linear layer of a dense MLP (gate/up/down, shared experts);
                   `lightning_ft.model.moe`: the experts' gate/up output (split LoRA added) and its thin
-                  s·x·Aᵀ (scaled by the LoRA scaling)
+                  s·x·Aᵀ (scaled by the LoRA scaling), where the row is not run in token chunks
 
 Each kind is one class of the memory plan (`lightning_ft.strategies.planner`): attention's projections
 and the MLP's differ in bytes and recompute time per layer (on gpt-oss-20b at 32K tokens, v/o are

@@ -59,3 +59,13 @@ def test_the_offload_copies_against_the_measured_ceiling_and_the_wait_per_step()
     untimed = offload_copies(_offload_stats(), steps=4)  # off CUDA
     assert set(untimed.values()) == {None} and offload_line(_offload_stats(), untimed).endswith("; copy times not measured (off CUDA)")
     assert offload_copies({"replayed_layer_calls": 3}, steps=4) is None and offload_copies(None, steps=4) is None
+
+
+def test_the_export_hint_quotes_a_path_with_spaces_and_fits_full_fine_tuning(tmp_path):
+    from lightning_ft.callbacks.summary import export_hint
+
+    run = tmp_path / "ü run 1"
+    assert export_hint(run, lora=True) == (f"python -m lightning_ft export '{run}' [--merge] (the adapter, or a merged model "
+                                           "that serves, in its export/ folder)")
+    assert export_hint(tmp_path, lora=False) == (f"python -m lightning_ft export {tmp_path} --merge (the trained model, which "
+                                                 "serves, in its export/ folder)")

@@ -148,8 +148,8 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "rows, error",
-    [
+    "rows, error, fmt",
+    [case if len(case) == 3 else (*case, "auto") for case in [  # fmt: data.format (auto unless named)
         ([{"question": "q", "answer": "a"}, {"question": "q", "answr": "a"}],
          r"train.jsonl:4: the 'qa' format needs the fields \['question', 'answer'\]; missing or null: \['answer'\] "
          r"\(the row has \['answr', 'question'\]; did you mean 'answer' for 'answr'\?\)"),
@@ -163,6 +163,9 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
         ([{"prompt": "p", "completion": "c"}, {"question": "q", "answer": "a"}],  # a row of another format
          r"train.jsonl:4: the 'prompt_completion' format needs .*missing or null: \['prompt', 'completion'\] "
          r"\(the row has \['answer', 'question'\]\)"),
+        ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}],  # a file of another format
+         r"train.jsonl:1: the 'qa' format needs .*\(the row has \['messages'\]\); it looks like the 'chat' format: "
+         r"data.format=chat \(or auto\)$", "qa"),
         ([{"prompt": "p", "completion": "c"}, {"prompt": 7, "completion": "c"}],
          r"train.jsonl:4: field 'prompt' must be a string or a list of \{role, content\} messages, got int"),
         ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}],
@@ -173,14 +176,15 @@ def test_auto_format_is_the_first_rows_and_a_later_misfit_is_named(tmp_path):
          r"train.jsonl:1: completion\[0\]: field 'content' must be a string, got int"),
         ([{"question": "q", "answr": "a"}],
          r"train.jsonl:1: cannot tell the data format from the fields \['answr', 'question'\]; .*; did you mean 'answer' for 'answr'\?"),
-    ],
+    ]],
 )
-def test_a_row_missing_a_field_is_named_by_file_line_and_the_field(tmp_path, rows, error):
-    """The row's line in the file (blank lines counted), the missing key, and the row's key closest to it."""
+def test_a_row_missing_a_field_is_named_by_file_line_and_the_field(tmp_path, rows, error, fmt):
+    """The row's line in the file (blank lines counted), the missing key, and the row's key closest to it; a first row
+    of another format than the one set, the setting that reads it."""
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps(rows[0]) + "\n" + "".join(f"\n\n{json.dumps(r)}\n" for r in rows[1:]))
     with pytest.raises(ValueError, match=error.replace("train.jsonl", str(path))):
-        to_examples(read_rows(str(path)), source=str(path))
+        to_examples(read_rows(str(path)), fmt, source=str(path))
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])

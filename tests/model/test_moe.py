@@ -22,7 +22,7 @@ from lightning_ft.kernels.moe import BACKENDS, grouped_mm
 from lightning_ft.strategies import kept
 from lightning_ft.model.moe import apply_moe, augment_expert_weights, convert_experts_to_fp8, revert_moe
 from lightning_ft.model.patching import PATCH_TABLES, moe_classes
-from lightning_ft.strategies.recompute import checkpoint_contexts, checkpoint_pass
+from lightning_ft.strategies.recompute import checkpoint_contexts, checkpoint_each_layer, checkpoint_pass
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -617,14 +617,20 @@ def test_experts_in_token_chunks_train_as_the_whole_row(arch, monkeypatch):
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits
     assert chunked == [(False, None, True)] * 2 and _rel_err(logits, want.logits) < 1e-6
-    chunked.clear()
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
-    checkpointed, checkpointed_grads = _step(model, input_ids)
-    assert chunked == [(True, "forward", True)] * 2 + [(True, "recompute", False)] * 2, chunked
-    torch.testing.assert_close(checkpointed.loss, want.loss, rtol=1e-6, atol=0)
-    for name, grad in want_grads.items():
-        assert _rel_err(checkpointed_grads[name], grad) < 1e-5, name
+    # each layer's checkpoint knows its layer: its mlp's output is unread in the recompute; a checkpoint that does not
+    # say which layer it holds (it might hold several: an unread output would feed the next) computes it
+    for contexts, recompute_output in ((None, False), (checkpoint_contexts, True)):
+        chunked.clear()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts}
+                                            if contexts else {"use_reentrant": False})
+        if contexts is None:
+            assert checkpoint_each_layer(model) == 2
+        checkpointed, checkpointed_grads = _step(model, input_ids)
+        assert chunked == [(True, "forward", True)] * 2 + [(True, "recompute", recompute_output)] * 2, chunked
+        torch.testing.assert_close(checkpointed.loss, want.loss, rtol=1e-6, atol=0)
+        for name, grad in want_grads.items():
+            assert _rel_err(checkpointed_grads[name], grad) < 1e-5, name
     for bad in (0, -3, "half", 2.5, True):
         with pytest.raises(ValueError, match=r"moe.chunk_tokens=.*: expected auto, a positive number of tokens"):
             apply_moe(model, "grouped_mm", chunk_tokens=bad)

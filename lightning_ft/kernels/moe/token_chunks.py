@@ -19,10 +19,12 @@ chunks' gradients.
   once, in the backward, as they would unchunked. Either way the node saves the same tensors, as
   ``torch.utils.checkpoint`` requires of a recompute.
 
-The chunks' LoRA-factor and bias gradients are summed in fp32 and cast to the parameters' dtype once (unchunked,
-the grouped GEMM sums over all rows in fp32 and rounds once: the chunked sums differ from it by summation order
-only). Each chunk is routed on its own (`sort_by_expert` on its [t, K] ids: the same experts and weights), and every
-backend runs a chunk as it would a whole layer.
+The chunks' LoRA-factor, bias and (full fine-tuning) weight gradients are summed in fp32 (or the parameter's dtype
+where wider) and cast to the parameter's dtype once. Unchunked, the grouped GEMM sums over all rows in fp32 and rounds
+once; chunked, each chunk's gradient is rounded to the compute dtype before the sum, so a bf16 run differs from the
+unchunked one by up to one bf16 rounding per chunk (the tests' bf16 tolerance covers it). Each chunk is routed on its
+own (`sort_by_expert` on its [t, K] ids: the same experts and weights), and every backend runs a chunk as it would a
+whole layer. The backward is once differentiable (no double backward through the experts).
 
 Source: the per-token independence of the expert MLPs (sequence-chunked MLPs: Liger Kernel's and Unsloth's chunked
 MLPs for long contexts do the same for dense MLPs); the chunk size default, `auto_chunk_tokens`.
@@ -38,12 +40,14 @@ from lightning_ft.kernels.moe._common import ExpertBiases, ExpertLoRA
 from lightning_ft.kernels.moe.experts import moe_experts
 from lightning_ft.kernels.moe.routing import sort_by_expert, unread_output
 
-__all__ = ["CHUNK_BYTES", "auto_chunk_tokens", "moe_experts_in_chunks"]
+__all__ = ["CHUNK_BYTES", "CHUNK_MULTIPLE", "auto_chunk_tokens", "moe_experts_in_chunks"]
 
 #: the largest gate/up output h [S_chunk, F] of one chunk under ``moe.chunk_tokens=auto``, in bytes. 2 GiB holds
 #: gpt-oss-20b's at 32K tokens (1.41 GiB) and Qwen3-30B-A3B's at 64K (1.5 GiB): the measured rows up to there run
-#: unchunked; at 2^17 routed rows and more a chunk's grouped GEMMs are as fast per row as a whole layer's.
+#: unchunked, and a chunk's grouped GEMMs still have ~2^17 routed rows or more.
 CHUNK_BYTES = 2 * 1024**3
+#: ``auto`` chunks are a multiple of this many tokens (aligned slices of the [T, ·] inputs; even GEMM row counts)
+CHUNK_MULTIPLE = 128
 
 
 def auto_chunk_tokens(top_k: int, gate_up_size: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -56,9 +60,10 @@ def auto_chunk_tokens(top_k: int, gate_up_size: int, itemsize: int, chunk_bytes:
         chunk_bytes: the budget of one chunk's [T_chunk * K, F] gate/up output.
 
     Returns:
-        A positive token count (at least 1).
+        A positive token count: a multiple of `CHUNK_MULTIPLE` where the budget holds one, else at least 1.
     """
-    return max(1, chunk_bytes // (top_k * gate_up_size * itemsize))
+    tokens = chunk_bytes // (top_k * gate_up_size * itemsize)
+    return tokens // CHUNK_MULTIPLE * CHUNK_MULTIPLE if tokens >= CHUNK_MULTIPLE else max(1, tokens)
 
 
 def moe_experts_in_chunks(
@@ -158,7 +163,7 @@ class _TokenChunkedExperts(torch.autograd.Function):
 
     Saves x_TD, topk_weight_TK, topk_idx_TK and the trainable tensors (references to parameters, no copies); the
     gradients of x and of the routing weights are written chunk by chunk into [T, D] and [T, K] tensors, those of
-    the trainable tensors summed in fp32.
+    the trainable tensors summed in fp32 (None for one no chunk reached, as unchunked).
     """
 
     @staticmethod
@@ -170,15 +175,18 @@ class _TokenChunkedExperts(torch.autograd.Function):
         return _chunked_output(run, chunk_tokens, x_TD, topk_weight_TK, topk_idx_TK, trainable)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_TD):
         x_TD, topk_weight_TK, topk_idx_TK, *trainable = ctx.saved_tensors
         need_x, need_weight = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         need_trainable = ctx.needs_input_grad[6:]
         # Note: the trainable tensors are detached once and shared by every chunk's graph; each chunk's gradient
-        # w.r.t. them is added into an fp32 sum right after that chunk's backward, which frees its graph.
+        # w.r.t. them is added into a sum right after that chunk's backward, and its graph and gradients are let go
+        # before the next chunk runs (one chunk's alive at a time).
         leaves = [t.detach().requires_grad_() if need else None for t, need in zip(trainable, need_trainable)]
         run_with = [leaf if leaf is not None else t for leaf, t in zip(leaves, trainable)]
-        sums = [torch.zeros_like(leaf, dtype=torch.float32) if leaf is not None else None for leaf in leaves]
+        wanted_leaves = [leaf for leaf in leaves if leaf is not None]
+        sums: list[torch.Tensor | None] = [None] * len(wanted_leaves)
         grad_x = torch.empty_like(x_TD) if need_x else None
         grad_weight = torch.empty_like(topk_weight_TK) if need_weight else None
         for start in range(0, x_TD.shape[0], ctx.chunk_tokens):
@@ -187,16 +195,24 @@ class _TokenChunkedExperts(torch.autograd.Function):
             weight = topk_weight_TK[rows].detach().requires_grad_(need_weight)
             with torch.enable_grad():
                 out = ctx.run(x, weight, topk_idx_TK[rows], run_with, False)
-            wanted = [t for t, need in ((x, need_x), (weight, need_weight)) if need] + [leaf for leaf in leaves if leaf is not None]
+            wanted = [t for t, need in ((x, need_x), (weight, need_weight)) if need] + wanted_leaves
             grads = list(torch.autograd.grad(out, wanted, grad_TD[rows], allow_unused=True))
+            del out
             if need_x:
                 _write(grad_x[rows], grads.pop(0))
             if need_weight:
                 _write(grad_weight[rows], grads.pop(0))
-            for total, grad in zip((s for s in sums if s is not None), grads):
-                if grad is not None:
-                    total += grad
-        grad_trainable = [None if total is None else total.to(t.dtype) for total, t in zip(sums, trainable)]
+            for i, grad in enumerate(grads):
+                if grad is not None and sums[i] is None:
+                    sums[i] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
+                elif grad is not None:
+                    sums[i] += grad
+            del grads
+        totals = iter(sums)
+        grad_trainable = [
+            None if leaf is None or (total := next(totals)) is None else total.to(t.dtype)
+            for leaf, t in zip(leaves, trainable)
+        ]
         return None, None, None, grad_x, grad_weight, None, *grad_trainable
 
 

@@ -119,9 +119,11 @@ def test_the_recompute_runs_the_experts_once_in_backward_one_chunk_at_a_time(mon
 
 
 def test_auto_chunk_tokens_fits_the_gate_up_output_in_the_budget():
-    # gpt-oss-20b: top-4, F = 5760, bf16: 46,603 tokens fit 2 GiB (32K tokens run whole); Qwen3-30B-A3B: top-8, F = 1536
-    assert auto_chunk_tokens(4, 5760, 2) == 2 * 1024**3 // (4 * 5760 * 2) == 46603
-    assert auto_chunk_tokens(8, 1536, 2) == 87381
+    # gpt-oss-20b: top-4, F = 5760, bf16: 46,603 tokens fit 2 GiB (32K tokens run whole), 46,592 a multiple of 128;
+    # Qwen3-30B-A3B: top-8, F = 1536
+    assert 2 * 1024**3 // (4 * 5760 * 2) == 46603 and auto_chunk_tokens(4, 5760, 2) == 46592
+    assert auto_chunk_tokens(8, 1536, 2) == 87296
+    assert auto_chunk_tokens(4, 5760, 2, chunk_bytes=4 * 5760 * 2 * 100) == 100  # under 128: as it is
     assert auto_chunk_tokens(4, 5760, 2, chunk_bytes=1) == 1
     with pytest.raises(ValueError, match="chunk_tokens must be a positive number of tokens, got 0"):
         case = CASES["base"]
