@@ -82,7 +82,7 @@ def test_fit_on_a_gpu_composes_the_gpu_path_and_keeps_explicit_choices(cuda, tmp
     from lightning_ft import fit as fit_module
 
     seen = []
-    monkeypatch.setattr(fit_module, "fit", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(fit_module, "fit", lambda cfg, sigterm=None: seen.append(cfg) or {})
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # main would set it
     for run, overrides in (
