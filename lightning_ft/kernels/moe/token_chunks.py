@@ -26,8 +26,8 @@ unchunked one by up to one bf16 rounding per chunk (the tests' bf16 tolerance co
 own (`sort_by_expert` on its [t, K] ids: the same experts and weights), and every backend runs a chunk as it would a
 whole layer. The backward is once differentiable (no double backward through the experts).
 
-Source: the per-token independence of the expert MLPs (sequence-chunked MLPs: Liger Kernel's and Unsloth's chunked
-MLPs for long contexts do the same for dense MLPs); the chunk size default, `auto_chunk_tokens`.
+Source: the per-token independence of the expert MLPs (sequence-tiled MLPs, e.g. Arctic Long Sequence Training's
+TiledMLP, do the same for dense MLPs); the chunk size default, `auto_chunk_tokens`.
 """
 
 from __future__ import annotations
